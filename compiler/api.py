@@ -1,0 +1,179 @@
+"""``parallelize``: a single-device JAX function in, an SPMD function out."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ir.errors import ShardingError, sharding_error
+from passes.cost import DEFAULT_COST, CostModel
+from runtime.lower import lower, partition_spec
+from runtime.mesh import resolve_mesh
+
+from .annotate import caller_source, normalize_tensor_strategy
+from .pipeline import Options, run_pipeline
+from .plan import Plan
+from .trace import trace
+
+MODES = ("sharding_propagation", "semi_auto")
+
+
+def _is_tensor_strategy(x) -> bool:
+    if x is None or isinstance(x, PartitionSpec):
+        return True
+    return isinstance(x, tuple) and all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in x) \
+        and len(x) > 0
+
+
+def _per_leaf(prefix, tree_value, what: str) -> list:
+    """Broadcast a strategy prefix (like jit's in_shardings) over the leaves of ``tree_value``."""
+    leaves, treedef = jax.tree_util.tree_flatten(prefix, is_leaf=_is_tensor_strategy)
+    try:
+        subtrees = treedef.flatten_up_to(tree_value)
+    except (ValueError, TypeError) as e:
+        raise ShardingError(f"parallelize {what} does not match the structure of the arguments: {e}. Give one "
+                            "entry per argument (None leaves an argument to the compiler).") from None
+    out = []
+    for leaf, sub in zip(leaves, subtrees):
+        out += [leaf] * len(jax.tree_util.tree_leaves(sub))
+    return out
+
+
+@dataclass
+class Compiled:
+    fn: Callable
+    plan: Plan
+    out_tree: Any
+    consts: list
+    in_shardings: list
+
+
+class ParallelFunction:
+    """The result of ``parallelize``: call it with global arrays, get global arrays."""
+
+    def __init__(self, fn, *, mesh, mode, in_strategy, out_strategy, dump_dir, fuse_reduce_scatter, cost_model,
+                 donate_argnums, verify):
+        if mode not in MODES:
+            raise ShardingError(f"mode={mode!r} is not one of {MODES}")
+        self.fn = fn
+        self.mesh_spec = resolve_mesh(mesh)
+        self.options = Options(mode=mode, fuse_reduce_scatter=fuse_reduce_scatter, cost=cost_model or DEFAULT_COST,
+                               verify=verify)
+        self.in_strategy = in_strategy
+        self.out_strategy = out_strategy
+        self.dump_dir = dump_dir
+        self.donate_argnums = tuple(donate_argnums)
+        self._cache: dict = {}
+        self._dumped = False
+        self.__name__ = getattr(fn, "__name__", "parallel_fn")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    # -- compile ----------------------------------------------------------------
+    def _key(self, args, kwargs):
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+
+    def _pins(self, args, kwargs, graph):
+        where = caller_source()
+        if self.in_strategy is not None:
+            prefix = self.in_strategy
+            if not isinstance(prefix, (tuple, list)) or _is_tensor_strategy(prefix):
+                prefix = (prefix,)
+            if len(prefix) != len(args):
+                raise sharding_error(f"in_strategy has {len(prefix)} entries but the function got {len(args)} "
+                                     "positional arguments", operator=f"parallelize({graph.name})", source=where,
+                                     strategy=self.in_strategy, fix="give one entry per positional argument, "
+                                     "None for those the compiler should choose")
+            for i, s in enumerate(_per_leaf(tuple(prefix), tuple(args), "in_strategy")):
+                if s is not None:
+                    graph.pinned_inputs[i] = normalize_tensor_strategy(
+                        s, operator=f"parallelize({graph.name})", source=where,
+                        which=f"in_strategy for input {graph.input_names[i]}", strategy=self.in_strategy)
+        if self.out_strategy is not None:
+            outs = self.out_strategy
+            n_out = len(graph.outputs)
+            if _is_tensor_strategy(outs) and outs is not None:
+                per = [outs] * n_out
+            else:
+                per = _per_leaf(outs, jax.tree_util.tree_unflatten(self._out_tree, [0] * n_out), "out_strategy")
+            for i, s in enumerate(per):
+                if s is not None:
+                    graph.pinned_outputs[i] = normalize_tensor_strategy(
+                        s, operator=f"parallelize({graph.name})", source=where, which=f"out_strategy for output {i}",
+                        strategy=self.out_strategy)
+
+    def _compile(self, args, kwargs) -> Compiled:
+        key = self._key(args, kwargs)
+        if key in self._cache:
+            return self._cache[key]
+        t0 = time.perf_counter()
+        graph, out_tree = trace(self.fn, args, kwargs, self.mesh_spec.ir_mesh)
+        trace_s = time.perf_counter() - t0
+        graph.count_mesh = not self.mesh_spec.named
+        self._out_tree = out_tree
+        self._pins(args, kwargs, graph)
+        res = run_pipeline(graph, self.options, keep_texts=True)
+        graph = res.graph
+        plan = Plan(graph, res.texts, res.seconds, trace_s)
+        jmesh = self.mesh_spec.jax_mesh(graph.mesh)
+        n_user = graph.num_user_inputs
+        donate = self._donated_leaves(args) if self.donate_argnums else ()
+        fn = lower(graph, jmesh, donate=donate)
+        consts = [v.const for v in graph.inputs[n_user:]]
+        in_shardings = [NamedSharding(jmesh, partition_spec(v.layout)) for v in graph.inputs]
+        compiled = Compiled(fn, plan, out_tree, consts, in_shardings)
+        self._cache[key] = compiled
+        if self.dump_dir and not self._dumped:
+            plan.dump(self.dump_dir)
+            self._dumped = True
+        return compiled
+
+    def _donated_leaves(self, args) -> tuple:
+        out, i = [], 0
+        for a, arg in enumerate(args):
+            n = len(jax.tree_util.tree_leaves(arg))
+            if a in self.donate_argnums:
+                out += range(i, i + n)
+            i += n
+        return tuple(out)
+
+    # -- public -----------------------------------------------------------------
+    def plan(self, *args, **kwargs) -> Plan:
+        """Compile without running and return the plan."""
+        return self._compile(args, kwargs).plan
+
+    def __call__(self, *args, **kwargs):
+        c = self._compile(args, kwargs)
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        flat = []
+        for x, sharding in zip(list(leaves) + c.consts, c.in_shardings):
+            if isinstance(x, jax.Array) and x.sharding != sharding:
+                x = jax.device_put(x, sharding)
+            flat.append(x)
+        outs = c.fn(*flat)
+        return jax.tree_util.tree_unflatten(c.out_tree, list(outs))
+
+
+def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_strategy=None, out_strategy=None,
+                dump_dir: Optional[str] = None, fuse_reduce_scatter: bool = True,
+                cost_model: Optional[CostModel] = None, donate_argnums=(), verify: bool = False) -> ParallelFunction:
+    """Make ``fn`` run SPMD on ``mesh``.
+
+    mesh: a device count (the first N devices), a ``jax.sharding.Mesh``, or
+        ``(shape, axis_names)`` such as ``((2, 4), ("dp", "mp"))``.
+    mode: ``"sharding_propagation"`` (default) infers every unannotated op's
+        strategy from its neighbours; ``"semi_auto"`` gives unannotated ops
+        MindSpore's data-parallel default.
+    in_strategy / out_strategy: optional layouts of the function's own inputs and
+        outputs (one entry per positional argument / output, None = free).
+    dump_dir: write the IR dumps there on first compile.
+    fuse_reduce_scatter: False emits MindSpore's literal ``all_reduce`` + ``slice``
+        where a ``reduce_scatter`` moves half the bytes.
+    """
+    return ParallelFunction(fn, mesh=mesh, mode=mode, in_strategy=in_strategy, out_strategy=out_strategy,
+                            dump_dir=dump_dir, fuse_reduce_scatter=fuse_reduce_scatter, cost_model=cost_model,
+                            donate_argnums=donate_argnums, verify=verify)

@@ -1,0 +1,56 @@
+"""The pass pipeline: Graph -> Graph, one named pass at a time, with an optional
+verification after each pass and the text of the graph after each (the
+``NN_<pass>.ir`` dump files)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ir.graph import Graph
+from ir.printer import print_graph
+from ir.verifier import verify
+from passes.bind_strategies import BindUserStrategies
+from passes.cost import DEFAULT_COST, CostModel
+from passes.insert_reshards import InsertReshards
+from passes.localize import Localize
+from passes.propagate import PropagateSharding
+from passes.reshard_to_collectives import ReshardToCollectives
+
+
+@dataclass(frozen=True)
+class Options:
+    mode: str = "sharding_propagation"
+    fuse_reduce_scatter: bool = True   # False: MindSpore's all_reduce + slice
+    cost: CostModel = DEFAULT_COST
+    verify: bool = False
+
+
+def default_passes(opts: Options) -> list:
+    rs = opts.fuse_reduce_scatter
+    return [BindUserStrategies(), PropagateSharding(opts.mode, opts.cost, rs), InsertReshards(rs, opts.cost),
+            ReshardToCollectives(rs, opts.cost), Localize()]
+
+
+@dataclass
+class PipelineResult:
+    graph: Graph
+    texts: dict = field(default_factory=dict)     # "NN_<pass>.ir" -> text
+    seconds: dict = field(default_factory=dict)   # pass name -> seconds
+
+
+def run_pipeline(graph: Graph, opts: Options, keep_texts: bool = False) -> PipelineResult:
+    res = PipelineResult(graph)
+    if opts.verify:
+        verify(graph, "import")
+    if keep_texts:
+        res.texts["00_import.ir"] = print_graph(graph, title="after import")
+    for i, p in enumerate(default_passes(opts), start=1):
+        t0 = time.perf_counter()
+        graph = p(graph)
+        res.seconds[p.name] = time.perf_counter() - t0
+        if opts.verify:
+            verify(graph, p.name)
+        if keep_texts:
+            res.texts[f"{i:02d}_{p.name}.ir"] = print_graph(graph, title=f"after {p.name}")
+    res.graph = graph
+    return res

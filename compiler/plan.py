@@ -1,0 +1,108 @@
+"""The plan: what the compiler decided, as plain data.
+
+``plan.ops``: the traced operators in program order with their strategies
+(split counts per dim, one tuple per operand), where each strategy came from,
+and the user's source line. ``plan.collectives``: every inserted redistribution
+with its kind, rank groups, per-device shapes and bytes. ``plan.dump(dir)``
+writes the same files as ``parallelize(..., dump_dir=dir)``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ir.graph import COLLECTIVE_KINDS, Graph
+from ir.mesh import Mesh
+from runtime.dump import summary_text, write_dumps
+
+
+@dataclass(frozen=True)
+class PlanOp:
+    primitive: str
+    in_strategy: tuple
+    out_strategy: tuple
+    origin: str
+    source: str
+    in_layouts: tuple
+    out_layouts: tuple
+
+    def __str__(self):
+        return f"{self.primitive:<20} {str(self.in_strategy):<28} -> {str(self.out_strategy):<14} {self.origin}  ({self.source})"
+
+
+@dataclass(frozen=True)
+class PlanCollective:
+    kind: str
+    axes: tuple
+    groups: tuple
+    in_shape: tuple
+    out_shape: tuple
+    dtype: str
+    bytes: int
+    reason: str
+    source: str
+
+    def __str__(self):
+        g = " ".join("-".join(map(str, grp)) for grp in self.groups)
+        return f"{self.kind:<15} {self.in_shape} -> {self.out_shape} groups={g} bytes={self.bytes} {self.reason}"
+
+
+class Plan:
+    def __init__(self, graph: Graph, pass_texts: dict, pass_seconds: dict, trace_seconds: float):
+        self.graph = graph
+        self.mesh: Mesh = graph.mesh
+        self.pass_texts = pass_texts
+        self.pass_seconds = dict(pass_seconds)
+        self.trace_seconds = trace_seconds
+        self.ops = tuple(self._ops(graph))
+        self.collectives = tuple(self._collectives(graph))
+
+    def _ops(self, graph: Graph):
+        mesh = graph.mesh
+        for op in graph.ops:
+            if op.kind in COLLECTIVE_KINDS:
+                continue
+            ins = tuple(op.strategy.operand_layout(n, v.type.rank, mesh) for n, v in enumerate(op.inputs))
+            outs = tuple(op.strategy.result_layout(n, mesh) for n in range(len(op.outputs)))
+            yield PlanOp(op.kind, tuple(l.splits(mesh) for l in ins), tuple(l.splits(mesh) for l in outs),
+                         op.origin, op.source or "", tuple(map(str, ins)), tuple(map(str, outs)))
+
+    def _collectives(self, graph: Graph):
+        mesh = graph.mesh
+        for op in graph.ops:
+            if op.kind not in COLLECTIVE_KINDS:
+                continue
+            if op.kind == "permute":
+                axes, groups = mesh.axis_names, tuple((s, d) for s, d in op.params["pairs"] if s != d)
+            elif op.kind == "slice":
+                axes = tuple(a for _, ax in op.params["cuts"] for a in ax)
+                groups = mesh.groups(axes)
+            else:
+                axes = tuple(op.params["axes"])
+                groups = mesh.groups(axes)
+            yield PlanCollective(op.kind, axes, groups, op.inputs[0].local_type.shape,
+                                 op.outputs[0].local_type.shape, op.inputs[0].type.dtype,
+                                 int(op.params.get("wire_bytes", 0)), op.note, op.source or "")
+
+    def count(self, kind: str) -> int:
+        return sum(1 for c in self.collectives if c.kind == kind)
+
+    def counts(self) -> dict:
+        return dict(Counter(c.kind for c in self.collectives))
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.collectives)
+
+    def summary(self) -> str:
+        return summary_text(self.graph)
+
+    def dump(self, dump_dir: str, ranks=None) -> None:
+        write_dumps(dump_dir, self.graph, self.pass_texts, ranks)
+
+    def __str__(self):
+        lines = [f"plan on mesh {self.mesh} ({self.mesh.size} devices)", "operators:"]
+        lines += ["  " + str(o) for o in self.ops]
+        lines.append("collectives:")
+        lines += ["  " + str(c) for c in self.collectives] or ["  (none)"]
+        return "\n".join(lines)

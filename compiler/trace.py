@@ -1,0 +1,177 @@
+"""Tracing a JAX function into the compiler's ``Graph``.
+
+``jax.make_jaxpr`` gives the program; calls that only structure it (``jit``,
+``custom_jvp_call``, ``custom_vjp_call``, ``remat``, ``closed_call``) are
+inlined, since after tracing (and after autodiff, for a training step) only
+their primal bodies run. ``shard()`` marks become ``sharding_constraint`` ops,
+and the ops between a region's input and output marks are tagged with it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from ir.errors import sharding_error
+from ir.graph import CONSTRAINT, Graph, Op, TensorType, Value
+from ir.mesh import Mesh
+
+from .annotate import REGIONS, _is_library_frame
+
+# primitive name -> param holding the body to inline
+INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr",
+          "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+
+
+def source_of(source_info) -> Optional[str]:
+    tb = getattr(source_info, "traceback", None)
+    if tb is None:
+        return None
+    for fr in tb.frames:
+        if not _is_library_frame(fr.file_name):
+            return f"{os.path.basename(fr.file_name)}:{fr.line_num}"
+    return None
+
+
+def tensor_type(aval) -> TensorType:
+    if not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
+        raise TypeError(f"unsupported value type {aval}")
+    return TensorType(tuple(int(s) for s in aval.shape), np.dtype(aval.dtype).name
+                      if aval.dtype != jax.numpy.bfloat16 else "bfloat16")
+
+
+class _Importer:
+    def __init__(self):
+        self.ops: list[Op] = []
+        self.consts: list[Value] = []
+
+    def const(self, val) -> Value:
+        arr = np.asarray(val) if not isinstance(val, jax.Array) else val
+        t = TensorType(tuple(arr.shape), np.dtype(arr.dtype).name if arr.dtype != jax.numpy.bfloat16 else "bfloat16")
+        if arr.ndim == 0:
+            return Value(t, literal=np.asarray(val))
+        v = Value(t, const=arr, name_hint="const")
+        self.consts.append(v)
+        return v
+
+    def read(self, atom, env) -> Value:
+        if isinstance(atom, jcore.Literal):
+            val = atom.val
+            if np.ndim(val) == 0:
+                return Value(tensor_type(atom.aval), literal=np.asarray(val, dtype=np.dtype(atom.aval.dtype)))
+            return self.const(val)
+        return env[atom]
+
+    def walk(self, jaxpr, consts: Sequence[Value], args: Sequence[Value], outer_source=None) -> list[Value]:
+        env: dict[Any, Value] = {}
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        for eqn in jaxpr.eqns:
+            ins = [self.read(a, env) for a in eqn.invars]
+            name = eqn.primitive.name
+            # Bodies traced inside library code (jax.nn.relu's custom_jvp) carry no user
+            # frame of their own: they take the line of the call that holds them.
+            source = source_of(eqn.source_info) or outer_source
+            if name in INLINE and INLINE[name] in eqn.params:
+                body = eqn.params[INLINE[name]]
+                if isinstance(body, jcore.ClosedJaxpr):
+                    outs = self.walk(body.jaxpr, [self.const(c) for c in body.consts], ins, source)
+                else:
+                    outs = self.walk(body, [], ins, source)
+            else:
+                outs = [Value(tensor_type(v.aval)) for v in eqn.outvars]
+                if name == "shardprop_mark":
+                    op = Op(CONSTRAINT, ins, outs, dict(eqn.params), source)
+                else:
+                    op = Op(name, ins, outs, dict(eqn.params), source, prim=eqn.primitive)
+                self.ops.append(op)
+            for var, val in zip(eqn.outvars, outs):
+                if not isinstance(var, jcore.DropVar):
+                    env[var] = val
+        return [self.read(a, env) for a in jaxpr.outvars]
+
+
+def _dead_code_elimination(ops: list[Op], outputs: list[Value]) -> list[Op]:
+    live = {v.id for v in outputs}
+    kept = []
+    for op in reversed(ops):
+        if any(v.id in live for v in op.outputs):
+            kept.append(op)
+            live.update(v.id for v in op.inputs)
+    return kept[::-1]
+
+
+def _tag_regions(ops: list[Op]) -> None:
+    """An op belongs to region R if it lies on a path from R's input marks to its output marks."""
+    producers = {v.id: op for op in ops for v in op.outputs}
+    users: dict[int, list[Op]] = {}
+    for op in ops:
+        for v in op.inputs:
+            users.setdefault(v.id, []).append(op)
+    marks = [op for op in ops if op.kind == CONSTRAINT]
+    for rid in sorted({m.params["region"] for m in marks}):
+        starts = [m for m in marks if m.params["region"] == rid and m.params["role"] == "in"]
+        ends = [m for m in marks if m.params["region"] == rid and m.params["role"] == "out"]
+        fwd, stack = set(), [u for m in starts for v in m.outputs for u in users.get(v.id, [])]
+        while stack:
+            op = stack.pop()
+            if id(op) in fwd or op.kind == CONSTRAINT:
+                continue
+            fwd.add(id(op))
+            stack.extend(u for v in op.outputs for u in users.get(v.id, []))
+        bwd, stack = set(), [producers[v.id] for m in ends for v in m.inputs if v.id in producers]
+        while stack:
+            op = stack.pop()
+            if id(op) in bwd or op.kind == CONSTRAINT:
+                continue
+            bwd.add(id(op))
+            stack.extend(producers[v.id] for v in op.inputs if v.id in producers)
+        for op in ops:
+            if id(op) in fwd and id(op) in bwd:
+                op.region = rid
+                op.origin = "user"
+        for m in starts + ends:
+            m.region = rid
+
+
+def input_names(fn, args, kwargs) -> list[str]:
+    try:
+        import inspect
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        named = dict(bound.arguments)
+    except (TypeError, ValueError):
+        named = {f"arg{i}": a for i, a in enumerate(args)} | dict(kwargs)
+    names = []
+    for key, val in named.items():
+        for path, _ in jax.tree_util.tree_flatten_with_path(val)[0]:
+            names.append(key + jax.tree_util.keystr(path))
+    return names
+
+
+def trace(fn, args, kwargs, mesh: Mesh):
+    """Trace ``fn(*args, **kwargs)`` into a Graph; also return the output pytree structure."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+    imp = _Importer()
+    consts = [imp.const(c) for c in closed.consts]
+    inputs = [Value(tensor_type(v.aval)) for v in closed.jaxpr.invars]
+    names = input_names(fn, args, kwargs)
+    for v, n in zip(inputs, names):
+        v.name_hint = n
+    outputs = imp.walk(closed.jaxpr, consts, inputs)
+    ops = _dead_code_elimination(imp.ops, outputs)
+    _tag_regions(ops)
+    live_consts = {v.id for op in ops for v in op.inputs} | {v.id for v in outputs}
+    const_inputs = [v for v in imp.consts if v.id in live_consts]
+    graph = Graph(mesh, inputs + const_inputs, outputs, ops, name=getattr(fn, "__name__", "main"),
+                  input_names=names + ["const"] * len(const_inputs), num_user_inputs=len(inputs))
+    graph.regions = {rid: REGIONS[rid] for rid in sorted({op.region for op in ops if op.region is not None})}
+    for i, v in enumerate(outputs):
+        if v.is_literal:
+            # A constant output still needs a value to return: broadcast it like any op would.
+            raise sharding_error("the function returns a Python constant", operator=graph.name,
+                                 fix="return arrays computed from the inputs")
+    return graph, jax.tree_util.tree_structure(out_shape)

@@ -1,0 +1,82 @@
+"""Structural checks of a Graph, run after every pass in tests.
+
+What holds at every stage: SSA (each value defined once, before its uses), every
+layout valid for its tensor on the mesh. After later passes more holds: every
+op's operands arrive in the layouts its strategy needs (after insert-reshards),
+no reshard remains (after reshard-to-collectives), every value has a local type
+that is its global type cut by its layout (after localize).
+"""
+from __future__ import annotations
+
+from .graph import COLLECTIVE_KINDS, CONSTRAINT, RESHARD, Graph
+
+STAGES = ("import", "bind-user-strategies", "propagate-sharding", "insert-reshards", "reshard-to-collectives",
+          "localize")
+
+
+class VerificationError(AssertionError):
+    pass
+
+
+def verify(graph: Graph, stage: str) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}")
+    level = STAGES.index(stage)
+    mesh = graph.mesh
+    problems: list[str] = []
+    defined = {v.id for v in graph.inputs}
+    for op in graph.ops:
+        for v in op.inputs:
+            if not v.is_literal and v.id not in defined:
+                problems.append(f"{op.describe()}: operand {v} used before it is defined")
+        for v in op.outputs:
+            if v.id in defined:
+                problems.append(f"{op.describe()}: value {v} defined twice")
+            defined.add(v.id)
+    for v in graph.outputs:
+        if not v.is_literal and v.id not in defined:
+            problems.append(f"output {v} is never defined")
+    if level >= STAGES.index("propagate-sharding"):
+        for v in graph.values():
+            if v.is_literal:
+                continue
+            if v.layout is None:
+                problems.append(f"value {v} has no layout")
+                continue
+            for p in v.layout.problems(v.type.shape, mesh):
+                problems.append(f"value {v} layout {v.layout}: {p}")
+        for op in graph.ops:
+            if op.kind not in COLLECTIVE_KINDS and op.kind != RESHARD and op.strategy is None:
+                problems.append(f"{op.describe()}: no strategy")
+    if level >= STAGES.index("insert-reshards"):
+        for op in graph.ops:
+            if op.kind == CONSTRAINT:
+                problems.append(f"{op.describe()}: constraint left after insert-reshards")
+            if op.kind in COLLECTIVE_KINDS or op.kind == RESHARD:
+                continue
+            for n, v in enumerate(op.inputs):
+                if v.is_literal:
+                    continue
+                need = op.strategy.operand_layout(n, v.type.rank, mesh)
+                if v.layout != need:
+                    problems.append(f"{op.describe()}: operand {n} is {v.layout} but the op needs {need}")
+            for n, v in enumerate(op.outputs):
+                if v.layout != op.strategy.result_layout(n, mesh):
+                    problems.append(f"{op.describe()}: result {n} is {v.layout}, strategy makes "
+                                    f"{op.strategy.result_layout(n, mesh)}")
+        for v in graph.outputs:
+            if v.layout is not None and v.layout.partial:
+                problems.append(f"graph output {v} is still partial: {v.layout}")
+    if level >= STAGES.index("reshard-to-collectives"):
+        for op in graph.ops:
+            if op.kind == RESHARD:
+                problems.append(f"{op.describe()}: reshard left after reshard-to-collectives")
+    if level >= STAGES.index("localize"):
+        for v in graph.values():
+            if v.is_literal:
+                continue
+            want = v.layout.local_shape(v.type.shape, mesh)
+            if v.local_type is None or v.local_type.shape != want:
+                problems.append(f"value {v}: local type {v.local_type}, expected shape {want}")
+    if problems:
+        raise VerificationError(f"after {stage}:\n  " + "\n  ".join(problems))

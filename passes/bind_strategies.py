@@ -1,0 +1,328 @@
+"""Pass ``bind-user-strategies``: turn the user's strategies into layouts.
+
+Before: ``sharding_constraint`` ops carry the raw strategy of a ``shard()`` call
+(split counts, MindSpore style, or mesh axis names, JAX style).
+After: every constraint with a strategy has ``pinned`` set to a ``Layout`` on the
+graph's mesh, pinned inputs/outputs likewise, and every op inside a ``shard()``
+region is checked to accept those layouts without redistribution.
+
+Split counts are bound to mesh axes the way MindSpore builds a device matrix:
+the region's factors in order of first appearance over its inputs' dims, each
+with its split count, then the repeat count (devices that hold the same slice)
+last; each entry takes the next run of mesh axes (major first). So with 8 devices
+``((2, 4), (4, 1))`` gives the contracted dim axes ``(d1, d2)``, i.e. groups
+``(0,1,2,3)`` and ``(4,5,6,7)``, as in MindSpore's dumps.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Optional
+
+from ir.errors import sharding_error
+from ir.graph import CONSTRAINT, Graph, Op
+from ir.layout import Layout
+from ir.mesh import Mesh, prime_factors
+
+from .rules import rule_for
+from .sharding import OpStrategy, factors_from_operands
+
+
+class _UnionFind:
+    def __init__(self):
+        self.parent = {}
+
+    def find(self, x):
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a, b):
+        self.parent[self.find(a)] = self.find(b)
+
+
+def bind_runs(splits: list[int], mesh: Mesh) -> Optional[list[tuple[str, ...]]]:
+    """Give each split count the next run of mesh axes whose sizes multiply to it."""
+    out, k = [], 0
+    for s in splits:
+        run, prod = [], 1
+        while prod < s and k < len(mesh.axis_names):
+            prod *= mesh.axis_sizes[k]
+            run.append(mesh.axis_names[k])
+            k += 1
+        if prod != s:
+            return None
+        out.append(tuple(run))
+    return out
+
+
+class BindUserStrategies:
+    name = "bind-user-strategies"
+
+    def __call__(self, graph: Graph) -> Graph:
+        regions = self._region_plans(graph)
+        if graph.count_mesh:
+            graph.mesh = self._choose_mesh(graph, regions)
+        mesh = graph.mesh
+        for rid, plan in regions.items():
+            self._bind_region(graph, rid, plan, mesh)
+        for i, raw in list(graph.pinned_inputs.items()):
+            if not isinstance(raw, Layout):
+                graph.pinned_inputs[i] = self._bind_tensor(raw, graph.inputs[i].type.shape, mesh,
+                                                           f"parallelize in_strategy for input {graph.input_names[i]}")
+        for i, raw in list(graph.pinned_outputs.items()):
+            if not isinstance(raw, Layout):
+                graph.pinned_outputs[i] = self._bind_tensor(raw, graph.outputs[i].type.shape, mesh,
+                                                            f"parallelize out_strategy for output {i}")
+        for i, layout in graph.pinned_inputs.items():
+            graph.inputs[i].layout = layout
+        return graph
+
+    # -- regions ---------------------------------------------------------------
+    def _region_plans(self, graph: Graph) -> dict:
+        """Per region: its marks, ops, and (for split counts) the device matrix."""
+        plans = {}
+        for rid, region in graph.regions.items():
+            ins = sorted((op for op in graph.ops if op.kind == CONSTRAINT and op.region == rid
+                          and op.params["role"] == "in"), key=lambda o: o.params["index"])
+            outs = sorted((op for op in graph.ops if op.kind == CONSTRAINT and op.region == rid
+                           and op.params["role"] == "out"), key=lambda o: o.params["index"])
+            body = [op for op in graph.ops if op.region == rid and op.kind != CONSTRAINT]
+            plans[rid] = dict(region=region, ins=ins, outs=outs, body=body, matrix=None)
+            strategies = [self._expand_batch(region.in_strategy[m.params["index"]], m) for m in ins]
+            plans[rid]["strategies"] = strategies
+            if any(kind == "splits" for kind, _ in strategies):
+                plans[rid]["matrix"] = self._device_matrix(graph, plans[rid])
+        return plans
+
+    @staticmethod
+    def _expand_batch(strategy, mark: Op):
+        """A mark under vmap carries the batch dims vmap inserted; those stay unsplit."""
+        kind, body = strategy
+        body = list(body)
+        for d in mark.params.get("batch_dims", ()):
+            body.insert(d, 1 if kind == "splits" else ())
+        return kind, tuple(body)
+
+    def _operator(self, plan) -> str:
+        region = plan["region"]
+        prims = sorted({op.kind for op in plan["body"]})
+        inner = f" ({', '.join(prims)})" if prims and len(prims) <= 3 else ""
+        return f"{region.describe()}{inner}"
+
+    def _device_matrix(self, graph: Graph, plan) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """Factor classes over the region's input dims (first appearance order) with their splits."""
+        region = plan["region"]
+        uf = _UnionFind()
+        links = {}
+        for op in plan["body"]:
+            rule = rule_for(op)
+            for f, places in enumerate(rule.factor_dims()):
+                keys = []
+                for side, t, d in places:
+                    tensor = op.inputs[t] if side == "operand" else op.outputs[t]
+                    fs = (rule.operands[t] if side == "operand" else rule.results[t])[d]
+                    if len(fs) == 1:
+                        keys.append((tensor.id, d))
+                for a, b in zip(keys, keys[1:]):
+                    uf.union(a, b)
+                    links.setdefault(frozenset((a, b)), (op, f in rule.reduction))
+        classes: dict = {}
+        order: list = []
+        for k, (mark, (kind, body)) in enumerate(zip(plan["ins"], plan["strategies"])):
+            v = mark.outputs[0]
+            for d in range(v.type.rank):
+                root = uf.find((v.id, d))
+                split = body[d] if kind == "splits" else None
+                if root not in classes:
+                    classes[root] = []
+                    order.append(root)
+                classes[root].append((k, d, split, v.type.shape[d]))
+        splits = []
+        for root in order:
+            members = [m for m in classes[root] if m[2] is not None]
+            distinct = {m[2] for m in members}
+            if len(distinct) > 1:
+                (k1, d1, s1, n1), (k2, d2, s2, n2) = members[0], next(m for m in members if m[2] != members[0][2])
+                how = "the same dimension"
+                keys = (plan["ins"][k1].outputs[0].id, d1), (plan["ins"][k2].outputs[0].id, d2)
+                link = links.get(frozenset(keys))
+                if link and link[1]:
+                    how = f"contracted together by {link[0].kind}"
+                fixed = [list(b) for _, b in plan["strategies"]]
+                fixed[k2][d2] = s1
+                suggestion = tuple(tuple(b) for b in fixed)
+                raise sharding_error(
+                    f"input {k1} dim {d1} (size {n1}) and input {k2} dim {d2} (size {n2}) are {how}, but "
+                    f"are split {s1} and {s2}", operator=self._operator(plan), source=region.source,
+                    shapes=region.in_shapes, strategy=region.user_in_strategy,
+                    fix=f"give them the same split count, e.g. {suggestion}")
+            splits.append(members[0][2] if members else 1)
+        plan["classes"] = (order, classes)
+        total = math.prod(splits)
+        n = graph.mesh.size
+        if total > n:
+            raise sharding_error(f"the split counts need {total} devices ({' x '.join(str(s) for s in splits if s > 1)})"
+                                 f" but the mesh has {n}", operator=self._operator(plan), source=region.source,
+                                 shapes=region.in_shapes, strategy=region.user_in_strategy,
+                                 fix=f"make the split counts multiply to at most {n} (and divide it)")
+        if n % total:
+            raise sharding_error(f"the split counts multiply to {total}, which does not divide the {n} devices",
+                                 operator=self._operator(plan), source=region.source, shapes=region.in_shapes,
+                                 strategy=region.user_in_strategy,
+                                 fix=f"make the split counts multiply to a divisor of {n}")
+        return [s for s in splits if s > 1] + ([n // total] if n // total > 1 else [])
+
+    def _choose_mesh(self, graph: Graph, plans) -> Mesh:
+        """For a device-count mesh, order its prime axes so every device matrix binds."""
+        n = graph.mesh.size
+        matrices = [p["matrix"] for p in plans.values() if p["matrix"]]
+        for raw in list(graph.pinned_inputs.values()) + list(graph.pinned_outputs.values()):
+            if not isinstance(raw, Layout) and raw[0] == "splits":
+                total = math.prod(raw[1])
+                if total <= n and n % total == 0:
+                    matrices.append([s for s in raw[1] if s > 1] + ([n // total] if n // total > 1 else []))
+        primes = prime_factors(n)
+        for order in sorted(set(itertools.permutations(primes))):
+            mesh = Mesh(tuple(f"d{i}" for i in range(len(order))), tuple(order))
+            if all(bind_runs(m, mesh) is not None for m in matrices):
+                return mesh
+        raise sharding_error(f"no arrangement of the {n} devices fits all strategies' device matrices {matrices}",
+                             operator="parallelize", fix="use strategies whose split counts nest, or a named mesh "
+                             "with PartitionSpec strategies")
+
+    def _bind_region(self, graph: Graph, rid: int, plan, mesh: Mesh) -> None:
+        region = plan["region"]
+        layouts: list[Layout] = []
+        if plan["matrix"] is not None:
+            runs = bind_runs(plan["matrix"], mesh)
+            if runs is None:
+                raise sharding_error(f"the device matrix {tuple(plan['matrix'])} of these split counts does not "
+                                     f"fit the mesh ({mesh}): each split must be a product of consecutive mesh axes",
+                                     operator=self._operator(plan), source=region.source, shapes=region.in_shapes,
+                                     strategy=region.user_in_strategy,
+                                     fix="use PartitionSpec strategies naming the mesh axes, or split counts that "
+                                         "follow the mesh axes in order")
+            order, classes = plan["classes"]
+            axes_of = {}
+            it = iter(runs)
+            for root in order:
+                members = [m for m in classes[root] if m[2] is not None]
+                split = members[0][2] if members else 1
+                axes_of[root] = next(it) if split > 1 else ()
+            root_of = {(k, d): root for root in order for (k, d, _, _) in classes[root]}
+        for k, (mark, (kind, body)) in enumerate(zip(plan["ins"], plan["strategies"])):
+            shape = mark.outputs[0].type.shape
+            if kind == "splits":
+                layout = Layout(tuple(axes_of[root_of[(k, d)]] for d in range(len(shape))))
+            else:
+                layout = self._axes_layout(body, shape, mesh, plan, f"in_strategy entry {k}")
+            mark.pinned = layout
+            layouts.append(layout)
+        self._check_region_ops(plan, mesh)
+        if region.out_strategy is not None:
+            for mark in plan["outs"]:
+                kind, body = self._expand_batch(region.out_strategy[mark.params["index"]], mark)
+                shape = mark.outputs[0].type.shape
+                if kind == "axes":
+                    mark.pinned = self._axes_layout(body, shape, mesh, plan, f"out_strategy entry {mark.params['index']}")
+                else:
+                    mark.pinned = self._out_splits_layout(body, mark, mesh, plan)
+
+    def _axes_layout(self, body, shape, mesh: Mesh, plan, which: str) -> Layout:
+        region = plan["region"] if plan else None
+        dims = tuple(body) + ((),) * (len(shape) - len(body))
+        for d, axes in enumerate(dims):
+            for a in axes:
+                if a not in mesh.axis_names:
+                    raise sharding_error(f"{which} names mesh axis {a!r}, which the mesh does not have",
+                                         operator=self._operator(plan) if plan else which,
+                                         source=region.source if region else None,
+                                         shapes=region.in_shapes if region else shape,
+                                         strategy=region.user_in_strategy if region else body,
+                                         fix=f"use one of the mesh axes: {', '.join(mesh.axis_names)}")
+        layout = Layout(dims)
+        problems = layout.problems(shape, mesh)
+        if problems:
+            raise sharding_error(f"{which} cannot lay out a tensor of shape {shape}: {'; '.join(problems)}",
+                                 operator=self._operator(plan) if plan else which,
+                                 source=region.source if region else None,
+                                 shapes=region.in_shapes if region else shape,
+                                 strategy=region.user_in_strategy if region else body,
+                                 fix="use each mesh axis at most once, on dims it divides")
+        return layout
+
+    def _out_splits_layout(self, splits, mark: Op, mesh: Mesh, plan) -> Layout:
+        """An output's split counts, bound to runs of mesh axes: the result's own
+        factor axes first, then the contracted axes (MindSpore's reduce-scatter form)."""
+        region = plan["region"]
+        producer_axes = plan["result_layouts"].get(mark.inputs[0])
+        dims, used = [], set()
+        for d, s in enumerate(splits):
+            start = producer_axes.dims[d] if producer_axes is not None else ()
+            run = list(start) if mesh.axes_size(start) <= s and s % max(mesh.axes_size(start), 1) == 0 else []
+            pool = ([a for a in producer_axes.partial] if producer_axes is not None else []) + list(mesh.axis_names)
+            for a in pool:
+                if mesh.axes_size(run) >= s:
+                    break
+                if a not in run and a not in used and s % (mesh.axes_size(run) * mesh.axis_size(a)) == 0:
+                    run.append(a)
+            if mesh.axes_size(run) != s:
+                raise sharding_error(f"out_strategy split {s} of output dim {d} cannot be built from the mesh axes "
+                                     f"({mesh}) left free", operator=self._operator(plan), source=region.source,
+                                     shapes=region.out_shapes, strategy=region.user_out_strategy,
+                                     fix="use split counts whose product divides the device count")
+            used.update(run)
+            dims.append(tuple(run))
+        layout = Layout(tuple(dims))
+        problems = layout.problems(mark.outputs[0].type.shape, mesh)
+        if problems:
+            raise sharding_error(f"out_strategy {tuple(splits)}: {'; '.join(problems)}", operator=self._operator(plan),
+                                 source=region.source, shapes=region.out_shapes, strategy=region.user_out_strategy,
+                                 fix="use split counts that divide the output dims")
+        return layout
+
+    def _check_region_ops(self, plan, mesh: Mesh) -> None:
+        """Every op inside the region must accept the pinned layouts as they are."""
+        region = plan["region"]
+        known = {m.outputs[0]: m.pinned for m in plan["ins"]}
+        plan["result_layouts"] = {}
+        for op in plan["body"]:
+            rule = rule_for(op)
+            factors, problem = factors_from_operands(rule, op, [known.get(v) for v in op.inputs], mesh)
+            if problem:
+                raise sharding_error(problem, operator=f"{op.kind} in {region.describe()}", source=region.source,
+                                     shapes=tuple(v.type.shape for v in op.inputs),
+                                     strategy=region.user_in_strategy,
+                                     fix="give dims that the operator combines the same split (or the same mesh axes)")
+            if all(a is not None for a in factors):
+                strategy = OpStrategy(rule, tuple(factors))
+                for n, v in enumerate(op.outputs):
+                    known[v] = plan["result_layouts"][v] = strategy.result_layout(n, mesh)
+
+    def _bind_tensor(self, raw, shape, mesh: Mesh, which: str) -> Layout:
+        kind, body = raw
+        if kind == "axes":
+            return self._axes_layout(body, shape, mesh, None, which)
+        if len(body) != len(shape):
+            raise sharding_error(f"{which} has {len(body)} split counts but the tensor has rank {len(shape)}",
+                                 operator=which, shapes=shape, strategy=body,
+                                 fix=f"give one split count per dimension, {len(shape)} in all")
+        for d, (k, n) in enumerate(zip(body, shape)):
+            if n % k:
+                raise sharding_error(f"{which} splits dim {d} (size {n}) into {k} parts, and {n} is not divisible "
+                                     f"by {k}", operator=which, shapes=shape, strategy=body,
+                                     fix=f"use a split count that divides {n}")
+        total = math.prod(body)
+        if total > mesh.size or mesh.size % total:
+            raise sharding_error(f"{which}: split counts {tuple(body)} need {total} devices; the mesh has {mesh.size}",
+                                 operator=which, shapes=shape, strategy=body,
+                                 fix=f"make the split counts multiply to a divisor of {mesh.size}")
+        runs = bind_runs([s for s in body if s > 1], mesh)
+        if runs is None:
+            raise sharding_error(f"{which}: split counts {tuple(body)} do not fit the mesh ({mesh})", operator=which,
+                                 shapes=shape, strategy=body, fix="use a PartitionSpec naming the mesh axes")
+        it = iter(runs)
+        return Layout(tuple(next(it) if s > 1 else () for s in body))

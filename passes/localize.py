@@ -1,0 +1,34 @@
+"""Pass ``localize``: from the global program to the one every rank runs.
+
+Before: global shapes, layouts on every value.
+After: every value has ``local_type`` (its per-rank block), every op has
+``local_params``: params that carry shapes (``reshape.new_sizes``,
+``broadcast_in_dim.shape``, ``iota.shape``) are rewritten to local shapes. The
+program is the same on every rank; only collective groups and slice offsets
+depend on the rank, and those the printer and the lowering compute per rank.
+"""
+from __future__ import annotations
+
+from ir.graph import COLLECTIVE_KINDS, Graph, TensorType
+
+from .rules import LOCALIZERS
+
+
+class Localize:
+    name = "localize"
+
+    def __call__(self, graph: Graph) -> Graph:
+        mesh = graph.mesh
+        for v in graph.values():
+            if v.layout is None:
+                v.local_type = v.type
+            else:
+                v.local_type = TensorType(v.layout.local_shape(v.type.shape, mesh), v.type.dtype)
+        for op in graph.ops:
+            fn = LOCALIZERS.get(op.kind)
+            if fn is None or op.kind in COLLECTIVE_KINDS:
+                op.local_params = dict(op.params)
+            else:
+                op.local_params = fn(op, [v.local_type.shape for v in op.inputs],
+                                     [v.local_type.shape for v in op.outputs])
+        return graph

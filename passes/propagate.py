@@ -1,0 +1,396 @@
+"""Pass ``propagate-sharding``: give every op a strategy and every value a layout.
+
+Before: user layouts are pinned (``bind-user-strategies``); other ops have none.
+After: every op has a complete ``OpStrategy`` and an ``origin`` ("user",
+"default", or the neighbour its strategy was propagated from), every value a
+``Layout`` (the layout its producer makes; inputs: the layout they are fed in).
+User strategies are never changed.
+
+How: factor-based propagation from the user's layouts, breadth first, forwards
+and backwards. An op decides a factor once some neighbour says something about
+it; where neighbours disagree it takes the candidate of least cost (time to
+redistribute its operands and results, plus its own compute, which counts
+replicated work). A pending partial sum may pass through a linear op, be reduced
+(all_reduce), or be scattered onto a dim (reduce_scatter); the cost decides.
+Factors no neighbour ever constrains get the default (replicated) at the end.
+
+``mode="semi_auto"``: no propagation; unannotated ops get MindSpore's default,
+the first dim of the first operand split over all devices where it divides.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from ir.graph import CONSTRAINT, Graph, Op, Value
+from ir.layout import Layout
+
+from .cost import DEFAULT_COST, CostModel
+from .redistribute import redistribution_cost
+from .rules import rule_for
+from .rules.base import FactorRule
+from .sharding import Axes, OpStrategy, dim_axes, factors_from_operands, project
+
+IMPOSSIBLE = 1e6  # seconds: a candidate that needs a redistribution that cannot exist
+
+
+@dataclass
+class _Source:
+    kind: str            # "operand" or "result"
+    index: int
+    value: Value
+    proposal: dict       # factor -> axes
+
+
+class PropagateSharding:
+    name = "propagate-sharding"
+
+    def __init__(self, mode: str = "sharding_propagation", cost: CostModel = DEFAULT_COST,
+                 allow_reduce_scatter: bool = True):
+        if mode not in ("sharding_propagation", "semi_auto"):
+            raise ValueError(f"unknown propagation mode {mode!r}")
+        self.mode = mode
+        self.cost = cost
+        self.allow_reduce_scatter = allow_reduce_scatter
+
+    def __call__(self, graph: Graph) -> Graph:
+        _Propagation(graph, self).run()
+        return graph
+
+
+class _Propagation:
+    def __init__(self, graph: Graph, cfg: PropagateSharding):
+        self.g = graph
+        self.mesh = graph.mesh
+        self.cfg = cfg
+        self.rules: dict[Op, FactorRule] = {op: rule_for(op) for op in graph.ops}
+        self.factors: dict[Op, list] = {op: [None] * r.num_factors for op, r in self.rules.items()}
+        self.passthrough: dict[Op, Optional[tuple]] = {}
+        self.dims: dict[Value, list] = {}
+        self.setter: dict[Value, str] = {}   # who decided a value's dims (for origins)
+        self.partial: dict[Value, tuple] = {}
+        self.origin: dict[Op, str] = {op: op.origin for op in graph.ops if op.origin}
+        self.producer = graph.producers()
+        self.users = graph.users()
+        self.queue: deque = deque()
+        self.queued: set = set()
+        self.order = {op: i for i, op in enumerate(graph.ops)}
+
+    # -- helpers ----------------------------------------------------------------
+    def _dims(self, v: Value) -> list:
+        d = self.dims.get(v)
+        if d is None:
+            d = self.dims[v] = [None] * v.type.rank
+        return d
+
+    def _enqueue(self, op: Optional[Op], skip: Optional[Op] = None) -> None:
+        if op is not None and op is not skip and op not in self.queued:
+            self.queued.add(op)
+            self.queue.append(op)
+
+    def _describe(self, op: Op) -> str:
+        kind = op.kind
+        if op.kind == CONSTRAINT and op.region is not None and op.region in self.g.regions:
+            kind = self.g.regions[op.region].describe()
+        return f"{kind} at {op.source}" if op.source else kind
+
+    # -- driver -----------------------------------------------------------------
+    def run(self) -> None:
+        g = self.g
+        for i, layout in g.pinned_inputs.items():
+            v = g.inputs[i]
+            self.dims[v] = list(layout.dims)
+            self.setter[v] = ("input", f"in_strategy of input {g.input_names[i]}")
+            for u in self.users.get(v, []):
+                self._enqueue(u)
+        for op in g.ops:
+            if op.kind == CONSTRAINT and op.pinned is not None:
+                self._decide(op, list(op.pinned.dims), None, "user")
+        for op in g.ops:
+            if op.region is not None and op.kind != CONSTRAINT:
+                layouts = [self._known_layout(v) for v in op.inputs]
+                factors, _ = factors_from_operands(self.rules[op], op, layouts, self.mesh)
+                self._decide(op, factors, None, "user")
+        if self.cfg.mode == "semi_auto":
+            for op in g.ops:
+                if op.origin != "user" and not (op.kind == CONSTRAINT and op.pinned is not None):
+                    self._decide(op, self._data_parallel_default(op), None, "default (data parallel)")
+        self._drain()
+        for op in g.ops:  # what no neighbour constrains stays whole
+            f = self.factors[op]
+            if any(a is None for a in f) or op not in self.passthrough:
+                self._decide(op, [a if a is not None else () for a in f], None,
+                             self.origin.get(op) or "default")
+                self._drain()
+        self._finish()
+
+    def _known_layout(self, v: Value) -> Optional[Layout]:
+        d = self.dims.get(v)
+        if d is None or any(a is None for a in d):
+            return None
+        return Layout(tuple(d))
+
+    def _drain(self) -> None:
+        while self.queue:
+            op = self.queue.popleft()
+            self.queued.discard(op)
+            self._visit(op)
+
+    def _data_parallel_default(self, op: Op) -> list:
+        """MindSpore's default: the first dim of the first operand (or of the result,
+        if that operand is a scalar) split over every device, where it divides."""
+        rule = self.rules[op]
+        factors = [()] * rule.num_factors
+        dims = rule.operands[0] if rule.operands and rule.operands[0] else (rule.results[0] if rule.results else ())
+        if dims and dims[0]:
+            f = dims[0][0]
+            if rule.shardable(f) and rule.sizes[f] % self.mesh.size == 0:
+                factors[f] = self.mesh.axis_names
+        return factors
+
+    # -- one op -----------------------------------------------------------------
+    def _sources(self, op: Op, rule: FactorRule) -> list[_Source]:
+        out = []
+        for n, v in enumerate(op.inputs):
+            fs = rule.operands[n]
+            if fs is None or v.type.rank == 0 or v not in self.dims:
+                continue
+            prop = project(fs, self.dims[v], rule, self.mesh)
+            if prop:
+                out.append(_Source("operand", n, v, prop))
+        for n, v in enumerate(op.outputs):
+            if v not in self.dims or v.type.rank == 0:
+                continue
+            prop = project(rule.results[n], self.dims[v], rule, self.mesh)
+            if prop:
+                out.append(_Source("result", n, v, prop))
+        return out
+
+    def _visit(self, op: Op) -> None:
+        rule = self.rules[op]
+        cur = self.factors[op]
+        open_factors = [f for f, a in enumerate(cur) if a is None]
+        if not open_factors and op in self.passthrough:
+            return
+        sources = self._sources(op, rule)
+        useful = [s for s in sources if any(f in s.proposal for f in open_factors)]
+        partial_operands = [n for n, v in enumerate(op.inputs) if self.partial.get(v, ((), "sum"))[0]
+                            and rule.operands[n] is not None]
+        if not useful and not (partial_operands and op not in self.passthrough and any(
+                self.dims.get(v) for v in op.inputs)):
+            return
+        best = self._best_candidate(op, rule, cur, useful or sources, partial_operands)
+        if best is None:
+            return
+        factors, passthrough, lead = best
+        self._decide(op, factors, passthrough, self._origin_from(lead))
+
+    def _origin_from(self, lead: Optional[_Source]) -> str:
+        if lead is None:
+            return "default"
+        how, who = self.setter.get(lead.value, ("", "?"))
+        if lead.kind == "result" or how == "consumer":
+            return f"backward from {who}"
+        if how == "producer":
+            return f"forward from {who}"
+        return f"from {who}"
+
+    def _complete(self, rule: FactorRule, base: list, ordered: list[_Source], reserved=()) -> list:
+        cand = list(base)
+        used = {a for axes in cand if axes for a in axes} | set(reserved)
+        for s in ordered:
+            for f, axes in s.proposal.items():
+                if cand[f] is not None:
+                    continue
+                if axes and (not rule.shardable(f) or rule.sizes[f] % self.mesh.axes_size(axes)
+                             or used.intersection(axes)):
+                    continue
+                cand[f] = axes
+                used.update(axes)
+        return cand
+
+    def _best_candidate(self, op, rule, cur, sources, partial_operands):
+        mesh = self.mesh
+        cands: list[tuple[list, Optional[tuple], Optional[_Source]]] = []
+        for i, s in enumerate(sources):
+            cands.append((self._complete(rule, cur, [s] + sources[:i] + sources[i + 1:]), None, s))
+        if not sources:
+            cands.append((list(cur), None, None))
+        # what to do with pending partial operands
+        extra = []
+        decided_pt = op in self.passthrough
+        for n in partial_operands:
+            axes, pop = self.partial[op.inputs[n]]
+            if not decided_pt:
+                for gi, (group, gop) in enumerate(rule.linear):
+                    if n not in group or gop != pop:
+                        continue
+                    if all(self.partial.get(op.inputs[m], ((), "sum")) == (axes, pop) for m in group) and all(
+                            not self.partial.get(op.inputs[m], ((), "sum"))[0]
+                            for m in range(len(op.inputs)) if m not in group):
+                        for c, _, s in cands:
+                            cc = [a if a is None or not set(a) & set(axes) else None for a in c]
+                            extra.append((cc, (gi, axes), s))
+            # partial -> sharded: a reduce_scatter (or MindSpore's all_reduce + slice)
+            if pop == "sum" and rule.operands[n]:
+                for c, _, s in cands:
+                    for fs in rule.operands[n]:
+                        for f in fs:
+                            if cur[f] is not None or c[f] is None:
+                                continue
+                            new = tuple(c[f]) + tuple(axes)
+                            if set(c[f]) & set(axes) or not rule.shardable(f) or rule.sizes[f] % mesh.axes_size(new):
+                                continue
+                            if any(set(a) & set(axes) for g, a in enumerate(c) if g != f and a):
+                                continue
+                            cc = list(c)
+                            cc[f] = new
+                            extra.append((cc, None, s))
+        cands += extra
+        seen, scored = set(), []
+        for idx, (c, pt, s) in enumerate(cands):
+            key = (tuple(c), pt)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                cost = self._cost(op, rule, c, pt if pt is not None else self.passthrough.get(op))
+            except ValueError:
+                continue
+            balance = max((len(a) for a in c if a), default=0)
+            scored.append((round(cost, 15), balance, idx, c, pt, s))
+        if not scored:
+            return None
+        _, _, _, c, pt, s = min(scored, key=lambda t: t[:3])
+        return c, pt, s
+
+    # -- costs ------------------------------------------------------------------
+    def _layout_pair(self, have_dims, have_partial, want_dims, want_partial):
+        hd, wd = [], []
+        for h, w in zip(have_dims, want_dims):
+            h2 = h if h is not None else (w if w is not None else ())
+            w2 = w if w is not None else h2
+            hd.append(h2)
+            wd.append(w2)
+        have = Layout(tuple(hd), have_partial[0], have_partial[1])
+        want = Layout(tuple(wd), want_partial[0], want_partial[1])
+        if len(set(have.sharded_axes() + have.partial)) != len(have.sharded_axes() + have.partial):
+            have = Layout(tuple(h if h is not None else () for h in have_dims), have_partial[0], have_partial[1])
+        if len(set(want.sharded_axes() + want.partial)) != len(want.sharded_axes() + want.partial):
+            want = Layout(tuple(w if w is not None else () for w in want_dims), want_partial[0], want_partial[1])
+        return have, want
+
+    def _redistribution(self, v: Value, have: Layout, want: Layout) -> float:
+        if not set(want.partial) <= set(have.partial):
+            return IMPOSSIBLE
+        if have.problems(v.type.shape, self.mesh) or want.problems(v.type.shape, self.mesh):
+            return IMPOSSIBLE
+        return redistribution_cost(v.type.shape, v.type.itemsize, have, want, self.mesh,
+                                   self.cfg.allow_reduce_scatter, self.cfg.cost)
+
+    def _cost(self, op: Op, rule: FactorRule, cand: list, pt) -> float:
+        mesh = self.mesh
+        total = 0.0
+        pt_group = rule.linear[pt[0]][0] if pt else ()
+        pt_axes = mesh.sort_axes(pt[1]) if pt else ()
+        pt_op = rule.linear[pt[0]][1] if pt else "sum"
+        for n, v in enumerate(op.inputs):
+            fs = rule.operands[n]
+            if fs is None or v.type.rank == 0 and not self.partial.get(v, ((), ""))[0]:
+                continue
+            want = [dim_axes(d, cand, rule, mesh) for d in fs]
+            want_partial = (pt_axes, pt_op) if n in pt_group else ((), "sum")
+            have = self.dims.get(v) or [None] * v.type.rank
+            have_partial = self.partial.get(v, ((), "sum"))
+            h, w = self._layout_pair(have, have_partial, want, want_partial)
+            total += self._redistribution(v, h, w)
+        red_axes = [a for f in rule.reduction if cand[f] for a in cand[f]]
+        res_partial = (mesh.sort_axes(red_axes + list(pt_axes)),
+                       pt_op if pt else (rule.reduce_op or "sum"))
+        for n, v in enumerate(op.outputs):
+            hint = self.dims.get(v)
+            if hint is None or all(h is None for h in hint):
+                continue
+            mine = [dim_axes(d, cand, rule, mesh) for d in rule.results[n]]
+            h, w = self._layout_pair(mine, res_partial, hint, ((), "sum"))
+            total += self._redistribution(v, h, w)
+        degree = math.prod(mesh.axes_size(a) for a in cand if a)
+        touched = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
+        total += self.cfg.cost.compute_time(rule.flops / degree, touched / degree)
+        return total
+
+    # -- committing a decision --------------------------------------------------
+    def _decide(self, op: Op, factors: list, passthrough, origin: str) -> None:
+        rule = self.rules[op]
+        cur = self.factors[op]
+        for f, a in enumerate(factors):
+            if cur[f] is None and a is not None:
+                cur[f] = tuple(a)
+        if op not in self.passthrough and (passthrough is not None or all(a is not None for a in cur)
+                                           or origin == "user"):
+            self.passthrough[op] = passthrough
+        if op not in self.origin or not self.origin[op]:
+            self.origin[op] = origin
+        me = self._describe(op)
+        # operands learn what this op wants, where nobody has said yet
+        for n, v in enumerate(op.inputs):
+            fs = rule.operands[n]
+            if fs is None or v.type.rank == 0:
+                continue
+            dims = self._dims(v)
+            changed = False
+            for d, dfs in enumerate(fs):
+                if dims[d] is None:
+                    a = self._safe_dim_axes(dfs, cur, rule)
+                    if a is not None:
+                        dims[d] = a
+                        changed = True
+            if changed:
+                self.setter.setdefault(v, ("consumer", me))
+                self._enqueue(self.producer.get(v), op)
+                for u in self.users.get(v, []):
+                    self._enqueue(u, op)
+        # results are what this op makes
+        red_known = all(cur[f] is not None for f in rule.reduction)
+        for n, v in enumerate(op.outputs):
+            dims = self._dims(v)
+            changed = False
+            for d, dfs in enumerate(rule.results[n]):
+                a = self._safe_dim_axes(dfs, cur, rule)
+                if a is not None and dims[d] != a:
+                    dims[d] = a
+                    changed = True
+            if changed:
+                self.setter[v] = ("producer", me)
+            if red_known and op in self.passthrough and v not in self.partial:
+                st = OpStrategy(rule, tuple(a if a is not None else () for a in cur), self.passthrough[op])
+                self.partial[v] = st.result_partial(self.mesh)
+                changed = changed or bool(self.partial[v][0])
+            if changed:
+                for u in self.users.get(v, []):
+                    self._enqueue(u, op)
+
+    def _safe_dim_axes(self, fs, cur, rule):
+        try:
+            return dim_axes(fs, cur, rule, self.mesh)
+        except ValueError:
+            return None
+
+    def _finish(self) -> None:
+        mesh = self.mesh
+        for v in self.g.inputs:
+            dims = self._dims(v)
+            v.layout = Layout(tuple(a if a is not None else () for a in dims))
+        for op in self.g.ops:
+            rule = self.rules[op]
+            st = OpStrategy(rule, tuple(self.factors[op]), self.passthrough.get(op))
+            problems = st.problems(mesh)
+            if problems:
+                raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
+            op.strategy = st
+            op.origin = self.origin.get(op) or "default"
+            for n, v in enumerate(op.outputs):
+                v.layout = st.result_layout(n, mesh)

@@ -1,0 +1,49 @@
+"""IR dump files: one global file per pass, one program per rank, a summary."""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+from ir.graph import COLLECTIVE_KINDS, Graph
+from ir.printer import print_graph
+
+
+def summary_text(graph: Graph) -> str:
+    """Collectives by kind: how many, and bytes each device sends per step."""
+    by_kind = defaultdict(lambda: [0, 0])
+    lines = [f"# shardprop summary; mesh {graph.mesh} ({graph.mesh.size} devices)", ""]
+    for op in graph.ops:
+        if op.kind in COLLECTIVE_KINDS:
+            by_kind[op.kind][0] += 1
+            by_kind[op.kind][1] += op.params.get("wire_bytes", 0)
+    lines.append(f"{'kind':<16}{'count':>8}{'bytes/device/step':>20}")
+    for kind in COLLECTIVE_KINDS:
+        if kind in by_kind:
+            n, b = by_kind[kind]
+            lines.append(f"{kind:<16}{n:>8}{b:>20}")
+    total = sum(b for _, b in by_kind.values())
+    lines.append(f"{'total':<16}{sum(n for n, _ in by_kind.values()):>8}{total:>20}")
+    lines.append("")
+    lines.append("collectives in program order:")
+    for op in graph.ops:
+        if op.kind in COLLECTIVE_KINDS:
+            p = {k: v for k, v in op.params.items() if k not in ("wire_bytes", "pairs")}
+            lines.append(f"  {op.kind:<15} {op.inputs[0].local_type} -> {op.outputs[0].local_type} "
+                         f"{p} bytes={op.params.get('wire_bytes', 0)} {op.note}")
+    return "\n".join(lines) + "\n"
+
+
+def write_dumps(dump_dir: str, graph: Graph, pass_texts: dict, ranks=None) -> None:
+    """Write ``NN_<pass>.ir``, ``rank_<r>/execute.ir`` for each rank and ``summary.txt``.
+    ``ranks`` limits the per-rank files to the ranks this process owns."""
+    os.makedirs(dump_dir, exist_ok=True)
+    for name, text in pass_texts.items():
+        with open(os.path.join(dump_dir, name), "w") as f:
+            f.write(text)
+    for r in (range(graph.mesh.size) if ranks is None else ranks):
+        d = os.path.join(dump_dir, f"rank_{r}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "execute.ir"), "w") as f:
+            f.write(print_graph(graph, rank=r, title=f"program executed by rank {r}"))
+    with open(os.path.join(dump_dir, "summary.txt"), "w") as f:
+        f.write(summary_text(graph))
