@@ -18,8 +18,7 @@ _MIN = (((0, 1), "min"), ((0,), "min"), ((1,), "min"))
 UNARY = ("exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin",
          "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "abs", "sign", "floor", "ceil",
          "round", "sqrt", "rsqrt", "cbrt", "integer_pow", "square", "erf", "erfc", "erf_inv", "lgamma",
-         "digamma", "not", "is_finite", "population_count", "clz", "reduce_precision", "imag", "real",
-         "conj", "bessel_i0e", "bessel_i1e")
+         "digamma", "not", "is_finite", "population_count", "clz", "bessel_i0e", "bessel_i1e")
 BINARY = ("pow", "rem", "atan2", "nextafter", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge",
           "shift_left", "shift_right_logical", "shift_right_arithmetic", "igamma", "igammac",
           "random_gamma_grad", "polygamma", "zeta")
@@ -28,7 +27,8 @@ NARY = ("clamp",)
 _LINEAR = {
     "add": _SUM_BOTH, "sub": _SUM_BOTH, "add_any": _SUM_BOTH,
     "mul": _SUM_EITHER, "div": _SUM_FIRST,
-    "neg": _SUM_FIRST, "copy": _SUM_FIRST, "copy_p": _SUM_FIRST,
+    "neg": _SUM_FIRST, "copy": _SUM_FIRST, "copy_p": _SUM_FIRST, "stop_gradient": _SUM_FIRST,
+    "reduce_precision": _SUM_FIRST, "real": _SUM_FIRST, "imag": _SUM_FIRST, "conj": _SUM_FIRST,
     "max": _MAX, "min": _MIN,
 }
 
@@ -43,6 +43,9 @@ def elementwise_rule(op, linear=()) -> FactorRule:
             operands.append(())
         elif v.type.shape == shape:
             operands.append(dims)
+        elif v.type.rank == len(shape) and all(a in (b, 1) for a, b in zip(v.type.shape, shape)):
+            # jax broadcasts size-1 dims implicitly: those take no factor
+            operands.append(tuple(f if a == b else () for f, a, b in zip(dims, v.type.shape, shape)))
         else:
             raise ValueError(f"operand shape {v.type.shape} does not match result shape {shape}")
     return FactorRule(tuple(fb.sizes), tuple(operands), (dims,) * len(op.outputs), linear=linear,

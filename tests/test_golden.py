@@ -1,0 +1,26 @@
+"""Golden IR dumps: the quickstart's files are checked in and compared as text.
+Regenerate with ``pytest tests/test_golden.py --regen-golden`` after a deliberate change."""
+import pathlib
+
+import pytest
+
+from compiler import parallelize
+from tests import golden_nets
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+CASES = {"quickstart_mindspore_form": dict(fuse_reduce_scatter=False), "quickstart_fused": dict()}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_quickstart_dumps_match_golden(case, tmp_path, request):
+    parallelize(golden_nets.seed_net, mesh=8, dump_dir=str(tmp_path), **CASES[case]).plan(*golden_nets.seed_args())
+    produced = {p.relative_to(tmp_path).as_posix(): p.read_text() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    target = GOLDEN / case
+    if request.config.getoption("--regen-golden"):
+        for rel, text in produced.items():
+            (target / rel).parent.mkdir(parents=True, exist_ok=True)
+            (target / rel).write_text(text)
+    expected = {p.relative_to(target).as_posix(): p.read_text() for p in sorted(target.rglob("*")) if p.is_file()}
+    assert sorted(produced) == sorted(expected), "the set of dump files changed"
+    for rel in expected:
+        assert produced[rel] == expected[rel], f"{case}/{rel} differs from the golden file"
