@@ -100,7 +100,7 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "aval")
 
 
-def normalize_tensor_strategy(s, *, operator, source, which: str, strategy) -> TensorStrategy:
+def normalize_tensor_strategy(s, *, operator, source, which: str, strategy, shapes=None) -> TensorStrategy:
     """Check one tensor's strategy for type errors (shapes are checked at the call)."""
     if isinstance(s, PartitionSpec):
         axes = []
@@ -114,25 +114,27 @@ def normalize_tensor_strategy(s, *, operator, source, which: str, strategy) -> T
             else:
                 raise sharding_error(f"{which} has PartitionSpec entry {entry!r}; entries must be None, an axis "
                                      "name, or a tuple of axis names", operator=operator, source=source,
-                                     strategy=strategy, fix="write e.g. PartitionSpec('dp', None)")
+                                     shapes=shapes, strategy=strategy, fix="write e.g. PartitionSpec('dp', None)")
         return ("axes", tuple(axes))
     if isinstance(s, (tuple, list)):
         for k in s:
             if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
                 raise sharding_error(f"{which} has split count {k!r}; split counts must be positive integers",
-                                     operator=operator, source=source, strategy=strategy,
+                                     operator=operator, source=source, shapes=shapes, strategy=strategy,
                                      fix=f"use integers, e.g. {tuple(int(x) if isinstance(x, (int, float)) and x >= 1 else 1 for x in s)}")
             if k < 1:
                 raise sharding_error(f"{which} has split count {k}; split counts must be at least 1 "
-                                     "(1 means not split)", operator=operator, source=source, strategy=strategy,
+                                     "(1 means not split)", operator=operator, source=source, shapes=shapes,
+                                     strategy=strategy,
                                      fix="use 1 for a dimension that is not split")
         return ("splits", tuple(int(k) for k in s))
     raise sharding_error(f"{which} is {s!r}; expected a tuple of split counts such as (2, 4) or a "
-                         "jax.sharding.PartitionSpec", operator=operator, source=source, strategy=strategy,
+                         "jax.sharding.PartitionSpec", operator=operator, source=source, shapes=shapes,
+                         strategy=strategy,
                          fix="give one tuple per array input, e.g. ((2, 4), (4, 1))")
 
 
-def normalize_strategy(strategy, *, operator, source, what: str) -> Optional[tuple[TensorStrategy, ...]]:
+def normalize_strategy(strategy, *, operator, source, what: str, shapes=None) -> Optional[tuple[TensorStrategy, ...]]:
     if strategy is None:
         return None
     if isinstance(strategy, PartitionSpec) or not isinstance(strategy, (tuple, list)):
@@ -143,10 +145,10 @@ def normalize_strategy(strategy, *, operator, source, what: str) -> Optional[tup
     # MindSpore style always nests, so insist on nesting for clarity.
     if strategy_t and all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in strategy_t):
         raise sharding_error(f"{what} {strategy!r} is one tensor's split counts, but a strategy has one entry "
-                             "per array input", operator=operator, source=source, strategy=strategy,
+                             "per array input", operator=operator, source=source, shapes=shapes, strategy=strategy,
                              fix=f"wrap it: ({tuple(strategy_t)},)")
     return tuple(normalize_tensor_strategy(s, operator=operator, source=source, which=f"{what} entry {i}",
-                                           strategy=strategy) for i, s in enumerate(strategy_t))
+                                           strategy=strategy, shapes=shapes) for i, s in enumerate(strategy_t))
 
 
 def check_against_shapes(strategies, shapes, *, operator, source, strategy, what: str) -> None:
@@ -186,17 +188,20 @@ def shard(fn: Callable, in_strategy, out_strategy=None) -> Callable:
     one per array output. Outside ``parallelize`` the wrapped function computes
     exactly what ``fn`` does."""
     name = _fn_name(fn)
-    where = caller_source()
     operator = f"shard({name})"
-    if in_strategy is None and out_strategy is not None:
-        raise sharding_error("out_strategy is given without an in_strategy", operator=operator, source=where,
-                             strategy=(None, out_strategy),
-                             fix="give in_strategy too (the out_strategy only says how the result is laid out)")
-    if in_strategy is None:
-        raise sharding_error("in_strategy is required", operator=operator, source=where,
-                             fix="pass e.g. shard(jnp.matmul, ((2, 4), (4, 1)))")
-    ins = normalize_strategy(in_strategy, operator=operator, source=where, what="in_strategy")
-    outs = normalize_strategy(out_strategy, operator=operator, source=where, what="out_strategy")
+
+    def check_given(source, shapes):
+        if in_strategy is None and out_strategy is not None:
+            raise sharding_error("out_strategy is given without an in_strategy", operator=operator, source=source,
+                                 shapes=shapes, strategy=(None, out_strategy),
+                                 fix="give in_strategy too (the out_strategy only says how the result is laid out)")
+        if in_strategy is None:
+            raise sharding_error("in_strategy is required", operator=operator, source=source, shapes=shapes,
+                                 fix="pass e.g. shard(jnp.matmul, ((2, 4), (4, 1)))")
+        ins = normalize_strategy(in_strategy, operator=operator, source=source, what="in_strategy", shapes=shapes)
+        outs = normalize_strategy(out_strategy, operator=operator, source=source, what="out_strategy",
+                                  shapes=shapes)
+        return ins, outs
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -204,6 +209,7 @@ def shard(fn: Callable, in_strategy, out_strategy=None) -> Callable:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
         shapes = tuple(tuple(np.shape(leaves[i])) for i in arrays)
+        ins, outs = check_given(source, shapes)
         check_against_shapes(ins, shapes, operator=operator, source=source, strategy=in_strategy,
                              what="in_strategy")
         rid = next(_region_ids)

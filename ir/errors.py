@@ -22,6 +22,7 @@ def sharding_error(problem: str, *, operator: str, source: Optional[str] = None,
 
 
 def _fmt(x) -> str:
-    if isinstance(x, (list, tuple)) and x and all(isinstance(s, tuple) for s in x):
-        return "(" + ", ".join(_fmt(s) for s in x) + ")"
+    if type(x) is tuple and x and all(isinstance(s, tuple) for s in x):
+        inner = ", ".join(_fmt(s) for s in x)
+        return f"({inner},)" if len(x) == 1 else f"({inner})"
     return str(x)
