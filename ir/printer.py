@@ -156,6 +156,8 @@ def print_graph(graph: Graph, rank: Optional[int] = None, title: str = "") -> st
             lay = f" {v.layout}" if v.layout is not None else ""
             lines.append(f"{name} = {kind}[{i}] : {v.type}{lay}")
     lines.append("")
+    # shard() calls are numbered globally at trace time; print them by order within this graph
+    region_no = {rid: i for i, rid in enumerate(sorted(graph.regions), start=1)}
     for op in graph.ops:
         ins = ", ".join(namer.use(v) for v in op.inputs)
         outs = ", ".join(namer.define(v) for v in op.outputs)
@@ -170,6 +172,8 @@ def print_graph(graph: Graph, rank: Optional[int] = None, title: str = "") -> st
             sig = f"({', '.join(typed(v) for v in op.inputs)}) -> {', '.join(typed(v) for v in op.outputs)}"
             if op.pinned is not None:
                 params = {**params, "pinned": op.pinned}
+            if "region" in params:
+                params = {**params, "region": region_no.get(params["region"], params["region"])}
         p = fmt_params(params or {}, skip=("wire_bytes",) if local else ())
         lines.append(f"{outs} = {op.kind}({ins}) {p} : {sig}".replace(")  :", ") :"))
         c = op_comment(op, mesh, not local)
