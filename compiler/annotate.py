@@ -62,9 +62,14 @@ class Region:
     out_shapes: tuple[tuple[int, ...], ...]
     user_in_strategy: Any
     user_out_strategy: Any
+    factors: Any = None   # compiler.regions.RegionFactors, when split counts need binding
 
     def describe(self) -> str:
         return f"shard({self.name})"
+
+    def operator(self) -> str:
+        prims = self.factors.operators if self.factors is not None else ()
+        return self.describe() + (f" ({', '.join(prims)})" if prims and len(prims) <= 3 else "")
 
 
 REGIONS: dict[int, Region] = {}
@@ -179,6 +184,29 @@ def check_against_shapes(strategies, shapes, *, operator, source, strategy, what
                                      + ", ".join(map(str, divisors)))
 
 
+def check_splits_agree(factors, ins, *, operator, source, shapes, strategy) -> None:
+    """Dims that are one factor of the operator (a matmul's contracted dims) need one split count."""
+    seen: dict[int, tuple[int, int, int]] = {}
+    for k, ((kind, body), classes) in enumerate(zip(ins, factors.classes)):
+        if kind != "splits":
+            continue
+        for d, c in enumerate(classes):
+            if c not in seen:
+                seen[c] = (k, d, body[d])
+                continue
+            k1, d1, s1 = seen[c]
+            if s1 != body[d]:
+                how = "contracted together" if factors.reduced[c] else "the same dimension of the operator"
+                fixed = [list(b) for _, b in ins]
+                fixed[k][d] = s1
+                prims = ", ".join(factors.operators)
+                raise sharding_error(
+                    f"input {k1} dim {d1} (size {shapes[k1][d1]}) and input {k} dim {d} (size {shapes[k][d]}) are "
+                    f"{how} ({prims}), but are split {s1} and {body[d]}", operator=operator, source=source,
+                    shapes=shapes, strategy=strategy,
+                    fix=f"give them the same split count, e.g. {tuple(tuple(b) for b in fixed)}")
+
+
 def shard(fn: Callable, in_strategy, out_strategy=None) -> Callable:
     """Mark one call of ``fn`` (an operator such as ``jnp.matmul``, or a small
     function) with a strategy, MindSpore style ``((2, 4), (4, 1))`` or JAX style
@@ -210,6 +238,11 @@ def shard(fn: Callable, in_strategy, out_strategy=None) -> Callable:
         arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
         shapes = tuple(tuple(np.shape(leaves[i])) for i in arrays)
         ins, outs = check_given(source, shapes)
+        factors = None
+        if any(kind == "splits" for kind, _ in ins):
+            from .regions import factor_classes
+            factors = factor_classes(fn, args, kwargs, arrays)
+            check_splits_agree(factors, ins, operator=operator, source=source, shapes=shapes, strategy=in_strategy)
         check_against_shapes(ins, shapes, operator=operator, source=source, strategy=in_strategy,
                              what="in_strategy")
         rid = next(_region_ids)
@@ -224,7 +257,7 @@ def shard(fn: Callable, in_strategy, out_strategy=None) -> Callable:
         if outs is not None:
             check_against_shapes(outs, out_shapes, operator=operator, source=source, strategy=out_strategy,
                                  what="out_strategy")
-        REGIONS[rid] = Region(rid, name, source, ins, outs, shapes, out_shapes, in_strategy, out_strategy)
+        REGIONS[rid] = Region(rid, name, source, ins, outs, shapes, out_shapes, in_strategy, out_strategy, factors)
         out_leaves = list(out_leaves)
         for k, i in enumerate(out_arrays):
             out_leaves[i] = mark_p.bind(out_leaves[i], region=rid, index=k, role="out", batch_dims=())

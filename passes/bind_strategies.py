@@ -28,21 +28,6 @@ from .rules import rule_for
 from .sharding import OpStrategy, factors_from_operands
 
 
-class _UnionFind:
-    def __init__(self):
-        self.parent = {}
-
-    def find(self, x):
-        self.parent.setdefault(x, x)
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a, b):
-        self.parent[self.find(a)] = self.find(b)
-
-
 def bind_runs(splits: list[int], mesh: Mesh) -> Optional[list[tuple[str, ...]]]:
     """Give each split count the next run of mesh axes whose sizes multiply to it."""
     out, k = [], 0
@@ -106,61 +91,31 @@ class BindUserStrategies:
             body.insert(d, 1 if kind == "splits" else ())
         return kind, tuple(body)
 
-    def _operator(self, plan) -> str:
-        region = plan["region"]
-        prims = sorted({op.kind for op in plan["body"]})
-        inner = f" ({', '.join(prims)})" if prims and len(prims) <= 3 else ""
-        return f"{region.describe()}{inner}"
+    @staticmethod
+    def _classes_row(region, mark: Op) -> list:
+        """The factor class of each dim of a marked input (None for dims vmap added)."""
+        row = list(region.factors.classes[mark.params["index"]])
+        for d in mark.params.get("batch_dims", ()):
+            row.insert(d, None)
+        return row
 
-    def _device_matrix(self, graph: Graph, plan) -> tuple[list[int], list[list[tuple[int, int]]]]:
-        """Factor classes over the region's input dims (first appearance order) with their splits."""
+    def _operator(self, plan) -> str:
+        return plan["region"].operator()
+
+    def _device_matrix(self, graph: Graph, plan) -> list[int]:
+        """MindSpore's device matrix: the split of each factor (first appearance over the
+        inputs' dims) that is split, then the repeat count."""
         region = plan["region"]
-        uf = _UnionFind()
-        links = {}
-        for op in plan["body"]:
-            rule = rule_for(op)
-            for f, places in enumerate(rule.factor_dims()):
-                keys = []
-                for side, t, d in places:
-                    tensor = op.inputs[t] if side == "operand" else op.outputs[t]
-                    fs = (rule.operands[t] if side == "operand" else rule.results[t])[d]
-                    if len(fs) == 1:
-                        keys.append((tensor.id, d))
-                for a, b in zip(keys, keys[1:]):
-                    uf.union(a, b)
-                    links.setdefault(frozenset((a, b)), (op, f in rule.reduction))
-        classes: dict = {}
-        order: list = []
-        for k, (mark, (kind, body)) in enumerate(zip(plan["ins"], plan["strategies"])):
-            v = mark.outputs[0]
-            for d in range(v.type.rank):
-                root = uf.find((v.id, d))
-                split = body[d] if kind == "splits" else None
-                if root not in classes:
-                    classes[root] = []
-                    order.append(root)
-                classes[root].append((k, d, split, v.type.shape[d]))
-        splits = []
-        for root in order:
-            members = [m for m in classes[root] if m[2] is not None]
-            distinct = {m[2] for m in members}
-            if len(distinct) > 1:
-                (k1, d1, s1, n1), (k2, d2, s2, n2) = members[0], next(m for m in members if m[2] != members[0][2])
-                how = "the same dimension"
-                keys = (plan["ins"][k1].outputs[0].id, d1), (plan["ins"][k2].outputs[0].id, d2)
-                link = links.get(frozenset(keys))
-                if link and link[1]:
-                    how = f"contracted together by {link[0].kind}"
-                fixed = [list(b) for _, b in plan["strategies"]]
-                fixed[k2][d2] = s1
-                suggestion = tuple(tuple(b) for b in fixed)
-                raise sharding_error(
-                    f"input {k1} dim {d1} (size {n1}) and input {k2} dim {d2} (size {n2}) are {how}, but "
-                    f"are split {s1} and {s2}", operator=self._operator(plan), source=region.source,
-                    shapes=region.in_shapes, strategy=region.user_in_strategy,
-                    fix=f"give them the same split count, e.g. {suggestion}")
-            splits.append(members[0][2] if members else 1)
-        plan["classes"] = (order, classes)
+        split_of: dict[int, int] = {}
+        for mark, (kind, body) in zip(plan["ins"], plan["strategies"]):
+            if kind != "splits":
+                continue
+            for c, s in zip(self._classes_row(region, mark), body):
+                if c is not None:
+                    split_of.setdefault(c, s)
+        order = sorted(split_of)
+        splits = [split_of[c] for c in order]
+        plan["class_axes_order"] = [c for c in order if split_of[c] > 1]
         total = math.prod(splits)
         n = graph.mesh.size
         if total > n:
@@ -205,18 +160,12 @@ class BindUserStrategies:
                                      strategy=region.user_in_strategy,
                                      fix="use PartitionSpec strategies naming the mesh axes, or split counts that "
                                          "follow the mesh axes in order")
-            order, classes = plan["classes"]
-            axes_of = {}
-            it = iter(runs)
-            for root in order:
-                members = [m for m in classes[root] if m[2] is not None]
-                split = members[0][2] if members else 1
-                axes_of[root] = next(it) if split > 1 else ()
-            root_of = {(k, d): root for root in order for (k, d, _, _) in classes[root]}
+            axes_of = dict(zip(plan["class_axes_order"], runs))
         for k, (mark, (kind, body)) in enumerate(zip(plan["ins"], plan["strategies"])):
             shape = mark.outputs[0].type.shape
             if kind == "splits":
-                layout = Layout(tuple(axes_of[root_of[(k, d)]] for d in range(len(shape))))
+                row = self._classes_row(region, mark)
+                layout = Layout(tuple(axes_of.get(c, ()) if s > 1 else () for c, s in zip(row, body)))
             else:
                 layout = self._axes_layout(body, shape, mesh, plan, f"in_strategy entry {k}")
             mark.pinned = layout

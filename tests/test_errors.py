@@ -36,7 +36,7 @@ def test_split_does_not_divide_dim():
 
 def test_contraction_splits_disagree():
     msg = plan_with(((2, 4), (2, 1)))
-    assert "input 0 dim 1 (size 32) and input 1 dim 0 (size 32) are contracted together by dot_general" in msg
+    assert "input 0 dim 1 (size 32) and input 1 dim 0 (size 32) are contracted together (dot_general)" in msg
     assert "split 4 and 2" in msg
     assert "e.g. ((2, 4), (4, 1))" in msg
 
