@@ -215,8 +215,10 @@ class _Propagation:
     def _best_candidate(self, op, rule, cur, sources, partial_operands):
         mesh = self.mesh
         cands: list[tuple[list, Optional[tuple], Optional[_Source]]] = []
+        pt_now = self.passthrough.get(op)
+        reserved = pt_now[1] if pt_now else ()   # axes a decided passthrough partial already holds
         for i, s in enumerate(sources):
-            cands.append((self._complete(rule, cur, [s] + sources[:i] + sources[i + 1:]), None, s))
+            cands.append((self._complete(rule, cur, [s] + sources[:i] + sources[i + 1:], reserved), None, s))
         if not sources:
             cands.append((list(cur), None, None))
         # what to do with pending partial operands
@@ -228,6 +230,8 @@ class _Propagation:
                 for gi, (group, gop) in enumerate(rule.linear):
                     if n not in group or gop != pop:
                         continue
+                    if any(a and set(a) & set(axes) for a in cur):
+                        continue  # a decided factor already holds one of the partial's axes
                     if all(self.partial.get(op.inputs[m], ((), "sum")) == (axes, pop) for m in group) and all(
                             not self.partial.get(op.inputs[m], ((), "sum"))[0]
                             for m in range(len(op.inputs)) if m not in group):
