@@ -13,6 +13,7 @@ from ir.errors import ShardingError, sharding_error
 from passes.cost import DEFAULT_COST, CostModel
 from runtime.lower import lower, partition_spec
 from runtime.mesh import resolve_mesh
+from runtime.placement import owned_ranks, place
 
 from .annotate import caller_source, normalize_tensor_strategy
 from .pipeline import Options, run_pipeline
@@ -128,7 +129,7 @@ class ParallelFunction:
         compiled = Compiled(fn, plan, out_tree, consts, in_shardings)
         self._cache[key] = compiled
         if self.dump_dir and not self._dumped:
-            plan.dump(self.dump_dir)
+            plan.dump(self.dump_dir, ranks=owned_ranks(graph.mesh.size, self.mesh_spec.devices))
             self._dumped = True
         return compiled
 
@@ -149,11 +150,7 @@ class ParallelFunction:
     def __call__(self, *args, **kwargs):
         c = self._compile(args, kwargs)
         leaves = jax.tree_util.tree_leaves((args, kwargs))
-        flat = []
-        for x, sharding in zip(list(leaves) + c.consts, c.in_shardings):
-            if isinstance(x, jax.Array) and x.sharding != sharding:
-                x = jax.device_put(x, sharding)
-            flat.append(x)
+        flat = [place(x, s) for x, s in zip(list(leaves) + c.consts, c.in_shardings)]
         outs = c.fn(*flat)
         return jax.tree_util.tree_unflatten(c.out_tree, list(outs))
 
