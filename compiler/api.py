@@ -147,11 +147,19 @@ class ParallelFunction:
         """Compile without running and return the plan."""
         return self._compile(args, kwargs).plan
 
+    def _flat_inputs(self, c: Compiled, args, kwargs) -> list:
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        return [place(x, s) for x, s in zip(list(leaves) + c.consts, c.in_shardings)]
+
+    def lower(self, *args, **kwargs):
+        """jax's ``Lowered`` for these arguments (``.compile()``, ``.as_text()``,
+        ``.compile().memory_analysis()``): what XLA is given to run."""
+        c = self._compile(args, kwargs)
+        return c.fn.lower(*self._flat_inputs(c, args, kwargs))
+
     def __call__(self, *args, **kwargs):
         c = self._compile(args, kwargs)
-        leaves = jax.tree_util.tree_leaves((args, kwargs))
-        flat = [place(x, s) for x, s in zip(list(leaves) + c.consts, c.in_shardings)]
-        outs = c.fn(*flat)
+        outs = c.fn(*self._flat_inputs(c, args, kwargs))
         return jax.tree_util.tree_unflatten(c.out_tree, list(outs))
 
 
