@@ -57,13 +57,41 @@ class PropagateSharding:
         self.allow_reduce_scatter = allow_reduce_scatter
 
     def __call__(self, graph: Graph) -> Graph:
-        _Propagation(graph, self).run()
+        # A second round knows which partial values the first round reduces anyway
+        # (for some consumer); their other consumers can then take the reduced value
+        # for free instead of carrying the partial further (which would need a second
+        # reduction later). The cheaper of the two plans is kept.
+        initial = {op: op.origin for op in graph.ops}
+        best, reduced = None, {}
+        for _ in range(2):
+            for op in graph.ops:
+                op.origin = initial[op]
+            prop = _Propagation(graph, self, reduced)
+            prop.run()
+            cost = prop.plan_cost()
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, prop.snapshot())
+            now = prop.reduced_values()
+            if now == reduced:
+                break
+            reduced = now
+        _restore(graph, best[1])
         return graph
 
 
+def _restore(graph: Graph, snap) -> None:
+    ops, values = snap
+    for op in graph.ops:
+        op.strategy, op.origin = ops[op]
+    for v in graph.values():
+        if v in values:
+            v.layout = values[v]
+
+
 class _Propagation:
-    def __init__(self, graph: Graph, cfg: PropagateSharding):
+    def __init__(self, graph: Graph, cfg: PropagateSharding, reduced: Optional[dict] = None):
         self.g = graph
+        self.reduced = reduced or {}   # value -> layouts a reshard of it makes anyway
         self.mesh = graph.mesh
         self.cfg = cfg
         self.rules: dict[Op, FactorRule] = {op: rule_for(op) for op in graph.ops}
@@ -119,12 +147,15 @@ class _Propagation:
                 if op.origin != "user" and not (op.kind == CONSTRAINT and op.pinned is not None):
                     self._decide(op, self._data_parallel_default(op), None, "default (data parallel)")
         self._drain()
-        for op in g.ops:  # what no neighbour constrains stays whole
+        # Settle the rest in program order: producers before consumers, so every
+        # pending partial is known when its consumer chooses how to resolve it,
+        # and what consumers wish (agreed backwards above) is known as hints.
+        for op in g.ops:
+            self._visit(op, settle=True)
             f = self.factors[op]
-            if any(a is None for a in f) or op not in self.passthrough:
-                self._decide(op, [a if a is not None else () for a in f], None,
-                             self.origin.get(op) or "default")
-                self._drain()
+            if any(a is None for a in f) or op not in self.passthrough:  # unconstrained: stays whole
+                self._decide(op, [a if a is not None else () for a in f], None, self.origin.get(op) or "default")
+            self._drain()
         self._finish()
 
     def _known_layout(self, v: Value) -> Optional[Layout]:
@@ -169,7 +200,10 @@ class _Propagation:
                 out.append(_Source("result", n, v, prop))
         return out
 
-    def _visit(self, op: Op) -> None:
+    def _visit(self, op: Op, settle: bool = False) -> None:
+        """Decide what the neighbours say about this op's open factors. Unless
+        ``settle``, only uncontested decisions are taken: every neighbour that says
+        something agrees and no pending partial must be resolved."""
         rule = self.rules[op]
         cur = self.factors[op]
         open_factors = [f for f, a in enumerate(cur) if a is None]
@@ -182,11 +216,24 @@ class _Propagation:
         if not useful and not (partial_operands and op not in self.passthrough and any(
                 self.dims.get(v) for v in op.inputs)):
             return
+        if not settle and (partial_operands and op not in self.passthrough or self._contested(rule, cur, useful)):
+            return
         best = self._best_candidate(op, rule, cur, useful or sources, partial_operands)
         if best is None:
             return
         factors, passthrough, lead = best
         self._decide(op, factors, passthrough, self._origin_from(lead))
+
+    def _contested(self, rule: FactorRule, cur: list, sources: list[_Source]) -> bool:
+        """Do the neighbours disagree about an open factor?"""
+        seen: dict[int, Axes] = {}
+        for s in sources:
+            for f, axes in s.proposal.items():
+                if cur[f] is None:
+                    if seen.setdefault(f, axes) != axes:
+                        return True
+        return len({tuple(self._complete(rule, cur, [s])) for s in sources}) > 1 and len(
+            {tuple(self._complete(rule, cur, sources[i:] + sources[:i])) for i in range(len(sources))}) > 1
 
     def _origin_from(self, lead: Optional[_Source]) -> str:
         if lead is None:
@@ -288,6 +335,8 @@ class _Propagation:
         return have, want
 
     def _redistribution(self, v: Value, have: Layout, want: Layout) -> float:
+        if want in self.reduced.get(v, ()):
+            return 0.0
         if not set(want.partial) <= set(have.partial):
             return IMPOSSIBLE
         if have.problems(v.type.shape, self.mesh) or want.problems(v.type.shape, self.mesh):
@@ -382,6 +431,44 @@ class _Propagation:
             return dim_axes(fs, cur, rule, self.mesh)
         except ValueError:
             return None
+
+    def snapshot(self):
+        return ({op: (op.strategy, op.origin) for op in self.g.ops},
+                {v: v.layout for v in self.g.values() if v.layout is not None})
+
+    def _needs(self):
+        """(value, layout an op needs it in) for every operand that must be redistributed."""
+        out = set()
+        for op in self.g.ops:
+            for n, v in enumerate(op.inputs):
+                if v.is_literal:
+                    continue
+                need = op.strategy.operand_layout(n, v.type.rank, self.mesh)
+                if need != v.layout:
+                    out.add((v, need))
+        for v in self.g.outputs:
+            if v.layout is not None and v.layout.partial:
+                out.add((v, v.layout.without_partial()))
+        return out
+
+    def reduced_values(self) -> dict:
+        out: dict = {}
+        for v, need in self._needs():
+            if v.layout.partial and not need.partial:
+                out.setdefault(v, set()).add(need)
+        return out
+
+    def plan_cost(self) -> float:
+        """Estimated time of the whole plan: every redistribution once, plus compute."""
+        total = 0.0
+        for v, need in self._needs():
+            total += redistribution_cost(v.type.shape, v.type.itemsize, v.layout, need, self.mesh,
+                                         self.cfg.allow_reduce_scatter, self.cfg.cost)
+        for op in self.g.ops:
+            degree = math.prod(self.mesh.axes_size(a) for a in op.strategy.factors if a)
+            touched = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
+            total += self.cfg.cost.compute_time(self.rules[op].flops / degree, touched / degree)
+        return total
 
     def _finish(self) -> None:
         mesh = self.mesh
