@@ -59,7 +59,7 @@ class Plan:
 
     def _ops(self, graph: Graph):
         mesh = graph.mesh
-        for op in graph.ops:
+        for _, op in graph.walk_ops():
             if op.kind in COLLECTIVE_KINDS:
                 continue
             ins = tuple(op.strategy.operand_layout(n, v.type.rank, mesh) for n, v in enumerate(op.inputs))
@@ -69,7 +69,7 @@ class Plan:
 
     def _collectives(self, graph: Graph):
         mesh = graph.mesh
-        for op in graph.ops:
+        for _, op in graph.walk_ops():
             if op.kind not in COLLECTIVE_KINDS:
                 continue
             if op.kind == "permute":

@@ -76,7 +76,10 @@ class _Importer:
             # Bodies traced inside library code (jax.nn.relu's custom_jvp) carry no user
             # frame of their own: they take the line of the call that holds them.
             source = source_of(eqn.source_info) or outer_source
-            if name in INLINE and INLINE[name] in eqn.params:
+            if name in CONTROL_FLOW:
+                outs = [Value(tensor_type(v.aval)) for v in eqn.outvars]
+                self.ops.append(CONTROL_FLOW[name](self, eqn, ins, outs, source))
+            elif name in INLINE and INLINE[name] in eqn.params:
                 body = eqn.params[INLINE[name]]
                 if isinstance(body, jcore.ClosedJaxpr):
                     outs = self.walk(body.jaxpr, [self.const(c) for c in body.consts], ins, source)
@@ -93,6 +96,61 @@ class _Importer:
                 if not isinstance(var, jcore.DropVar):
                     env[var] = val
         return [self.read(a, env) for a in jaxpr.outvars]
+
+
+    def body(self, closed, source) -> tuple[Graph, list[Value]]:
+        """A loop or branch body as a Graph. Arrays the body closes over become
+        explicit leading inputs (and operands of the loop op, returned here), so
+        that they are laid out and sliced like any other operand."""
+        sub = _Importer()
+        jaxpr = closed.jaxpr
+        const_in = [Value(tensor_type(np.asarray(c) if not isinstance(c, jax.Array) else c)) for c in closed.consts]
+        args = [Value(tensor_type(v.aval)) for v in jaxpr.invars]
+        outs = sub.walk(jaxpr, const_in, args, source)
+        hoisted_in = [Value(v.type) for v in sub.consts]
+        for inner, outer_in in zip(sub.consts, hoisted_in):
+            for op in sub.ops:
+                op.inputs = [outer_in if x is inner else x for x in op.inputs]
+            outs = [outer_in if x is inner else x for x in outs]
+        ops = _dead_code_elimination(sub.ops, outs)
+        _tag_regions(ops)
+        graph = Graph(None, hoisted_in + const_in + args, outs, ops, name="body")
+        outer = [self.const(v.const) for v in sub.consts] + [self.const(c) for c in closed.consts]
+        return graph, outer
+
+
+def _scan(imp: _Importer, eqn, ins, outs, source) -> Op:
+    body, extra = imp.body(eqn.params["jaxpr"], source)
+    params = {k: v for k, v in eqn.params.items() if k != "jaxpr"}
+    params["num_consts"] += len(extra)
+    return Op("scan", extra + ins, outs, params, source, prim=eqn.primitive, subgraphs=[body])
+
+
+def _while(imp: _Importer, eqn, ins, outs, source) -> Op:
+    p = eqn.params
+    cond, cond_extra = imp.body(p["cond_jaxpr"], source)
+    body, body_extra = imp.body(p["body_jaxpr"], source)
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    operands = cond_extra + ins[:nc] + body_extra + ins[nc:nc + nb] + ins[nc + nb:]
+    params = {"cond_nconsts": nc + len(cond_extra), "body_nconsts": nb + len(body_extra)}
+    return Op("while", operands, outs, params, source, prim=eqn.primitive, subgraphs=[cond, body])
+
+
+def _cond(imp: _Importer, eqn, ins, outs, source) -> Op:
+    """Branches share their operands; what one branch closes over the others take unused."""
+    graphs, extras = zip(*(imp.body(b, source) for b in eqn.params["branches"]))
+    total = [v for e in extras for v in e]
+    for i, (g, e) in enumerate(zip(graphs, extras)):
+        before = sum(len(x) for x in extras[:i])
+        others_before = [Value(v.type) for v in total[:before]]
+        others_after = [Value(v.type) for v in total[before + len(e):]]
+        g.inputs = others_before + g.inputs[:len(e)] + others_after + g.inputs[len(e):]
+    params = {k: v for k, v in eqn.params.items() if k != "branches"}
+    params["num_hoisted"] = len(total)
+    return Op("cond", [ins[0]] + total + ins[1:], outs, params, source, prim=eqn.primitive, subgraphs=list(graphs))
+
+
+CONTROL_FLOW = {"scan": _scan, "while": _while, "cond": _cond}
 
 
 def _dead_code_elimination(ops: list[Op], outputs: list[Value]) -> list[Op]:
@@ -168,7 +226,12 @@ def trace(fn, args, kwargs, mesh: Mesh):
     const_inputs = [v for v in imp.consts if v.id in live_consts]
     graph = Graph(mesh, inputs + const_inputs, outputs, ops, name=getattr(fn, "__name__", "main"),
                   input_names=names + ["const"] * len(const_inputs), num_user_inputs=len(inputs))
-    graph.regions = {rid: REGIONS[rid] for rid in sorted({op.region for op in ops if op.region is not None})}
+    graph.set_mesh(mesh)
+    graph.regions = {rid: REGIONS[rid] for rid in sorted({op.region for _, op in graph.walk_ops()
+                                                          if op.region is not None})}
+    for _, op in graph.walk_ops():
+        for body in op.subgraphs:
+            body.regions = graph.regions
     for i, v in enumerate(outputs):
         if v.is_literal:
             # A constant output still needs a value to return: broadcast it like any op would.

@@ -90,6 +90,7 @@ class Op:
     note: str = ""                         # free text for dumps (e.g. what a reshard serves)
     pinned: Optional[Layout] = None        # sharding_constraint: the layout the user fixed
     local_params: Optional[dict] = None    # params rewritten for local shapes (after localize)
+    subgraphs: list = field(default_factory=list)  # bodies of scan / while / cond, as Graphs
 
     def describe(self) -> str:
         """Operator, source line and shapes, for error messages."""
@@ -111,6 +112,19 @@ class Graph:
     pinned_inputs: dict = field(default_factory=dict)   # input index -> Layout fixed by the user
     pinned_outputs: dict = field(default_factory=dict)  # output index -> Layout fixed by the user
     count_mesh: bool = False                       # mesh built from a device count: axes may be reordered
+
+    def walk_ops(self) -> Iterator[tuple["Graph", Op]]:
+        """Every op with the graph it sits in, descending into loop and branch bodies."""
+        for op in self.ops:
+            yield self, op
+            for sub in op.subgraphs:
+                yield from sub.walk_ops()
+
+    def set_mesh(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        for _, op in self.walk_ops():
+            for sub in op.subgraphs:
+                sub.mesh = mesh
 
     def producers(self) -> dict[Value, Op]:
         return {v: op for op in self.ops for v in op.outputs}

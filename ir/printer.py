@@ -158,6 +158,19 @@ def print_graph(graph: Graph, rank: Optional[int] = None, title: str = "") -> st
     lines.append("")
     # shard() calls are numbered globally at trace time; print them by order within this graph
     region_no = {rid: i for i, rid in enumerate(sorted(graph.regions), start=1)}
+    _print_ops(graph, rank, namer, region_no, lines, "")
+    lines.append("")
+    lines.append("return " + ", ".join(namer.use(v) for v in graph.outputs))
+    return "\n".join(lines) + "\n"
+
+
+def _typed(v: Value) -> str:
+    return f"{v.type} {v.layout}" if v.layout is not None and not v.is_literal else str(v.type)
+
+
+def _print_ops(graph: Graph, rank, namer: Namer, region_no: dict, lines: list, indent: str) -> None:
+    mesh = graph.mesh
+    local = rank is not None
     for op in graph.ops:
         ins = ", ".join(namer.use(v) for v in op.inputs)
         outs = ", ".join(namer.define(v) for v in op.outputs)
@@ -167,18 +180,21 @@ def print_graph(graph: Graph, rank: Optional[int] = None, title: str = "") -> st
                    f"{', '.join(str(v.local_type) for v in op.outputs)}")
         else:
             params = op.params
-            def typed(v):
-                return f"{v.type} {v.layout}" if v.layout is not None and not v.is_literal else str(v.type)
-            sig = f"({', '.join(typed(v) for v in op.inputs)}) -> {', '.join(typed(v) for v in op.outputs)}"
+            sig = f"({', '.join(_typed(v) for v in op.inputs)}) -> {', '.join(_typed(v) for v in op.outputs)}"
             if op.pinned is not None:
                 params = {**params, "pinned": op.pinned}
             if "region" in params:
                 params = {**params, "region": region_no.get(params["region"], params["region"])}
         p = fmt_params(params or {}, skip=("wire_bytes",) if local else ())
-        lines.append(f"{outs} = {op.kind}({ins}) {p} : {sig}".replace(")  :", ") :"))
+        lines.append(indent + f"{outs} = {op.kind}({ins}) {p} : {sig}".replace(")  :", ") :"))
         c = op_comment(op, mesh, not local)
         if c:
-            lines.append(c)
-    lines.append("")
-    lines.append("return " + ", ".join(namer.use(v) for v in graph.outputs))
-    return "\n".join(lines) + "\n"
+            lines.append(indent + c)
+        for i, body in enumerate(op.subgraphs):
+            lines.append(indent + f"  body {i} {{")
+            for k, v in enumerate(body.inputs):
+                t = (f"{v.local_type}" if local else _typed(v))
+                lines.append(indent + f"    {namer.define(v)} = body_input[{k}] : {t}")
+            _print_ops(body, rank, namer, region_no, lines, indent + "    ")
+            lines.append(indent + "    yield " + ", ".join(namer.use(v) for v in body.outputs))
+            lines.append(indent + "  }")

@@ -21,9 +21,15 @@ class VerificationError(AssertionError):
 def verify(graph: Graph, stage: str) -> None:
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}")
-    level = STAGES.index(stage)
-    mesh = graph.mesh
     problems: list[str] = []
+    _check(graph, STAGES.index(stage), problems)
+    if problems:
+        raise VerificationError(f"after {stage}:\n  " + "\n  ".join(problems))
+
+
+def _check(graph: Graph, level: int, problems: list[str]) -> None:
+    """Problems of one graph, then of the bodies of its loops and branches."""
+    mesh = graph.mesh
     defined = {v.id for v in graph.inputs}
     for op in graph.ops:
         for v in op.inputs:
@@ -78,5 +84,6 @@ def verify(graph: Graph, stage: str) -> None:
             want = v.layout.local_shape(v.type.shape, mesh)
             if v.local_type is None or v.local_type.shape != want:
                 problems.append(f"value {v}: local type {v.local_type}, expected shape {want}")
-    if problems:
-        raise VerificationError(f"after {stage}:\n  " + "\n  ".join(problems))
+    for op in graph.ops:
+        for body in op.subgraphs:
+            _check(body, level, problems)

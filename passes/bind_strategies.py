@@ -49,7 +49,7 @@ class BindUserStrategies:
     def __call__(self, graph: Graph) -> Graph:
         regions = self._region_plans(graph)
         if graph.count_mesh:
-            graph.mesh = self._choose_mesh(graph, regions)
+            graph.set_mesh(self._choose_mesh(graph, regions))
         mesh = graph.mesh
         for rid, plan in regions.items():
             self._bind_region(graph, rid, plan, mesh)
@@ -70,11 +70,12 @@ class BindUserStrategies:
         """Per region: its marks, ops, and (for split counts) the device matrix."""
         plans = {}
         for rid, region in graph.regions.items():
-            ins = sorted((op for op in graph.ops if op.kind == CONSTRAINT and op.region == rid
-                          and op.params["role"] == "in"), key=lambda o: o.params["index"])
-            outs = sorted((op for op in graph.ops if op.kind == CONSTRAINT and op.region == rid
-                           and op.params["role"] == "out"), key=lambda o: o.params["index"])
-            body = [op for op in graph.ops if op.region == rid and op.kind != CONSTRAINT]
+            every = [op for _, op in graph.walk_ops() if op.region == rid]  # regions may sit in loop bodies
+            ins = sorted((op for op in every if op.kind == CONSTRAINT and op.params["role"] == "in"),
+                         key=lambda o: o.params["index"])
+            outs = sorted((op for op in every if op.kind == CONSTRAINT and op.params["role"] == "out"),
+                          key=lambda o: o.params["index"])
+            body = [op for op in every if op.kind != CONSTRAINT]
             plans[rid] = dict(region=region, ins=ins, outs=outs, body=body, matrix=None)
             strategies = [self._expand_batch(region.in_strategy[m.params["index"]], m) for m in ins]
             plans[rid]["strategies"] = strategies

@@ -64,6 +64,9 @@ class InsertReshards:
             outputs[i] = reshard(v, target, None, f"for output {i}")
         graph.outputs = outputs
         graph.ops = new_ops
+        for op in graph.ops:
+            for body in op.subgraphs:
+                self(body)
         return graph
 
     def output_layout(self, v: Value, mesh) -> Layout:

@@ -25,6 +25,8 @@ class Localize:
             else:
                 v.local_type = TensorType(v.layout.local_shape(v.type.shape, mesh), v.type.dtype)
         for op in graph.ops:
+            for body in op.subgraphs:
+                self(body)
             fn = LOCALIZERS.get(op.kind)
             if fn is None or op.kind in COLLECTIVE_KINDS:
                 op.local_params = dict(op.params)

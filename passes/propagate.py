@@ -57,6 +57,41 @@ class PropagateSharding:
         self.allow_reduce_scatter = allow_reduce_scatter
 
     def __call__(self, graph: Graph) -> Graph:
+        seeds = {op: self._body_wishes(op, graph) for op in graph.ops if op.subgraphs}
+        self._plan(graph, {op: s for op, s in seeds.items() if s})
+        for op in graph.ops:
+            for body, pins_in, pins_out in boundary_layouts(op, graph.mesh):
+                body.pinned_inputs.update(pins_in)
+                body.pinned_outputs.update(pins_out)
+                self(body)
+        return graph
+
+    def _body_wishes(self, op: Op, graph: Graph) -> Optional[list]:
+        """What shard() calls inside a loop/branch body say about its boundary:
+        agreement-only propagation in the body, read back as factors of the op."""
+        rule = rule_for(op)
+        factors: list = [None] * rule.num_factors
+        found = False
+        for body, pairs in boundary_pairs(op):
+            if not any(o.kind == CONSTRAINT and o.pinned is not None for o in body.ops):
+                continue
+            prop = _Propagation(body, self)
+            prop.seed()
+            prop._drain()
+            for side, n, v, lead in pairs:
+                dims = prop.dims.get(v)
+                if not dims:
+                    continue
+                dims = ([()] if lead else []) + list(dims)
+                fs = rule.operands[n] if side == "operand" else rule.results[n]
+                for f, axes in project(fs, dims, rule, graph.mesh).items():
+                    used = {a for x in factors if x for a in x}
+                    if factors[f] is None and (not axes or rule.shardable(f) and not used & set(axes)):
+                        factors[f] = axes
+                        found = True
+        return factors if found else None
+
+    def _plan(self, graph: Graph, seeds: dict) -> None:
         # A second round knows which partial values the first round reduces anyway
         # (for some consumer); their other consumers can then take the reduced value
         # for free instead of carrying the partial further (which would need a second
@@ -66,7 +101,7 @@ class PropagateSharding:
         for _ in range(2):
             for op in graph.ops:
                 op.origin = initial[op]
-            prop = _Propagation(graph, self, reduced)
+            prop = _Propagation(graph, self, reduced, seeds)
             prop.run()
             cost = prop.plan_cost()
             if best is None or cost < best[0] - 1e-12:
@@ -76,7 +111,47 @@ class PropagateSharding:
                 break
             reduced = now
         _restore(graph, best[1])
-        return graph
+
+
+def boundary_pairs(op: Op):
+    """For each body of a loop/branch op: (side, index of the op's operand/result,
+    body value, whether the op's tensor has a leading iteration dim)."""
+    if op.kind == "scan":
+        body = op.subgraphs[0]
+        nc, ncarry = op.params["num_consts"], op.params["num_carry"]
+        pairs = [("operand", i, v, i >= nc + ncarry) for i, v in enumerate(body.inputs)]
+        pairs += [("result", i, v, i >= ncarry) for i, v in enumerate(body.outputs)]
+        yield body, pairs
+    elif op.kind == "while":
+        cond, body = op.subgraphs
+        nc, nb = op.params["cond_nconsts"], op.params["body_nconsts"]
+        carry = len(body.outputs)
+        yield cond, [("operand", i, v, False) for i, v in enumerate(cond.inputs[:nc])] + \
+            [("operand", nc + nb + i, v, False) for i, v in enumerate(cond.inputs[nc:])]
+        yield body, [("operand", nc + i, v, False) for i, v in enumerate(body.inputs)] + \
+            [("result", i, v, False) for i, v in enumerate(body.outputs[:carry])]
+    elif op.kind == "cond":
+        for b in op.subgraphs:
+            yield b, [("operand", i + 1, v, False) for i, v in enumerate(b.inputs)] + \
+                [("result", i, v, False) for i, v in enumerate(b.outputs)]
+
+
+def boundary_layouts(op: Op, mesh):
+    """The layouts a body's inputs arrive in and its outputs must leave in, from the
+    op's strategy (a while's condition returns a replicated scalar)."""
+    for body, pairs in boundary_pairs(op):
+        pins_in, pins_out = {}, {}
+        for side, n, v, lead in pairs:
+            if side == "operand":
+                layout = op.strategy.operand_layout(n, op.inputs[n].type.rank, mesh)
+            else:
+                layout = op.strategy.result_layout(n, mesh)
+            layout = Layout(layout.dims[1:] if lead else layout.dims)
+            index = (body.inputs if side == "operand" else body.outputs).index(v)
+            (pins_in if side == "operand" else pins_out)[index] = layout
+        if op.kind == "while" and body is op.subgraphs[0]:
+            pins_out[0] = Layout(())
+        yield body, pins_in, pins_out
 
 
 def _restore(graph: Graph, snap) -> None:
@@ -89,9 +164,11 @@ def _restore(graph: Graph, snap) -> None:
 
 
 class _Propagation:
-    def __init__(self, graph: Graph, cfg: PropagateSharding, reduced: Optional[dict] = None):
+    def __init__(self, graph: Graph, cfg: PropagateSharding, reduced: Optional[dict] = None,
+                 seeds: Optional[dict] = None):
         self.g = graph
         self.reduced = reduced or {}   # value -> layouts a reshard of it makes anyway
+        self.seeds = seeds or {}       # loop op -> factors its body's shard() calls imply
         self.mesh = graph.mesh
         self.cfg = cfg
         self.rules: dict[Op, FactorRule] = {op: rule_for(op) for op in graph.ops}
@@ -126,22 +203,39 @@ class _Propagation:
         return f"{kind} at {op.source}" if op.source else kind
 
     # -- driver -----------------------------------------------------------------
-    def run(self) -> None:
+    def seed(self) -> None:
+        """What is fixed before anything propagates: pinned inputs and outputs,
+        user constraints, ops inside shard() regions, loops with annotated bodies."""
         g = self.g
         for i, layout in g.pinned_inputs.items():
             v = g.inputs[i]
             self.dims[v] = list(layout.dims)
-            self.setter[v] = ("input", f"in_strategy of input {g.input_names[i]}")
+            name = g.input_names[i] if i < len(g.input_names) else f"#{i}"
+            self.setter[v] = ("input", f"in_strategy of input {name}" if g.name != "body" else "loop boundary")
             for u in self.users.get(v, []):
                 self._enqueue(u)
+        for i, layout in g.pinned_outputs.items():
+            v = g.outputs[i]
+            if v not in self.dims and not v.is_literal:
+                self.dims[v] = list(layout.dims)
+                self.setter[v] = ("consumer", f"out_strategy of output {i}" if g.name != "body" else "loop boundary")
+                self._enqueue(self.producer.get(v))
         for op in g.ops:
             if op.kind == CONSTRAINT and op.pinned is not None:
                 self._decide(op, list(op.pinned.dims), None, "user")
         for op in g.ops:
             if op.region is not None and op.kind != CONSTRAINT:
-                layouts = [self._known_layout(v) for v in op.inputs]
+                # the user's strategy is what the shard() marks pin; other operands adapt
+                layouts = [self._known_layout(v) if self._is_pinned_mark(self.producer.get(v)) else None
+                           for v in op.inputs]
                 factors, _ = factors_from_operands(self.rules[op], op, layouts, self.mesh)
                 self._decide(op, factors, None, "user")
+        for op, factors in self.seeds.items():
+            self._decide(op, factors, None, f"from shard() inside the {op.kind} body")
+
+    def run(self) -> None:
+        g = self.g
+        self.seed()
         if self.cfg.mode == "semi_auto":
             for op in g.ops:
                 if op.origin != "user" and not (op.kind == CONSTRAINT and op.pinned is not None):
@@ -157,6 +251,10 @@ class _Propagation:
                 self._decide(op, [a if a is not None else () for a in f], None, self.origin.get(op) or "default")
             self._drain()
         self._finish()
+
+    @staticmethod
+    def _is_pinned_mark(op: Optional[Op]) -> bool:
+        return op is not None and op.kind == CONSTRAINT and op.pinned is not None
 
     def _known_layout(self, v: Value) -> Optional[Layout]:
         d = self.dims.get(v)

@@ -44,4 +44,7 @@ class ReshardToCollectives:
                               note=op.note))
                 cur = nxt
         graph.ops = out
+        for op in graph.ops:
+            for body in op.subgraphs:
+                self(body)
         return graph

@@ -12,7 +12,7 @@ def summary_text(graph: Graph) -> str:
     """Collectives by kind: how many, and bytes each device sends per step."""
     by_kind = defaultdict(lambda: [0, 0])
     lines = [f"# shardprop summary; mesh {graph.mesh} ({graph.mesh.size} devices)", ""]
-    for op in graph.ops:
+    for _, op in graph.walk_ops():
         if op.kind in COLLECTIVE_KINDS:
             by_kind[op.kind][0] += 1
             by_kind[op.kind][1] += op.params.get("wire_bytes", 0)
@@ -24,8 +24,8 @@ def summary_text(graph: Graph) -> str:
     total = sum(b for _, b in by_kind.values())
     lines.append(f"{'total':<16}{sum(n for n, _ in by_kind.values()):>8}{total:>20}")
     lines.append("")
-    lines.append("collectives in program order:")
-    for op in graph.ops:
+    lines.append("collectives in program order (those in loop bodies run once per iteration):")
+    for _, op in graph.walk_ops():
         if op.kind in COLLECTIVE_KINDS:
             p = {k: v for k, v in op.params.items() if k not in ("wire_bytes", "pairs")}
             lines.append(f"  {op.kind:<15} {op.inputs[0].local_type} -> {op.outputs[0].local_type} "

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ir.graph import Graph, Op, Value
+from ir.graph import COLLECTIVE_KINDS, Graph, Op, Value
 from ir.layout import Layout
 
 
@@ -71,20 +71,56 @@ def _read(env: dict, v: Value):
     return env[v.id]
 
 
-def build_body(graph: Graph) -> Callable:
-    from ir.graph import COLLECTIVE_KINDS
+def run_graph(graph: Graph, args: Sequence) -> list:
+    """Replay a localized graph on local blocks (inside shard_map)."""
+    env = {v.id: x for v, x in zip(graph.inputs, args)}
+    for op in graph.ops:
+        ins = [_read(env, v) for v in op.inputs]
+        if op.kind in COLLECTIVE_KINDS:
+            outs = [_run_collective(op, ins[0], graph.mesh.axis_names)]
+        elif op.kind in _CONTROL_FLOW:
+            outs = _CONTROL_FLOW[op.kind](op, ins)
+        else:
+            outs = _run_primitive(op, ins)
+        for v, x in zip(op.outputs, outs):
+            env[v.id] = x
+    return [_read(env, v) for v in graph.outputs]
 
+
+def _run_scan(op: Op, args: list) -> list:
+    body = op.subgraphs[0]
+    p = op.local_params
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    consts, init, xs = args[:nc], args[nc:nc + ncarry], args[nc + ncarry:]
+
+    def step(carry, x):
+        outs = run_graph(body, list(consts) + list(carry) + list(x))
+        return tuple(outs[:ncarry]), tuple(outs[ncarry:])
+    carry, ys = lax.scan(step, tuple(init), tuple(xs), length=p["length"], reverse=p["reverse"],
+                         unroll=p.get("unroll", 1))
+    return list(carry) + list(ys)
+
+
+def _run_while(op: Op, args: list) -> list:
+    cond, body = op.subgraphs
+    nc, nb = op.params["cond_nconsts"], op.params["body_nconsts"]
+    cconsts, bconsts, init = args[:nc], args[nc:nc + nb], args[nc + nb:]
+    out = lax.while_loop(lambda c: run_graph(cond, list(cconsts) + list(c))[0],
+                         lambda c: tuple(run_graph(body, list(bconsts) + list(c))), tuple(init))
+    return list(out)
+
+
+def _run_cond(op: Op, args: list) -> list:
+    branches = [lambda *a, g=g: tuple(run_graph(g, list(a))) for g in op.subgraphs]
+    return list(lax.switch(args[0], branches, *args[1:]))
+
+
+_CONTROL_FLOW = {"scan": _run_scan, "while": _run_while, "cond": _run_cond}
+
+
+def build_body(graph: Graph) -> Callable:
     def body(*local_inputs):
-        env = {v.id: x for v, x in zip(graph.inputs, local_inputs)}
-        for op in graph.ops:
-            args = [_read(env, v) for v in op.inputs]
-            if op.kind in COLLECTIVE_KINDS:
-                outs = [_run_collective(op, args[0], graph.mesh.axis_names)]
-            else:
-                outs = _run_primitive(op, args)
-            for v, x in zip(op.outputs, outs):
-                env[v.id] = x
-        return tuple(_read(env, v) for v in graph.outputs)
+        return tuple(run_graph(graph, local_inputs))
     return body
 
 
