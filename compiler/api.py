@@ -112,14 +112,14 @@ class ParallelFunction:
         if key in self._cache:
             return self._cache[key]
         t0 = time.perf_counter()
-        graph, out_tree = trace(self.fn, args, kwargs, self.mesh_spec.ir_mesh)
+        graph, out_tree = self._trace(args, kwargs)
         trace_s = time.perf_counter() - t0
-        graph.count_mesh = not self.mesh_spec.named
         self._out_tree = out_tree
-        self._pins(args, kwargs, graph)
-        res = run_pipeline(graph, self.options, keep_texts=True)
+        res = run_pipeline(graph, self.options, keep_texts=bool(self.dump_dir))
         graph = res.graph
-        plan = Plan(graph, res.texts, res.seconds, trace_s)
+        plan = Plan(graph, res.texts, res.seconds, trace_s,
+                    regenerate_texts=lambda: run_pipeline(self._trace(args, kwargs)[0], self.options,
+                                                          keep_texts=True).texts)
         jmesh = self.mesh_spec.jax_mesh(graph.mesh)
         n_user = graph.num_user_inputs
         donate = self._donated_leaves(args) if self.donate_argnums else ()
@@ -132,6 +132,13 @@ class ParallelFunction:
             plan.dump(self.dump_dir, ranks=owned_ranks(graph.mesh.size, self.mesh_spec.devices))
             self._dumped = True
         return compiled
+
+    def _trace(self, args, kwargs):
+        graph, out_tree = trace(self.fn, args, kwargs, self.mesh_spec.ir_mesh)
+        graph.count_mesh = not self.mesh_spec.named
+        self._out_tree = out_tree
+        self._pins(args, kwargs, graph)
+        return graph, out_tree
 
     def _donated_leaves(self, args) -> tuple:
         out, i = [], 0

@@ -48,10 +48,12 @@ class PlanCollective:
 
 
 class Plan:
-    def __init__(self, graph: Graph, pass_texts: dict, pass_seconds: dict, trace_seconds: float):
+    def __init__(self, graph: Graph, pass_texts: dict, pass_seconds: dict, trace_seconds: float,
+                 regenerate_texts=None):
         self.graph = graph
         self.mesh: Mesh = graph.mesh
         self.pass_texts = pass_texts
+        self._regenerate_texts = regenerate_texts  # printing every pass is slow: done on demand
         self.pass_seconds = dict(pass_seconds)
         self.trace_seconds = trace_seconds
         self.ops = tuple(self._ops(graph))
@@ -98,6 +100,8 @@ class Plan:
         return summary_text(self.graph)
 
     def dump(self, dump_dir: str, ranks=None) -> None:
+        if not self.pass_texts and self._regenerate_texts is not None:
+            self.pass_texts = self._regenerate_texts()
         write_dumps(dump_dir, self.graph, self.pass_texts, ranks)
 
     def __str__(self):

@@ -10,6 +10,7 @@ the tensor, except those in ``partial``: along them every rank holds a summand
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from .mesh import Mesh
@@ -73,6 +74,9 @@ class Layout:
         local = self.local_shape(shape, mesh)
         return tuple(i * n for i, n in zip(self.block_index(rank, mesh), local))
 
+    def fits(self, shape: tuple, mesh: Mesh) -> bool:
+        return _fits(self, tuple(shape), mesh)
+
     def problems(self, shape: Sequence[int], mesh: Mesh) -> list[str]:
         """Why this layout cannot hold a tensor of ``shape`` on ``mesh`` (empty if it can)."""
         out = []
@@ -98,3 +102,8 @@ class Layout:
         if self.partial:
             body += f" partial_{self.partial_op}{{{','.join(self.partial)}}}"
         return body
+
+
+@lru_cache(maxsize=65536)
+def _fits(layout: Layout, shape: tuple, mesh: Mesh) -> bool:
+    return not layout.problems(shape, mesh)

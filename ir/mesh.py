@@ -46,8 +46,19 @@ class Mesh:
         except KeyError:
             raise KeyError(f"mesh has no axis {axis!r}; its axes are {self.axis_names}") from None
 
+    @cached_property
+    def _sizes(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.axis_sizes))
+
     def axes_size(self, axes: Iterable[str]) -> int:
-        return math.prod(self.axis_size(a) for a in axes)
+        sizes = self._sizes
+        n = 1
+        for a in axes:
+            try:
+                n *= sizes[a]
+            except KeyError:
+                raise KeyError(f"mesh has no axis {a!r}; its axes are {self.axis_names}") from None
+        return n
 
     def sort_axes(self, axes: Iterable[str]) -> tuple[str, ...]:
         """Axes in mesh order (major first)."""

@@ -55,6 +55,7 @@ class PropagateSharding:
         self.mode = mode
         self.cost = cost
         self.allow_reduce_scatter = allow_reduce_scatter
+        self.memo: dict = {}   # situation at an op -> the choice made there
 
     def __call__(self, graph: Graph) -> Graph:
         seeds = {op: self._body_wishes(op, graph) for op in graph.ops if op.subgraphs}
@@ -103,14 +104,49 @@ class PropagateSharding:
                 op.origin = initial[op]
             prop = _Propagation(graph, self, reduced, seeds)
             prop.run()
-            cost = prop.plan_cost()
+            needs = prop.needs()
+            cost = prop.plan_cost(needs)
             if best is None or cost < best[0] - 1e-12:
                 best = (cost, prop.snapshot())
-            now = prop.reduced_values()
-            if now == reduced:
+            now = prop.reduced_values(needs)
+            if now == reduced or not prop.carried_elsewhere(now):
                 break
             reduced = now
         _restore(graph, best[1])
+        sink_reductions(graph)
+
+
+def sink_reductions(graph: Graph) -> None:
+    """Move an all_reduce past a linear op that is its value's only user and makes
+    nothing bigger: ``add(AR(a), AR(b))`` becomes ``AR(add(a, b))``, one reduction
+    instead of two (the two gradient contributions of a tied embedding, say).
+    Neutral where nothing merges, so it is only a rewrite, never a loss."""
+    mesh = graph.mesh
+    users = graph.users()
+    for op in graph.ops:
+        st = op.strategy
+        if st is None or st.passthrough is not None or op.kind == CONSTRAINT:
+            continue
+        for gi, (group, gop) in enumerate(st.rule.linear):
+            vals = [op.inputs[n] for n in group]
+            if any(v.is_literal or v.layout is None for v in vals):
+                continue
+            first = vals[0].layout
+            if not first.partial or first.partial_op != gop:
+                continue
+            same = all(v.layout.partial == first.partial and v.layout.partial_op == gop for v in vals)
+            others_whole = all(not v.layout.partial for n, v in enumerate(op.inputs)
+                               if n not in group and not v.is_literal and v.layout is not None)
+            sole_user = all(len(users.get(v, [])) == 1 and v not in graph.outputs for v in vals)
+            free_axes = not any(set(a) & set(first.partial) for a in st.factors if a)
+            only_reduced = all(st.operand_layout(n, op.inputs[n].type.rank, mesh) == op.inputs[n].layout.without_partial()
+                               for n in group)
+            smaller = all(math.prod(r.type.shape) <= math.prod(v.type.shape) for r in op.outputs for v in vals)
+            if same and others_whole and sole_user and free_axes and only_reduced and smaller:
+                op.strategy = OpStrategy(st.rule, st.factors, (gi, first.partial))
+                for n, v in enumerate(op.outputs):
+                    v.layout = op.strategy.result_layout(n, mesh)
+                break
 
 
 def boundary_pairs(op: Op):
@@ -357,7 +393,31 @@ class _Propagation:
                 used.update(axes)
         return cand
 
+    def _situation(self, op, rule, cur, sources, partial_operands) -> tuple:
+        """Everything the choice at this op depends on. Repeated layers meet the same
+        situation again and again, so the choice is computed once per situation."""
+        def value_state(v):
+            d = self.dims.get(v)
+            return (v.type, tuple(d) if d is not None else None, self.partial.get(v),
+                    frozenset(self.reduced.get(v, ())))
+        return (rule, tuple(cur), self.passthrough.get(op, "open"),
+                tuple((s.kind, s.index, tuple(sorted(s.proposal.items()))) for s in sources),
+                tuple(partial_operands), tuple(value_state(v) for v in op.inputs),
+                tuple(value_state(v) for v in op.outputs))
+
     def _best_candidate(self, op, rule, cur, sources, partial_operands):
+        key = self._situation(op, rule, cur, sources, partial_operands)
+        memo = self.cfg.memo
+        if key not in memo:
+            best = self._best_candidate_uncached(op, rule, cur, sources, partial_operands)
+            memo[key] = None if best is None else (best[0], best[1], sources.index(best[2]) if best[2] else None)
+        hit = memo[key]
+        if hit is None:
+            return None
+        c, pt, i = hit
+        return list(c), pt, (sources[i] if i is not None else None)
+
+    def _best_candidate_uncached(self, op, rule, cur, sources, partial_operands):
         mesh = self.mesh
         cands: list[tuple[list, Optional[tuple], Optional[_Source]]] = []
         pt_now = self.passthrough.get(op)
@@ -413,7 +473,7 @@ class _Propagation:
             scored.append((round(cost, 15), balance, idx, c, pt, s))
         if not scored:
             return None
-        _, _, _, c, pt, s = min(scored, key=lambda t: t[:3])
+        *_, c, pt, s = min(scored, key=lambda t: t[:3])
         return c, pt, s
 
     # -- costs ------------------------------------------------------------------
@@ -437,7 +497,7 @@ class _Propagation:
             return 0.0
         if not set(want.partial) <= set(have.partial):
             return IMPOSSIBLE
-        if have.problems(v.type.shape, self.mesh) or want.problems(v.type.shape, self.mesh):
+        if not have.fits(v.type.shape, self.mesh) or not want.fits(v.type.shape, self.mesh):
             return IMPOSSIBLE
         return redistribution_cost(v.type.shape, v.type.itemsize, have, want, self.mesh,
                                    self.cfg.allow_reduce_scatter, self.cfg.cost)
@@ -534,7 +594,7 @@ class _Propagation:
         return ({op: (op.strategy, op.origin) for op in self.g.ops},
                 {v: v.layout for v in self.g.values() if v.layout is not None})
 
-    def _needs(self):
+    def needs(self):
         """(value, layout an op needs it in) for every operand that must be redistributed."""
         out = set()
         for op in self.g.ops:
@@ -549,17 +609,29 @@ class _Propagation:
                 out.add((v, v.layout.without_partial()))
         return out
 
-    def reduced_values(self) -> dict:
+    def carried_elsewhere(self, reduced: dict) -> bool:
+        """Does some value that gets reduced reach another op in a different layout
+        (still partial, or reduced differently)? Only then can a second round save
+        a redistribution, by letting that op take the reduced value."""
+        for v in reduced:
+            wanted = {u.strategy.operand_layout(n, v.type.rank, self.mesh)
+                      for u in self.users.get(v, []) for n, x in enumerate(u.inputs) if x is v}
+            if len(wanted) > 1:
+                return True
+        return False
+
+    def reduced_values(self, needs) -> dict:
+        """Partial values some op all-reduces in place (same dims, sum completed)."""
         out: dict = {}
-        for v, need in self._needs():
-            if v.layout.partial and not need.partial:
+        for v, need in needs:
+            if v.layout.partial and need == v.layout.without_partial():
                 out.setdefault(v, set()).add(need)
         return out
 
-    def plan_cost(self) -> float:
+    def plan_cost(self, needs) -> float:
         """Estimated time of the whole plan: every redistribution once, plus compute."""
         total = 0.0
-        for v, need in self._needs():
+        for v, need in needs:
             total += redistribution_cost(v.type.shape, v.type.itemsize, v.layout, need, self.mesh,
                                          self.cfg.allow_reduce_scatter, self.cfg.cost)
         for op in self.g.ops:

@@ -1,0 +1,64 @@
+"""Megatron plans from two annotations per layer (QKV heads, first MLP matmul
+columns): exactly one all_reduce per attention block and per MLP block forward,
+their conjugates backward, no weight gathered; on dp x mp, the tensor-parallel
+reductions stay inside mp groups and gradients are reduced over dp only."""
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from compiler import parallelize
+from tests.helpers import assert_trees_close
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import gpt_megatron as M  # noqa: E402
+
+CFG = M.Config(layers=2)
+PARAMS = M.init_params(CFG)
+TOKENS, TARGETS = M.make_batch(CFG)
+ACTIVATION = (CFG.batch, CFG.seq, CFG.embed)
+
+
+def test_forward_one_all_reduce_per_block():
+    par = M.Parallelism.tensor(8)
+    plan = parallelize(lambda p, t: M.forward(p, t, par, CFG), mesh=8).plan(PARAMS, TOKENS)
+    kinds = [(c.kind, c.in_shape) for c in plan.collectives]
+    assert kinds == [("all_reduce", ACTIVATION)] * (2 * CFG.layers)
+
+
+def test_training_step_is_megatron():
+    step, opt = M.make_train_step(M.Parallelism.tensor(8), CFG)
+    state = opt.init(PARAMS)
+    pstep = parallelize(step, mesh=8)
+    plan = pstep.plan(PARAMS, state, TOKENS, TARGETS)
+    # 2 forward + 2 backward all_reduces per layer, of the activation, and nothing else
+    assert [(c.kind, c.in_shape) for c in plan.collectives] == [("all_reduce", ACTIVATION)] * (4 * CFG.layers)
+    # weights stay split the Megatron way (inputs arrive split, no gather)
+    layouts = {name: v.layout.splits(plan.mesh) for name, v in zip(plan.graph.input_names, plan.graph.inputs)}
+    assert layouts["params['layers'][0]['wq']"] == (1, 8, 1)
+    assert layouts["params['layers'][0]['wo']"] == (8, 1)
+    assert layouts["params['layers'][0]['w1']"] == (1, 8)
+    assert layouts["params['layers'][0]['w2']"] == (8, 1)
+    # and the step computes what one device computes
+    got = pstep(PARAMS, state, TOKENS, TARGETS)
+    want = jax.jit(step)(PARAMS, state, TOKENS, TARGETS)
+    assert_trees_close(got, want)
+
+
+def test_data_and_tensor_parallel_2x4():
+    step, opt = M.make_train_step(M.Parallelism.data_and_tensor(), CFG)
+    state = opt.init(PARAMS)
+    pstep = parallelize(step, mesh=((2, 4), ("dp", "mp")))
+    plan = pstep.plan(PARAMS, state, TOKENS, TARGETS)
+    mp_groups, dp_groups = ((0, 1, 2, 3), (4, 5, 6, 7)), ((0, 4), (1, 5), (2, 6), (3, 7))
+    tp = [c for c in plan.collectives if c.groups == mp_groups]
+    dp = [c for c in plan.collectives if c.groups == dp_groups]
+    assert len(tp) + len(dp) == len(plan.collectives)       # nothing over the whole mesh
+    assert all(c.kind == "all_reduce" for c in plan.collectives)
+    assert [c.in_shape for c in tp] == [(CFG.batch // 2, CFG.seq, CFG.embed)] * (4 * CFG.layers)
+    # every weight's gradient is reduced over dp exactly once (the loss scalar too)
+    n_params = len(jax.tree_util.tree_leaves(PARAMS))
+    assert len(dp) == n_params + 1
+    assert_trees_close(pstep(PARAMS, state, TOKENS, TARGETS), jax.jit(step)(PARAMS, state, TOKENS, TARGETS))
