@@ -18,9 +18,10 @@ from runtime.placement import owned_ranks, place
 from .annotate import caller_source, normalize_tensor_strategy
 from .pipeline import Options, run_pipeline
 from .plan import Plan
+from .state import data_parallel_pins, optimizer_state_pins, state_ties
 from .trace import trace
 
-MODES = ("sharding_propagation", "semi_auto")
+MODES = ("sharding_propagation", "semi_auto", "data_parallel")
 
 
 def _is_tensor_strategy(x) -> bool:
@@ -51,18 +52,24 @@ class Compiled:
     out_tree: Any
     consts: list
     in_shardings: list
+    donated: tuple = ()
 
 
 class ParallelFunction:
     """The result of ``parallelize``: call it with global arrays, get global arrays."""
 
     def __init__(self, fn, *, mesh, mode, in_strategy, out_strategy, dump_dir, fuse_reduce_scatter, cost_model,
-                 donate_argnums, verify):
+                 donate_argnums, verify, batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,)):
         if mode not in MODES:
             raise ShardingError(f"mode={mode!r} is not one of {MODES}")
         self.fn = fn
         self.mesh_spec = resolve_mesh(mesh)
-        self.options = Options(mode=mode, fuse_reduce_scatter=fuse_reduce_scatter, cost=cost_model or DEFAULT_COST,
+        self.mode = mode
+        self.batch_argnums = batch_argnums
+        self.shard_optimizer_state = shard_optimizer_state
+        self.optimizer_argnums = tuple(optimizer_argnums)
+        self.options = Options(mode="semi_auto" if mode == "semi_auto" else "sharding_propagation",
+                               fuse_reduce_scatter=fuse_reduce_scatter, cost=cost_model or DEFAULT_COST,
                                verify=verify)
         self.in_strategy = in_strategy
         self.out_strategy = out_strategy
@@ -77,6 +84,22 @@ class ParallelFunction:
     def _key(self, args, kwargs):
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+
+    def _state_pins(self, args, graph, out_shape) -> None:
+        """Data-parallel and optimizer-sharding pins, and outputs tied to the inputs they replace."""
+        state = set(self.donate_argnums)
+        if self.mode == "data_parallel":
+            batch = tuple(self.batch_argnums) if self.batch_argnums is not None else (len(args) - 1,)
+            graph.pinned_inputs.update(data_parallel_pins(args, batch, graph.input_names, graph.mesh))
+            state |= {a for a in range(len(args)) if a not in batch}
+        if self.shard_optimizer_state:
+            mesh = graph.mesh
+            axes = self.shard_optimizer_state if isinstance(self.shard_optimizer_state, (tuple, str)) else (
+                ("dp",) if self.mesh_spec.named and "dp" in mesh.axis_names else mesh.axis_names)
+            axes = (axes,) if isinstance(axes, str) else tuple(axes)
+            graph.pinned_inputs.update(optimizer_state_pins(args, self.optimizer_argnums, mesh, axes))
+            state |= set(self.optimizer_argnums)
+        graph.tied_outputs = state_ties(args, sorted(a for a in state if a < len(args)), out_shape)
 
     def _pins(self, args, kwargs, graph):
         where = caller_source()
@@ -126,7 +149,7 @@ class ParallelFunction:
         fn = lower(graph, jmesh, donate=donate)
         consts = [v.const for v in graph.inputs[n_user:]]
         in_shardings = [NamedSharding(jmesh, partition_spec(v.layout)) for v in graph.inputs]
-        compiled = Compiled(fn, plan, out_tree, consts, in_shardings)
+        compiled = Compiled(fn, plan, out_tree, consts, in_shardings, donate)
         self._cache[key] = compiled
         if self.dump_dir and not self._dumped:
             plan.dump(self.dump_dir, ranks=owned_ranks(graph.mesh.size, self.mesh_spec.devices))
@@ -134,9 +157,10 @@ class ParallelFunction:
         return compiled
 
     def _trace(self, args, kwargs):
-        graph, out_tree = trace(self.fn, args, kwargs, self.mesh_spec.ir_mesh)
+        graph, out_tree, out_shape = trace(self.fn, args, kwargs, self.mesh_spec.ir_mesh)
         graph.count_mesh = not self.mesh_spec.named
         self._out_tree = out_tree
+        self._state_pins(args, graph, out_shape)
         self._pins(args, kwargs, graph)
         return graph, out_tree
 
@@ -156,7 +180,8 @@ class ParallelFunction:
 
     def _flat_inputs(self, c: Compiled, args, kwargs) -> list:
         leaves = jax.tree_util.tree_leaves((args, kwargs))
-        return [place(x, s) for x, s in zip(list(leaves) + c.consts, c.in_shardings)]
+        donated = set(c.donated)
+        return [place(x, s, i in donated) for i, (x, s) in enumerate(zip(list(leaves) + c.consts, c.in_shardings))]
 
     def lower(self, *args, **kwargs):
         """jax's ``Lowered`` for these arguments (``.compile()``, ``.as_text()``,
@@ -172,7 +197,8 @@ class ParallelFunction:
 
 def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_strategy=None, out_strategy=None,
                 dump_dir: Optional[str] = None, fuse_reduce_scatter: bool = True,
-                cost_model: Optional[CostModel] = None, donate_argnums=(), verify: bool = False) -> ParallelFunction:
+                cost_model: Optional[CostModel] = None, donate_argnums=(), verify: bool = False,
+                batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,)) -> ParallelFunction:
     """Make ``fn`` run SPMD on ``mesh``.
 
     mesh: a device count (the first N devices), a ``jax.sharding.Mesh``, or
@@ -185,7 +211,17 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
     dump_dir: write the IR dumps there on first compile.
     fuse_reduce_scatter: False emits MindSpore's literal ``all_reduce`` + ``slice``
         where a ``reduce_scatter`` moves half the bytes.
+    donate_argnums: state arguments (params, optimizer state) whose buffers the step
+        may reuse; the matching outputs come back in the layouts the inputs had.
+    mode="data_parallel": the ``batch_argnums`` (default: the last positional
+        argument) are split on dim 0 over every device, everything else is
+        replicated; gradients are all-reduced because the graph says so.
+    shard_optimizer_state: ZeRO-1 / MindSpore's optimizer parallel: the
+        ``optimizer_argnums`` state is split over the data-parallel axes (True:
+        "dp" on a named mesh, else every axis; or name the axes), so gradients are
+        reduce-scattered and updated parameters all-gathered.
     """
     return ParallelFunction(fn, mesh=mesh, mode=mode, in_strategy=in_strategy, out_strategy=out_strategy,
                             dump_dir=dump_dir, fuse_reduce_scatter=fuse_reduce_scatter, cost_model=cost_model,
-                            donate_argnums=donate_argnums, verify=verify)
+                            donate_argnums=donate_argnums, verify=verify, batch_argnums=batch_argnums,
+                            shard_optimizer_state=shard_optimizer_state, optimizer_argnums=optimizer_argnums)

@@ -211,7 +211,8 @@ def input_names(fn, args, kwargs) -> list[str]:
 
 
 def trace(fn, args, kwargs, mesh: Mesh):
-    """Trace ``fn(*args, **kwargs)`` into a Graph; also return the output pytree structure."""
+    """Trace ``fn(*args, **kwargs)`` into a Graph; also return the output pytree
+    structure and the outputs' shapes."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     imp = _Importer()
     consts = [imp.const(c) for c in closed.consts]
@@ -237,4 +238,4 @@ def trace(fn, args, kwargs, mesh: Mesh):
             # A constant output still needs a value to return: broadcast it like any op would.
             raise sharding_error("the function returns a Python constant", operator=graph.name,
                                  fix="return arrays computed from the inputs")
-    return graph, jax.tree_util.tree_structure(out_shape)
+    return graph, jax.tree_util.tree_structure(out_shape), out_shape

@@ -135,7 +135,7 @@ def main():
                               ((2, 4), ("dp", "mp")))]:
         step, opt = make_train_step(par, cfg)
         state = opt.init(params)
-        pstep = parallelize(step, mesh=mesh)
+        pstep = parallelize(step, mesh=mesh, donate_argnums=(0, 1))   # params and state come back as they went in
         plan = pstep.plan(params, state, tokens, targets)
         print(f"== {title}: {len(plan.ops)} operators, collectives {plan.counts()}")
         p1, s1, l1 = pstep(params, state, tokens, targets)

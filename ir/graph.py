@@ -111,6 +111,7 @@ class Graph:
     regions: dict = field(default_factory=dict)    # shard() call id -> its description (compiler.annotate.Region)
     pinned_inputs: dict = field(default_factory=dict)   # input index -> Layout fixed by the user
     pinned_outputs: dict = field(default_factory=dict)  # output index -> Layout fixed by the user
+    tied_outputs: dict = field(default_factory=dict)    # output index -> input index it must match (loop state)
     count_mesh: bool = False                       # mesh built from a device count: axes may be reordered
 
     def walk_ops(self) -> Iterator[tuple["Graph", Op]]:

@@ -60,7 +60,11 @@ class InsertReshards:
             new_ops.append(op)
         outputs = [alias.get(v, v) for v in graph.outputs]
         for i, v in enumerate(outputs):
-            target = graph.pinned_outputs.get(i) or self.output_layout(v, mesh)
+            target = graph.pinned_outputs.get(i)
+            if target is None and i in graph.tied_outputs:
+                target = graph.inputs[graph.tied_outputs[i]].layout   # state comes back as it went in
+            if target is None:
+                target = self.output_layout(v, mesh)
             outputs[i] = reshard(v, target, None, f"for output {i}")
         graph.outputs = outputs
         graph.ops = new_ops

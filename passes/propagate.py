@@ -210,7 +210,9 @@ class _Propagation:
         self.rules: dict[Op, FactorRule] = {op: rule_for(op) for op in graph.ops}
         self.factors: dict[Op, list] = {op: [None] * r.num_factors for op, r in self.rules.items()}
         self.passthrough: dict[Op, Optional[tuple]] = {}
-        self.dims: dict[Value, list] = {}
+        self.dims: dict[Value, list] = {}    # per value, per dim: axes if known (decided, or wished)
+        self.hints: dict[Value, list] = {}   # per value, per dim: what its consumers ask for
+        self.taken: dict[Value, list] = {}   # graph input -> per dim, as its first deciding consumer takes it
         self.setter: dict[Value, str] = {}   # who decided a value's dims (for origins)
         self.partial: dict[Value, tuple] = {}
         self.origin: dict[Op, str] = {op: op.origin for op in graph.ops if op.origin}
@@ -250,10 +252,13 @@ class _Propagation:
             self.setter[v] = ("input", f"in_strategy of input {name}" if g.name != "body" else "loop boundary")
             for u in self.users.get(v, []):
                 self._enqueue(u)
-        for i, layout in g.pinned_outputs.items():
+        tied = {i: Layout(tuple(self.dims[g.inputs[j]])) for i, j in g.tied_outputs.items()
+                if g.inputs[j] in self.dims}   # state whose input layout is pinned already
+        for i, layout in {**tied, **g.pinned_outputs}.items():
             v = g.outputs[i]
             if v not in self.dims and not v.is_literal:
                 self.dims[v] = list(layout.dims)
+                self.hints[v] = list(layout.dims)
                 self.setter[v] = ("consumer", f"out_strategy of output {i}" if g.name != "body" else "loop boundary")
                 self._enqueue(self.producer.get(v))
         for op in g.ops:
@@ -343,6 +348,9 @@ class _Propagation:
         open_factors = [f for f, a in enumerate(cur) if a is None]
         if not open_factors and op in self.passthrough:
             return
+        if settle and op.kind == CONSTRAINT and op.pinned is None:
+            self._alias(op, rule)
+            return
         sources = self._sources(op, rule)
         useful = [s for s in sources if any(f in s.proposal for f in open_factors)]
         partial_operands = [n for n, v in enumerate(op.inputs) if self.partial.get(v, ((), "sum"))[0]
@@ -350,13 +358,32 @@ class _Propagation:
         if not useful and not (partial_operands and op not in self.passthrough and any(
                 self.dims.get(v) for v in op.inputs)):
             return
-        if not settle and (partial_operands and op not in self.passthrough or self._contested(rule, cur, useful)):
+        if not settle:
+            # Before settling, only wishes travel: what the neighbours agree on is passed
+            # on to the other neighbours' unknown dims, and nothing is decided yet.
+            if not self._contested(rule, cur, useful):
+                self._wish(op, rule, cur, useful)
             return
         best = self._best_candidate(op, rule, cur, useful or sources, partial_operands)
         if best is None:
             return
         factors, passthrough, lead = best
         self._decide(op, factors, passthrough, self._origin_from(lead))
+
+    def _alias(self, op: Op, rule: FactorRule) -> None:
+        """A shard() output mark without an out_strategy only delimits the region:
+        its value passes through exactly as produced, pending partial included."""
+        v = op.inputs[0]
+        dims = self.dims.get(v) or [None] * v.type.rank
+        factors = list(self.factors[op])
+        for fs, axes in zip(rule.operands[0], dims):
+            for f in fs:
+                if factors[f] is None:
+                    factors[f] = axes if axes is not None else ()
+        axes, pop = self.partial.get(v, ((), "sum"))
+        group = next((gi for gi, (g, gop) in enumerate(rule.linear) if gop == pop), None)
+        passthrough = (group, axes) if axes and group is not None else None
+        self._decide(op, factors, passthrough, self._origin_from(_Source("operand", 0, v, {})))
 
     def _contested(self, rule: FactorRule, cur: list, sources: list[_Source]) -> bool:
         """Do the neighbours disagree about an open factor?"""
@@ -469,11 +496,13 @@ class _Propagation:
                 cost = self._cost(op, rule, c, pt if pt is not None else self.passthrough.get(op))
             except ValueError:
                 continue
+            # ties: more sharding first (less repeated work and memory), then axes spread over dims
+            sharded = -sum(len(a) for a in c if a)
             balance = max((len(a) for a in c if a), default=0)
-            scored.append((round(cost, 15), balance, idx, c, pt, s))
+            scored.append((round(cost, 15), sharded, balance, idx, c, pt, s))
         if not scored:
             return None
-        *_, c, pt, s = min(scored, key=lambda t: t[:3])
+        *_, c, pt, s = min(scored, key=lambda t: t[:4])
         return c, pt, s
 
     # -- costs ------------------------------------------------------------------
@@ -522,7 +551,7 @@ class _Propagation:
         res_partial = (mesh.sort_axes(red_axes + list(pt_axes)),
                        pt_op if pt else (rule.reduce_op or "sum"))
         for n, v in enumerate(op.outputs):
-            hint = self.dims.get(v)
+            hint = self.hints.get(v)
             if hint is None or all(h is None for h in hint):
                 continue
             mine = [dim_axes(d, cand, rule, mesh) for d in rule.results[n]]
@@ -532,6 +561,39 @@ class _Propagation:
         touched = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
         total += self.cfg.cost.compute_time(rule.flops / degree, touched / degree)
         return total
+
+    def _wish(self, op: Op, rule: FactorRule, cur: list, sources: list[_Source]) -> None:
+        """Fill the unknown dims of this op's operands and results with what its
+        neighbours agree on, without deciding the op. What goes to one neighbour is
+        made from the others only, so a value never hears its own wish echoed back."""
+        for side, tensors, fss in (("operand", op.inputs, rule.operands), ("result", op.outputs, rule.results)):
+            for n, (v, fs) in enumerate(zip(tensors, fss)):
+                if fs is None or v.type.rank == 0 or v.is_literal:
+                    continue
+                others = [s for s in sources if not (s.kind == side and s.index == n)]
+                if not others:
+                    continue
+                factors = self._complete(rule, cur, others)
+                self._fill(v, fs, factors, rule, op, side == "operand")
+
+    def _fill(self, v: Value, fs, factors: list, rule: FactorRule, op: Op, from_consumer: bool) -> None:
+        dims = self._dims(v)
+        hints = self.hints.setdefault(v, [None] * v.type.rank) if from_consumer else None
+        changed = False
+        for d, dfs in enumerate(fs):
+            a = self._safe_dim_axes(dfs, factors, rule)
+            if a is None:
+                continue
+            if hints is not None and hints[d] is None:
+                hints[d] = a
+            if dims[d] is None:
+                dims[d] = a
+                changed = True
+        if changed:
+            self.setter.setdefault(v, ("consumer" if from_consumer else "producer", self._describe(op)))
+            self._enqueue(self.producer.get(v), op)
+            for u in self.users.get(v, []):
+                self._enqueue(u, op)
 
     # -- committing a decision --------------------------------------------------
     def _decide(self, op: Op, factors: list, passthrough, origin: str) -> None:
@@ -549,21 +611,14 @@ class _Propagation:
         # operands learn what this op wants, where nobody has said yet
         for n, v in enumerate(op.inputs):
             fs = rule.operands[n]
-            if fs is None or v.type.rank == 0:
+            if fs is None or v.type.rank == 0 or v.is_literal:
                 continue
-            dims = self._dims(v)
-            changed = False
-            for d, dfs in enumerate(fs):
-                if dims[d] is None:
-                    a = self._safe_dim_axes(dfs, cur, rule)
-                    if a is not None:
-                        dims[d] = a
-                        changed = True
-            if changed:
-                self.setter.setdefault(v, ("consumer", me))
-                self._enqueue(self.producer.get(v), op)
-                for u in self.users.get(v, []):
-                    self._enqueue(u, op)
+            self._fill(v, fs, cur, rule, op, True)
+            if v not in self.producer:
+                taken = self.taken.setdefault(v, [None] * v.type.rank)
+                for d, dfs in enumerate(fs):
+                    if taken[d] is None:
+                        taken[d] = self._safe_dim_axes(dfs, cur, rule)
         # results are what this op makes
         red_known = all(cur[f] is not None for f in rule.reduction)
         for n, v in enumerate(op.outputs):
@@ -642,9 +697,13 @@ class _Propagation:
 
     def _finish(self) -> None:
         mesh = self.mesh
-        for v in self.g.inputs:
-            dims = self._dims(v)
-            v.layout = Layout(tuple(a if a is not None else () for a in dims))
+        for i, v in enumerate(self.g.inputs):
+            # an input arrives as its first deciding consumer takes it (wishes are only wishes)
+            dims = self._dims(v) if i in self.g.pinned_inputs else self.taken.get(v, self._dims(v))
+            layout = Layout(tuple(a if a is not None else () for a in dims))
+            if not layout.fits(v.type.shape, mesh):
+                layout = Layout.replicated(v.type.rank)
+            v.layout = layout
         for op in self.g.ops:
             rule = self.rules[op]
             st = OpStrategy(rule, tuple(self.factors[op]), self.passthrough.get(op))

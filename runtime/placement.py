@@ -7,12 +7,19 @@ only its addressable shards and writes the dumps of the ranks it owns.)
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
-def place(x, sharding):
-    """Put one global input on the mesh with ``sharding``."""
+def place(x, sharding, donated: bool = False):
+    """Put one global input on the mesh with ``sharding``. A buffer about to be donated
+    is copied rather than aliased, so donating never deletes the caller's array unless
+    it was already laid out as the step wants (jit's own donation rule)."""
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
+    if donated and isinstance(x, jax.Array):
+        # device_put may reuse x's buffer on the device both layouts share, even with
+        # may_alias=False (seen on jax 0.10 for replicated targets): copy first.
+        x = jnp.copy(x)
     return jax.device_put(x, sharding)
 
 
