@@ -45,13 +45,27 @@ class Config:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """The two annotations per layer, for a 1-D mesh of ``mp`` devices or a named dp x mp mesh."""
+    """The two annotations per layer, for a 1-D mesh of ``mp`` devices or a named dp x mp mesh.
+    Sequence parallelism also marks the layer norms (split on the sequence dim) and
+    the row-parallel matmuls, whose ``out_strategy`` asks for a sequence split:
+    MindSpore's reduce-scatter form."""
     heads: tuple
     columns: tuple
+    norms: tuple = None
+    rows: tuple = None
+    rows_out: tuple = None
 
     @staticmethod
     def tensor(mp: int = 8) -> "Parallelism":
         return Parallelism(heads=((1, 1, 1), (1, mp, 1)), columns=((1, 1, 1), (1, mp)))
+
+    @staticmethod
+    def sequence(mp: int = 8) -> "Parallelism":
+        """Megatron's sequence parallelism: layer norms (and the residual stream) split on
+        the sequence dim, so each block gathers before its first matmul and
+        reduce-scatters after its last, instead of one all_reduce."""
+        return Parallelism(heads=((1, 1, 1), (1, mp, 1)), columns=((1, 1, 1), (1, mp)),
+                           norms=((1, mp, 1), (1,), (1,)), rows=((1, 1, mp), (mp, 1)), rows_out=((1, mp, 1),))
 
     @staticmethod
     def data_and_tensor() -> "Parallelism":
@@ -65,22 +79,30 @@ def layer_norm(x, g, b, eps=1e-5):
     return (x - m) * jax.lax.rsqrt(v + eps) * g + b
 
 
+def norm(x, g, b, par: Parallelism):
+    return shard(layer_norm, par.norms)(x, g, b) if par.norms else layer_norm(x, g, b)
+
+
+def row_parallel(x, w, par: Parallelism):
+    return shard(jnp.matmul, par.rows, par.rows_out)(x, w) if par.rows else x @ w
+
+
 def attention(x, p, par: Parallelism, cfg: Config):
     b, s, e = x.shape
-    h = layer_norm(x, p["ln1_g"], p["ln1_b"])
+    h = norm(x, p["ln1_g"], p["ln1_b"], par)
     project = shard(lambda a, w: jnp.einsum("bse,ehd->bshd", a, w), par.heads)   # QKV: heads split
     q, k, v = project(h, p["wq"]), project(h, p["wk"]), project(h, p["wv"])
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(cfg.head_dim)
     causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
     weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, e)
-    return x + out @ p["wo"]                                                     # row-parallel: inferred
+    return x + row_parallel(out, p["wo"], par)                                   # row-parallel: inferred
 
 
 def mlp(x, p, par: Parallelism):
-    h = layer_norm(x, p["ln2_g"], p["ln2_b"])
+    h = norm(x, p["ln2_g"], p["ln2_b"], par)
     h = shard(jnp.matmul, par.columns)(h, p["w1"])                               # columns split
-    return x + jax.nn.gelu(h) @ p["w2"]                                          # row-parallel: inferred
+    return x + row_parallel(jax.nn.gelu(h), p["w2"], par)                        # row-parallel: inferred
 
 
 def forward(params, tokens, par: Parallelism, cfg: Config):

@@ -70,3 +70,23 @@ def test_data_and_tensor_parallel_2x4():
     assert len(g.tied_outputs) == len(jax.tree_util.tree_leaves((PARAMS, state)))
     want = jax.jit(step)(PARAMS, state, TOKENS, TARGETS)
     assert_trees_close(pstep(PARAMS, state, TOKENS, TARGETS), want)   # donates (a copy of) state
+
+
+def test_sequence_parallel_forward_gathers_and_scatters():
+    """Marking the layer norms (sequence split) and the row-parallel matmuls' outputs turns
+    each block's all_reduce into an all_gather before it and a reduce_scatter after it."""
+    par = M.Parallelism.sequence(8)
+    pf = parallelize(lambda p, t: M.forward(p, t, par, CFG), mesh=8)
+    plan = pf.plan(PARAMS, TOKENS)
+    local_seq = (CFG.batch, CFG.seq // 8, CFG.embed)
+    assert [(c.kind, c.in_shape) for c in plan.collectives] == [
+        ("all_gather", local_seq), ("reduce_scatter", ACTIVATION)] * (2 * CFG.layers)
+    assert_trees_close(pf(PARAMS, TOKENS), jax.jit(lambda p, t: M.forward(p, t, par, CFG))(PARAMS, TOKENS))
+
+
+def test_sequence_parallel_training_step_equals_single_device():
+    step, opt = M.make_train_step(M.Parallelism.sequence(8), CFG)
+    state = opt.init(PARAMS)
+    pstep = parallelize(step, mesh=8, donate_argnums=(0, 1))
+    want = jax.jit(step)(PARAMS, state, TOKENS, TARGETS)
+    assert_trees_close(pstep(PARAMS, state, TOKENS, TARGETS), want)
