@@ -78,6 +78,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OWN_DIRS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("compiler", "ir", "passes", "runtime"))
 
 
+@functools.lru_cache(maxsize=4096)
 def _is_library_frame(path: str) -> bool:
     path = os.path.abspath(path)
     if path.startswith(_OWN_DIRS):

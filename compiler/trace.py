@@ -164,35 +164,36 @@ def _dead_code_elimination(ops: list[Op], outputs: list[Value]) -> list[Op]:
 
 
 def _tag_regions(ops: list[Op]) -> None:
-    """An op belongs to region R if it lies on a path from R's input marks to its output marks."""
+    """An op belongs to region R if it lies on a path from R's input marks to its
+    output marks: found backwards from the output marks (a region's body is small),
+    then kept if reachable forwards from its input marks within that set."""
     producers = {v.id: op for op in ops for v in op.outputs}
     users: dict[int, list[Op]] = {}
     for op in ops:
         for v in op.inputs:
             users.setdefault(v.id, []).append(op)
-    marks = [op for op in ops if op.kind == CONSTRAINT]
-    for rid in sorted({m.params["region"] for m in marks}):
-        starts = [m for m in marks if m.params["region"] == rid and m.params["role"] == "in"]
-        ends = [m for m in marks if m.params["region"] == rid and m.params["role"] == "out"]
-        fwd, stack = set(), [u for m in starts for v in m.outputs for u in users.get(v.id, [])]
-        while stack:
-            op = stack.pop()
-            if id(op) in fwd or op.kind == CONSTRAINT:
-                continue
-            fwd.add(id(op))
-            stack.extend(u for v in op.outputs for u in users.get(v.id, []))
-        bwd, stack = set(), [producers[v.id] for m in ends for v in m.inputs if v.id in producers]
+    marks: dict[int, dict[str, list[Op]]] = {}
+    for op in ops:
+        if op.kind == CONSTRAINT:
+            marks.setdefault(op.params["region"], {"in": [], "out": []})[op.params["role"]].append(op)
+    for rid, ends in marks.items():
+        bwd, stack = set(), [producers[v.id] for m in ends["out"] for v in m.inputs if v.id in producers]
         while stack:
             op = stack.pop()
             if id(op) in bwd or op.kind == CONSTRAINT:
                 continue
             bwd.add(id(op))
             stack.extend(producers[v.id] for v in op.inputs if v.id in producers)
-        for op in ops:
-            if id(op) in fwd and id(op) in bwd:
-                op.region = rid
-                op.origin = "user"
-        for m in starts + ends:
+        seen, stack = set(), [u for m in ends["in"] for v in m.outputs for u in users.get(v.id, [])]
+        while stack:
+            op = stack.pop()
+            if id(op) in seen or id(op) not in bwd:
+                continue
+            seen.add(id(op))
+            op.region = rid
+            op.origin = "user"
+            stack.extend(u for v in op.outputs for u in users.get(v.id, []))
+        for m in ends["in"] + ends["out"]:
             m.region = rid
 
 
@@ -214,28 +215,32 @@ def trace(fn, args, kwargs, mesh: Mesh):
     """Trace ``fn(*args, **kwargs)`` into a Graph; also return the output pytree
     structure and the outputs' shapes."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+    graph = import_jaxpr(closed, mesh, input_names(fn, args, kwargs), getattr(fn, "__name__", "main"))
+    return graph, jax.tree_util.tree_structure(out_shape), out_shape
+
+
+def import_jaxpr(closed, mesh: Mesh, names: list[str], name: str = "main") -> Graph:
+    """A closed jaxpr as a Graph: calls inlined, control flow as nested graphs, dead code gone."""
     imp = _Importer()
     consts = [imp.const(c) for c in closed.consts]
     inputs = [Value(tensor_type(v.aval)) for v in closed.jaxpr.invars]
-    names = input_names(fn, args, kwargs)
     for v, n in zip(inputs, names):
         v.name_hint = n
     outputs = imp.walk(closed.jaxpr, consts, inputs)
+    for v in outputs:
+        if v.is_literal:
+            raise sharding_error("the function returns a Python constant", operator=name,
+                                 fix="return arrays computed from the inputs")
     ops = _dead_code_elimination(imp.ops, outputs)
     _tag_regions(ops)
     live_consts = {v.id for op in ops for v in op.inputs} | {v.id for v in outputs}
     const_inputs = [v for v in imp.consts if v.id in live_consts]
-    graph = Graph(mesh, inputs + const_inputs, outputs, ops, name=getattr(fn, "__name__", "main"),
-                  input_names=names + ["const"] * len(const_inputs), num_user_inputs=len(inputs))
+    graph = Graph(mesh, inputs + const_inputs, outputs, ops, name=name,
+                  input_names=list(names) + ["const"] * len(const_inputs), num_user_inputs=len(inputs))
     graph.set_mesh(mesh)
     graph.regions = {rid: REGIONS[rid] for rid in sorted({op.region for _, op in graph.walk_ops()
                                                           if op.region is not None})}
     for _, op in graph.walk_ops():
         for body in op.subgraphs:
             body.regions = graph.regions
-    for i, v in enumerate(outputs):
-        if v.is_literal:
-            # A constant output still needs a value to return: broadcast it like any op would.
-            raise sharding_error("the function returns a Python constant", operator=graph.name,
-                                 fix="return arrays computed from the inputs")
-    return graph, jax.tree_util.tree_structure(out_shape), out_shape
+    return graph

@@ -69,8 +69,12 @@ class BindUserStrategies:
     def _region_plans(self, graph: Graph) -> dict:
         """Per region: its marks, ops, and (for split counts) the device matrix."""
         plans = {}
+        members: dict[int, list[Op]] = {}
+        for _, op in graph.walk_ops():   # regions may sit in loop bodies
+            if op.region is not None:
+                members.setdefault(op.region, []).append(op)
         for rid, region in graph.regions.items():
-            every = [op for _, op in graph.walk_ops() if op.region == rid]  # regions may sit in loop bodies
+            every = members.get(rid, [])
             ins = sorted((op for op in every if op.kind == CONSTRAINT and op.params["role"] == "in"),
                          key=lambda o: o.params["index"])
             outs = sorted((op for op in every if op.kind == CONSTRAINT and op.params["role"] == "out"),

@@ -361,7 +361,7 @@ class _Propagation:
         if not settle:
             # Before settling, only wishes travel: what the neighbours agree on is passed
             # on to the other neighbours' unknown dims, and nothing is decided yet.
-            if not self._contested(rule, cur, useful):
+            if not self._contested(cur, useful):
                 self._wish(op, rule, cur, useful)
             return
         best = self._best_candidate(op, rule, cur, useful or sources, partial_operands)
@@ -385,16 +385,15 @@ class _Propagation:
         passthrough = (group, axes) if axes and group is not None else None
         self._decide(op, factors, passthrough, self._origin_from(_Source("operand", 0, v, {})))
 
-    def _contested(self, rule: FactorRule, cur: list, sources: list[_Source]) -> bool:
-        """Do the neighbours disagree about an open factor?"""
+    @staticmethod
+    def _contested(cur: list, sources: list[_Source]) -> bool:
+        """Do two neighbours propose different axes for an open factor?"""
         seen: dict[int, Axes] = {}
         for s in sources:
             for f, axes in s.proposal.items():
-                if cur[f] is None:
-                    if seen.setdefault(f, axes) != axes:
-                        return True
-        return len({tuple(self._complete(rule, cur, [s])) for s in sources}) > 1 and len(
-            {tuple(self._complete(rule, cur, sources[i:] + sources[:i])) for i in range(len(sources))}) > 1
+                if cur[f] is None and seen.setdefault(f, axes) != axes:
+                    return True
+        return False
 
     def _origin_from(self, lead: Optional[_Source]) -> str:
         if lead is None:
@@ -568,13 +567,21 @@ class _Propagation:
         made from the others only, so a value never hears its own wish echoed back."""
         for side, tensors, fss in (("operand", op.inputs, rule.operands), ("result", op.outputs, rule.results)):
             for n, (v, fs) in enumerate(zip(tensors, fss)):
-                if fs is None or v.type.rank == 0 or v.is_literal:
+                if fs is None or v.type.rank == 0 or v.is_literal or self._settled(v, side == "operand"):
                     continue
                 others = [s for s in sources if not (s.kind == side and s.index == n)]
-                if not others:
-                    continue
-                factors = self._complete(rule, cur, others)
-                self._fill(v, fs, factors, rule, op, side == "operand")
+                if others:
+                    self._fill(v, fs, self._complete(rule, cur, others), rule, op, side == "operand")
+
+    def _settled(self, v: Value, from_consumer: bool) -> bool:
+        """Nothing left to fill: every dim known (and, for a consumer's wish, hinted)."""
+        dims = self.dims.get(v)
+        if dims is None or None in dims:
+            return False
+        if from_consumer:
+            hints = self.hints.get(v)
+            return hints is not None and None not in hints
+        return True
 
     def _fill(self, v: Value, fs, factors: list, rule: FactorRule, op: Op, from_consumer: bool) -> None:
         dims = self._dims(v)

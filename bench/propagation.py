@@ -1,0 +1,90 @@
+"""How fast shardprop plans a GPT training step as the model grows.
+
+Traces a GPT-style training step (forward, backward, Adam; Megatron annotations,
+8-way tensor parallel) at several depths and prints, per size: jaxpr equations,
+seconds in jax's tracing, in our import and in each pass, and microseconds per
+equation for our pipeline (import + passes). Flat per-equation time means the
+pipeline is linear in graph size.
+
+    python bench/propagation.py                 # 12, 24, 48, 96 layers
+    python bench/propagation.py --layers 12 24 --repeat 3
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import jax  # noqa: E402
+import jax.extend  # noqa: E402
+
+import gpt_megatron as M  # noqa: E402
+from compiler.pipeline import Options, default_passes  # noqa: E402
+from compiler.trace import import_jaxpr, input_names  # noqa: E402
+from runtime.mesh import resolve_mesh  # noqa: E402
+
+
+def count_eqns(jaxpr) -> int:
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += count_eqns(sub)
+    return n
+
+
+def measure(layers: int, mesh_spec) -> dict:
+    cfg = M.Config(layers=layers)
+    params = M.init_params(cfg)
+    tokens, targets = M.make_batch(cfg)
+    step, opt = M.make_train_step(M.Parallelism.tensor(8), cfg)
+    state = opt.init(params)
+    args = (params, state, tokens, targets)
+    t0 = time.perf_counter()
+    closed = jax.make_jaxpr(step)(*args)
+    t1 = time.perf_counter()
+    graph = import_jaxpr(closed, mesh_spec.ir_mesh, input_names(step, args, {}), "train_step")
+    graph.count_mesh = True
+    t2 = time.perf_counter()
+    seconds = {"import": t2 - t1}
+    for p in default_passes(Options()):
+        t = time.perf_counter()
+        graph = p(graph)
+        seconds[p.name] = time.perf_counter() - t
+    ours = sum(seconds.values())
+    eqns = count_eqns(closed.jaxpr)
+    collectives = sum(1 for _, op in graph.walk_ops() if op.kind == "all_reduce")
+    return dict(layers=layers, eqns=eqns, trace=t1 - t0, seconds=seconds, total=ours,
+                us_per_eqn=ours / eqns * 1e6, all_reduces=collectives)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48, 96])
+    ap.add_argument("--repeat", type=int, default=3, help="repetitions per size; the median is reported")
+    args = ap.parse_args()
+    mesh_spec = resolve_mesh(8)
+    rows = []
+    for n in args.layers:
+        runs = [measure(n, mesh_spec) for _ in range(args.repeat)]
+        med = sorted(runs, key=lambda r: r["total"])[len(runs) // 2]
+        med["spread"] = (min(r["total"] for r in runs), max(r["total"] for r in runs))
+        rows.append(med)
+        passes = "  ".join(f"{k} {v:.3f}s" for k, v in med["seconds"].items())
+        print(f"{n:3d} layers  {med['eqns']:6d} eqns  jax trace {med['trace']:.2f}s  | {passes}  | "
+              f"ours {med['total']:.2f}s = {med['us_per_eqn']:.0f} us/eqn  ({med['all_reduces']} all_reduce)",
+              flush=True)
+    base = rows[0]["us_per_eqn"]
+    print()
+    print("per-equation time relative to the smallest model: " + ", ".join(
+        f"{r['layers']} layers {r['us_per_eqn'] / base:.2f}x" for r in rows))
+    print(f"median of {args.repeat} runs per size; goal: <= 50 us/eqn and <= 1.2x growth")
+
+
+if __name__ == "__main__":
+    main()
