@@ -3,6 +3,7 @@ two projections between strategies and tensor layouts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Sequence
 
 from ir.layout import Layout
@@ -32,10 +33,17 @@ def dim_axes(fs: DimFactors, factors: Sequence[Optional[Axes]], rule: FactorRule
 def split_dim(fs: DimFactors, axes: Axes, rule: FactorRule, mesh: Mesh) -> Optional[list[Axes]]:
     """Inverse of ``dim_axes``: hand a dim's axes (major first) to its factors.
     None when the dim's sharding cannot be expressed on these factors."""
+    if not axes:
+        return [()] * len(fs)
+    return _split_sizes(tuple(rule.sizes[f] for f in fs), tuple(axes), mesh)
+
+
+@lru_cache(maxsize=65536)
+def _split_sizes(sizes: tuple, axes: Axes, mesh: Mesh) -> Optional[list[Axes]]:
     out: list[Axes] = []
     k = 0
-    for f in fs:
-        size, taken, prod = rule.sizes[f], [], 1
+    for size in sizes:
+        taken, prod = [], 1
         while k < len(axes) and prod < size and size % (prod * mesh.axis_size(axes[k])) == 0:
             prod *= mesh.axis_size(axes[k])
             taken.append(axes[k])
