@@ -1,4 +1,5 @@
-"""Golden IR dumps: the quickstart's files are checked in and compared as text.
+"""Golden IR dumps: the quickstart's and one transformer layer's files are checked
+in and compared as text.
 Regenerate with ``pytest tests/test_golden.py --regen-golden`` after a deliberate change."""
 import pathlib
 
@@ -8,12 +9,17 @@ from compiler import parallelize
 from tests import golden_nets
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
-CASES = {"quickstart_mindspore_form": dict(fuse_reduce_scatter=False), "quickstart_fused": dict()}
+CASES = {
+    "quickstart_mindspore_form": (golden_nets.seed_net, golden_nets.seed_args, dict(fuse_reduce_scatter=False)),
+    "quickstart_fused": (golden_nets.seed_net, golden_nets.seed_args, dict()),
+    "transformer_layer": (golden_nets.transformer_layer, golden_nets.transformer_args, dict()),
+}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_quickstart_dumps_match_golden(case, tmp_path, request):
-    parallelize(golden_nets.seed_net, mesh=8, dump_dir=str(tmp_path), **CASES[case]).plan(*golden_nets.seed_args())
+def test_dumps_match_golden(case, tmp_path, request):
+    fn, args, options = CASES[case]
+    parallelize(fn, mesh=8, dump_dir=str(tmp_path), **options).plan(*args())
     produced = {p.relative_to(tmp_path).as_posix(): p.read_text() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
     target = GOLDEN / case
     if request.config.getoption("--regen-golden"):
