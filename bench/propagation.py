@@ -11,7 +11,6 @@ pipeline is linear in graph size.
 """
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path

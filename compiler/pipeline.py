@@ -15,6 +15,7 @@ from passes.insert_reshards import InsertReshards
 from passes.localize import Localize
 from passes.propagate import PropagateSharding
 from passes.reshard_to_collectives import ReshardToCollectives
+from passes.sink_reductions import SinkReductions
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,8 @@ class Options:
 
 def default_passes(opts: Options) -> list:
     rs = opts.fuse_reduce_scatter
-    return [BindUserStrategies(), PropagateSharding(opts.mode, opts.cost, rs), InsertReshards(rs, opts.cost),
-            ReshardToCollectives(rs, opts.cost), Localize()]
+    return [BindUserStrategies(), PropagateSharding(opts.mode, opts.cost, rs), SinkReductions(),
+            InsertReshards(rs, opts.cost), ReshardToCollectives(rs, opts.cost), Localize()]
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from .graph import COLLECTIVE_KINDS, CONSTRAINT, RESHARD, Graph
 
-STAGES = ("import", "bind-user-strategies", "propagate-sharding", "insert-reshards", "reshard-to-collectives",
-          "localize")
+STAGES = ("import", "bind-user-strategies", "propagate-sharding", "sink-reductions", "insert-reshards",
+          "reshard-to-collectives", "localize")
 
 
 class VerificationError(AssertionError):

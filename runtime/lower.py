@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec

@@ -6,8 +6,6 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
-import pytest
 
 from compiler import parallelize
 from tests.helpers import assert_trees_close

@@ -93,8 +93,9 @@ def test_dump_files(tmp_path, seed_args):
     pf = parallelize(seed_net, mesh=8, dump_dir=str(tmp_path), fuse_reduce_scatter=False)
     pf(*seed_args)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names[:6] == ["00_import.ir", "01_bind-user-strategies.ir", "02_propagate-sharding.ir",
-                         "03_insert-reshards.ir", "04_reshard-to-collectives.ir", "05_localize.ir"]
+    assert names[:7] == ["00_import.ir", "01_bind-user-strategies.ir", "02_propagate-sharding.ir",
+                         "03_sink-reductions.ir", "04_insert-reshards.ir", "05_reshard-to-collectives.ir",
+                         "06_localize.ir"]
     assert {f"rank_{r}" for r in range(8)} <= set(names) and "summary.txt" in names
     r0 = (tmp_path / "rank_0" / "execute.ir").read_text()
     r5 = (tmp_path / "rank_5" / "execute.ir").read_text()

@@ -9,7 +9,7 @@ op (they depend on shapes and params) by functions registered per primitive name
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ir.graph import Op

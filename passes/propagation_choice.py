@@ -1,0 +1,213 @@
+"""Choosing among candidate strategies at one op, and what a candidate costs.
+
+A candidate assigns mesh axes to the op's factors (and maybe lets a pending
+partial pass through a linear operand group). Its cost is the time to
+redistribute every known operand into what the candidate needs, and its results
+into what their consumers ask for, plus the op's own compute on each device, so
+repeated (replicated) work counts. Choices are memoized per situation: repeated
+layers meet the same situation again and again.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ir.graph import Op, Value
+from ir.layout import Layout
+
+from .redistribute import redistribution_cost
+from .rules.base import FactorRule
+from .sharding import Axes, dim_axes
+
+IMPOSSIBLE = 1e6  # seconds: a candidate that needs a redistribution that cannot exist
+
+
+@dataclass
+class Source:
+    kind: str            # "operand" or "result"
+    index: int
+    value: Value
+    proposal: dict       # factor -> axes
+
+
+
+class ChoiceMixin:
+    """Candidate generation and costing; mixed into the propagation state."""
+
+    @staticmethod
+    def _contested(cur: list, sources: list[Source]) -> bool:
+        """Do two neighbours propose different axes for an open factor?"""
+        seen: dict[int, Axes] = {}
+        for s in sources:
+            for f, axes in s.proposal.items():
+                if cur[f] is None and seen.setdefault(f, axes) != axes:
+                    return True
+        return False
+
+    def _origin_from(self, lead: Optional[Source]) -> str:
+        if lead is None:
+            return "default"
+        how, who = self.setter.get(lead.value, ("", "?"))
+        if lead.kind == "result" or how == "consumer":
+            return f"backward from {who}"
+        if how == "producer":
+            return f"forward from {who}"
+        return f"from {who}"
+
+    def _complete(self, rule: FactorRule, base: list, ordered: list[Source], reserved=()) -> list:
+        cand = list(base)
+        used = {a for axes in cand if axes for a in axes} | set(reserved)
+        for s in ordered:
+            for f, axes in s.proposal.items():
+                if cand[f] is not None:
+                    continue
+                if axes and (not rule.shardable(f) or rule.sizes[f] % self.mesh.axes_size(axes)
+                             or used.intersection(axes)):
+                    continue
+                cand[f] = axes
+                used.update(axes)
+        return cand
+
+    def _situation(self, op, rule, cur, sources, partial_operands) -> tuple:
+        """Everything the choice at this op depends on. Repeated layers meet the same
+        situation again and again, so the choice is computed once per situation."""
+        def value_state(v):
+            d = self.dims.get(v)
+            return (v.type, tuple(d) if d is not None else None, self.partial.get(v),
+                    frozenset(self.reduced.get(v, ())))
+        return (rule, tuple(cur), self.passthrough.get(op, "open"),
+                tuple((s.kind, s.index, tuple(sorted(s.proposal.items()))) for s in sources),
+                tuple(partial_operands), tuple(value_state(v) for v in op.inputs),
+                tuple(value_state(v) for v in op.outputs))
+
+    def _best_candidate(self, op, rule, cur, sources, partial_operands):
+        key = self._situation(op, rule, cur, sources, partial_operands)
+        memo = self.cfg.memo
+        if key not in memo:
+            best = self._best_candidate_uncached(op, rule, cur, sources, partial_operands)
+            memo[key] = None if best is None else (best[0], best[1], sources.index(best[2]) if best[2] else None)
+        hit = memo[key]
+        if hit is None:
+            return None
+        c, pt, i = hit
+        return list(c), pt, (sources[i] if i is not None else None)
+
+    def _best_candidate_uncached(self, op, rule, cur, sources, partial_operands):
+        mesh = self.mesh
+        cands: list[tuple[list, Optional[tuple], Optional[Source]]] = []
+        pt_now = self.passthrough.get(op)
+        reserved = pt_now[1] if pt_now else ()   # axes a decided passthrough partial already holds
+        for i, s in enumerate(sources):
+            cands.append((self._complete(rule, cur, [s] + sources[:i] + sources[i + 1:], reserved), None, s))
+        if not sources:
+            cands.append((list(cur), None, None))
+        # what to do with pending partial operands
+        extra = []
+        decided_pt = op in self.passthrough
+        for n in partial_operands:
+            axes, pop = self.partial[op.inputs[n]]
+            if not decided_pt:
+                for gi, (group, gop) in enumerate(rule.linear):
+                    if n not in group or gop != pop:
+                        continue
+                    if any(a and set(a) & set(axes) for a in cur):
+                        continue  # a decided factor already holds one of the partial's axes
+                    if all(self.partial.get(op.inputs[m], ((), "sum")) == (axes, pop) for m in group) and all(
+                            not self.partial.get(op.inputs[m], ((), "sum"))[0]
+                            for m in range(len(op.inputs)) if m not in group):
+                        for c, _, s in cands:
+                            cc = [a if a is None or not set(a) & set(axes) else None for a in c]
+                            extra.append((cc, (gi, axes), s))
+            # partial -> sharded: a reduce_scatter (or MindSpore's all_reduce + slice)
+            if pop == "sum" and rule.operands[n]:
+                for c, _, s in cands:
+                    for fs in rule.operands[n]:
+                        for f in fs:
+                            if cur[f] is not None or c[f] is None:
+                                continue
+                            new = tuple(c[f]) + tuple(axes)
+                            if set(c[f]) & set(axes) or not rule.shardable(f) or rule.sizes[f] % mesh.axes_size(new):
+                                continue
+                            if any(set(a) & set(axes) for g, a in enumerate(c) if g != f and a):
+                                continue
+                            cc = list(c)
+                            cc[f] = new
+                            extra.append((cc, None, s))
+        cands += extra
+        seen, scored = set(), []
+        for idx, (c, pt, s) in enumerate(cands):
+            key = (tuple(c), pt)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                cost = self._cost(op, rule, c, pt if pt is not None else self.passthrough.get(op))
+            except ValueError:
+                continue
+            # ties: more sharding first (less repeated work and memory), then axes spread over dims
+            sharded = -sum(len(a) for a in c if a)
+            balance = max((len(a) for a in c if a), default=0)
+            scored.append((round(cost, 15), sharded, balance, idx, c, pt, s))
+        if not scored:
+            return None
+        *_, c, pt, s = min(scored, key=lambda t: t[:4])
+        return c, pt, s
+
+    # -- costs ------------------------------------------------------------------
+    def _layout_pair(self, have_dims, have_partial, want_dims, want_partial):
+        hd, wd = [], []
+        for h, w in zip(have_dims, want_dims):
+            h2 = h if h is not None else (w if w is not None else ())
+            w2 = w if w is not None else h2
+            hd.append(h2)
+            wd.append(w2)
+        have = Layout(tuple(hd), have_partial[0], have_partial[1])
+        want = Layout(tuple(wd), want_partial[0], want_partial[1])
+        if len(set(have.sharded_axes() + have.partial)) != len(have.sharded_axes() + have.partial):
+            have = Layout(tuple(h if h is not None else () for h in have_dims), have_partial[0], have_partial[1])
+        if len(set(want.sharded_axes() + want.partial)) != len(want.sharded_axes() + want.partial):
+            want = Layout(tuple(w if w is not None else () for w in want_dims), want_partial[0], want_partial[1])
+        return have, want
+
+    def _redistribution(self, v: Value, have: Layout, want: Layout) -> float:
+        if want in self.reduced.get(v, ()):
+            return 0.0
+        if not set(want.partial) <= set(have.partial):
+            return IMPOSSIBLE
+        if not have.fits(v.type.shape, self.mesh) or not want.fits(v.type.shape, self.mesh):
+            return IMPOSSIBLE
+        return redistribution_cost(v.type.shape, v.type.itemsize, have, want, self.mesh,
+                                   self.cfg.allow_reduce_scatter, self.cfg.cost)
+
+    def _cost(self, op: Op, rule: FactorRule, cand: list, pt) -> float:
+        mesh = self.mesh
+        total = 0.0
+        pt_group = rule.linear[pt[0]][0] if pt else ()
+        pt_axes = mesh.sort_axes(pt[1]) if pt else ()
+        pt_op = rule.linear[pt[0]][1] if pt else "sum"
+        for n, v in enumerate(op.inputs):
+            fs = rule.operands[n]
+            if fs is None or v.type.rank == 0 and not self.partial.get(v, ((), ""))[0]:
+                continue
+            want = [dim_axes(d, cand, rule, mesh) for d in fs]
+            want_partial = (pt_axes, pt_op) if n in pt_group else ((), "sum")
+            have = self.dims.get(v) or [None] * v.type.rank
+            have_partial = self.partial.get(v, ((), "sum"))
+            h, w = self._layout_pair(have, have_partial, want, want_partial)
+            total += self._redistribution(v, h, w)
+        red_axes = [a for f in rule.reduction if cand[f] for a in cand[f]]
+        res_partial = (mesh.sort_axes(red_axes + list(pt_axes)),
+                       pt_op if pt else (rule.reduce_op or "sum"))
+        for n, v in enumerate(op.outputs):
+            hint = self.hints.get(v)
+            if hint is None or all(h is None for h in hint):
+                continue
+            mine = [dim_axes(d, cand, rule, mesh) for d in rule.results[n]]
+            h, w = self._layout_pair(mine, res_partial, hint, ((), "sum"))
+            total += self._redistribution(v, h, w)
+        degree = math.prod(mesh.axes_size(a) for a in cand if a)
+        touched = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
+        total += self.cfg.cost.compute_time(rule.flops / degree, touched / degree)
+        return total

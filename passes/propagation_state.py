@@ -1,0 +1,373 @@
+"""The propagation engine: per-op factor decisions and per-value layouts.
+
+State: for every op, its factors' axes (None while open) and the partial that may
+pass through it; for every value, its per-dim axes (decided by its producer, or
+wished by neighbours), its consumers' hints and its pending partial.
+
+Phases: ``seed`` fixes what the user pinned; ``_drain`` passes wishes around
+(agreement only, nothing decided); ``run`` then settles every op in program
+order, so each choice sees its operands as produced and its consumers' wishes.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from typing import Optional
+
+from ir.graph import CONSTRAINT, Graph, Op, Value
+from ir.layout import Layout
+
+from .propagation_choice import ChoiceMixin, Source
+from .redistribute import redistribution_cost
+from .rules import rule_for
+from .rules.base import FactorRule
+from .sharding import OpStrategy, dim_axes, factors_from_operands, project
+
+
+class Propagation(ChoiceMixin):
+    def __init__(self, graph: Graph, cfg, reduced: Optional[dict] = None,
+                 seeds: Optional[dict] = None):
+        self.g = graph
+        self.reduced = reduced or {}   # value -> layouts a reshard of it makes anyway
+        self.seeds = seeds or {}       # loop op -> factors its body's shard() calls imply
+        self.mesh = graph.mesh
+        self.cfg = cfg
+        self.rules: dict[Op, FactorRule] = {op: rule_for(op) for op in graph.ops}
+        self.factors: dict[Op, list] = {op: [None] * r.num_factors for op, r in self.rules.items()}
+        self.passthrough: dict[Op, Optional[tuple]] = {}
+        self.dims: dict[Value, list] = {}    # per value, per dim: axes if known (decided, or wished)
+        self.hints: dict[Value, list] = {}   # per value, per dim: what its consumers ask for
+        self.taken: dict[Value, list] = {}   # graph input -> per dim, as its first deciding consumer takes it
+        self.setter: dict[Value, str] = {}   # who decided a value's dims (for origins)
+        self.partial: dict[Value, tuple] = {}
+        self.origin: dict[Op, str] = {op: op.origin for op in graph.ops if op.origin}
+        self.producer = graph.producers()
+        self.users = graph.users()
+        self.queue: deque = deque()
+        self.queued: set = set()
+        self.order = {op: i for i, op in enumerate(graph.ops)}
+
+    # -- helpers ----------------------------------------------------------------
+    def _dims(self, v: Value) -> list:
+        d = self.dims.get(v)
+        if d is None:
+            d = self.dims[v] = [None] * v.type.rank
+        return d
+
+    def _enqueue(self, op: Optional[Op], skip: Optional[Op] = None) -> None:
+        if op is not None and op is not skip and op not in self.queued:
+            self.queued.add(op)
+            self.queue.append(op)
+
+    def _describe(self, op: Op) -> str:
+        kind = op.kind
+        if op.kind == CONSTRAINT and op.region is not None and op.region in self.g.regions:
+            kind = self.g.regions[op.region].describe()
+        return f"{kind} at {op.source}" if op.source else kind
+
+    # -- driver -----------------------------------------------------------------
+    def seed(self) -> None:
+        """What is fixed before anything propagates: pinned inputs and outputs,
+        user constraints, ops inside shard() regions, loops with annotated bodies."""
+        g = self.g
+        for i, layout in g.pinned_inputs.items():
+            v = g.inputs[i]
+            self.dims[v] = list(layout.dims)
+            name = g.input_names[i] if i < len(g.input_names) else f"#{i}"
+            self.setter[v] = ("input", f"in_strategy of input {name}" if g.name != "body" else "loop boundary")
+            for u in self.users.get(v, []):
+                self._enqueue(u)
+        tied = {i: Layout(tuple(self.dims[g.inputs[j]])) for i, j in g.tied_outputs.items()
+                if g.inputs[j] in self.dims}   # state whose input layout is pinned already
+        for i, layout in {**tied, **g.pinned_outputs}.items():
+            v = g.outputs[i]
+            if v not in self.dims and not v.is_literal:
+                self.dims[v] = list(layout.dims)
+                self.hints[v] = list(layout.dims)
+                self.setter[v] = ("consumer", f"out_strategy of output {i}" if g.name != "body" else "loop boundary")
+                self._enqueue(self.producer.get(v))
+        for op in g.ops:
+            if op.kind == CONSTRAINT and op.pinned is not None:
+                self._decide(op, list(op.pinned.dims), None, "user")
+        for op in g.ops:
+            if op.region is not None and op.kind != CONSTRAINT:
+                # the user's strategy is what the shard() marks pin; other operands adapt
+                layouts = [self._known_layout(v) if self._is_pinned_mark(self.producer.get(v)) else None
+                           for v in op.inputs]
+                factors, _ = factors_from_operands(self.rules[op], op, layouts, self.mesh)
+                self._decide(op, factors, None, "user")
+        for op, factors in self.seeds.items():
+            self._decide(op, factors, None, f"from shard() inside the {op.kind} body")
+
+    def run(self) -> None:
+        g = self.g
+        self.seed()
+        if self.cfg.mode == "semi_auto":
+            for op in g.ops:
+                if op.origin != "user" and not (op.kind == CONSTRAINT and op.pinned is not None):
+                    self._decide(op, self._data_parallel_default(op), None, "default (data parallel)")
+        self._drain()
+        # Settle the rest in program order: producers before consumers, so every
+        # pending partial is known when its consumer chooses how to resolve it,
+        # and what consumers wish (agreed backwards above) is known as hints.
+        for op in g.ops:
+            self._visit(op, settle=True)
+            f = self.factors[op]
+            if any(a is None for a in f) or op not in self.passthrough:  # unconstrained: stays whole
+                self._decide(op, [a if a is not None else () for a in f], None, self.origin.get(op) or "default")
+            self._drain()
+        self._finish()
+
+    @staticmethod
+    def _is_pinned_mark(op: Optional[Op]) -> bool:
+        return op is not None and op.kind == CONSTRAINT and op.pinned is not None
+
+    def _known_layout(self, v: Value) -> Optional[Layout]:
+        d = self.dims.get(v)
+        if d is None or any(a is None for a in d):
+            return None
+        return Layout(tuple(d))
+
+    def _drain(self) -> None:
+        while self.queue:
+            op = self.queue.popleft()
+            self.queued.discard(op)
+            self._visit(op)
+
+    def _data_parallel_default(self, op: Op) -> list:
+        """MindSpore's default: the first dim of the first operand (or of the result,
+        if that operand is a scalar) split over every device, where it divides."""
+        rule = self.rules[op]
+        factors = [()] * rule.num_factors
+        dims = rule.operands[0] if rule.operands and rule.operands[0] else (rule.results[0] if rule.results else ())
+        if dims and dims[0]:
+            f = dims[0][0]
+            if rule.shardable(f) and rule.sizes[f] % self.mesh.size == 0:
+                factors[f] = self.mesh.axis_names
+        return factors
+
+    # -- one op -----------------------------------------------------------------
+    def _sources(self, op: Op, rule: FactorRule) -> list[Source]:
+        out = []
+        for n, v in enumerate(op.inputs):
+            fs = rule.operands[n]
+            if fs is None or v.type.rank == 0 or v not in self.dims:
+                continue
+            prop = project(fs, self.dims[v], rule, self.mesh)
+            if prop:
+                out.append(Source("operand", n, v, prop))
+        for n, v in enumerate(op.outputs):
+            if v not in self.dims or v.type.rank == 0:
+                continue
+            prop = project(rule.results[n], self.dims[v], rule, self.mesh)
+            if prop:
+                out.append(Source("result", n, v, prop))
+        return out
+
+    def _visit(self, op: Op, settle: bool = False) -> None:
+        """Decide what the neighbours say about this op's open factors. Unless
+        ``settle``, only uncontested decisions are taken: every neighbour that says
+        something agrees and no pending partial must be resolved."""
+        rule = self.rules[op]
+        cur = self.factors[op]
+        open_factors = [f for f, a in enumerate(cur) if a is None]
+        if not open_factors and op in self.passthrough:
+            return
+        if settle and op.kind == CONSTRAINT and op.pinned is None:
+            self._alias(op, rule)
+            return
+        sources = self._sources(op, rule)
+        useful = [s for s in sources if any(f in s.proposal for f in open_factors)]
+        partial_operands = [n for n, v in enumerate(op.inputs) if self.partial.get(v, ((), "sum"))[0]
+                            and rule.operands[n] is not None]
+        if not useful and not (partial_operands and op not in self.passthrough and any(
+                self.dims.get(v) for v in op.inputs)):
+            return
+        if not settle:
+            # Before settling, only wishes travel: what the neighbours agree on is passed
+            # on to the other neighbours' unknown dims, and nothing is decided yet.
+            if not self._contested(cur, useful):
+                self._wish(op, rule, cur, useful)
+            return
+        best = self._best_candidate(op, rule, cur, useful or sources, partial_operands)
+        if best is None:
+            return
+        factors, passthrough, lead = best
+        self._decide(op, factors, passthrough, self._origin_from(lead))
+
+    def _alias(self, op: Op, rule: FactorRule) -> None:
+        """A shard() output mark without an out_strategy only delimits the region:
+        its value passes through exactly as produced, pending partial included."""
+        v = op.inputs[0]
+        dims = self.dims.get(v) or [None] * v.type.rank
+        factors = list(self.factors[op])
+        for fs, axes in zip(rule.operands[0], dims):
+            for f in fs:
+                if factors[f] is None:
+                    factors[f] = axes if axes is not None else ()
+        axes, pop = self.partial.get(v, ((), "sum"))
+        group = next((gi for gi, (g, gop) in enumerate(rule.linear) if gop == pop), None)
+        passthrough = (group, axes) if axes and group is not None else None
+        self._decide(op, factors, passthrough, self._origin_from(Source("operand", 0, v, {})))
+
+    def _wish(self, op: Op, rule: FactorRule, cur: list, sources: list[Source]) -> None:
+        """Fill the unknown dims of this op's operands and results with what its
+        neighbours agree on, without deciding the op. What goes to one neighbour is
+        made from the others only, so a value never hears its own wish echoed back."""
+        for side, tensors, fss in (("operand", op.inputs, rule.operands), ("result", op.outputs, rule.results)):
+            for n, (v, fs) in enumerate(zip(tensors, fss)):
+                if fs is None or v.type.rank == 0 or v.is_literal or self._settled(v, side == "operand"):
+                    continue
+                others = [s for s in sources if not (s.kind == side and s.index == n)]
+                if others:
+                    self._fill(v, fs, self._complete(rule, cur, others), rule, op, side == "operand")
+
+    def _settled(self, v: Value, from_consumer: bool) -> bool:
+        """Nothing left to fill: every dim known (and, for a consumer's wish, hinted)."""
+        dims = self.dims.get(v)
+        if dims is None or None in dims:
+            return False
+        if from_consumer:
+            hints = self.hints.get(v)
+            return hints is not None and None not in hints
+        return True
+
+    def _fill(self, v: Value, fs, factors: list, rule: FactorRule, op: Op, from_consumer: bool) -> None:
+        dims = self._dims(v)
+        hints = self.hints.setdefault(v, [None] * v.type.rank) if from_consumer else None
+        changed = False
+        for d, dfs in enumerate(fs):
+            a = self._safe_dim_axes(dfs, factors, rule)
+            if a is None:
+                continue
+            if hints is not None and hints[d] is None:
+                hints[d] = a
+            if dims[d] is None:
+                dims[d] = a
+                changed = True
+        if changed:
+            self.setter.setdefault(v, ("consumer" if from_consumer else "producer", self._describe(op)))
+            self._enqueue(self.producer.get(v), op)
+            for u in self.users.get(v, []):
+                self._enqueue(u, op)
+
+    # -- committing a decision --------------------------------------------------
+    def _decide(self, op: Op, factors: list, passthrough, origin: str) -> None:
+        rule = self.rules[op]
+        cur = self.factors[op]
+        for f, a in enumerate(factors):
+            if cur[f] is None and a is not None:
+                cur[f] = tuple(a)
+        if op not in self.passthrough and (passthrough is not None or all(a is not None for a in cur)
+                                           or origin == "user"):
+            self.passthrough[op] = passthrough
+        if op not in self.origin or not self.origin[op]:
+            self.origin[op] = origin
+        me = self._describe(op)
+        # operands learn what this op wants, where nobody has said yet
+        for n, v in enumerate(op.inputs):
+            fs = rule.operands[n]
+            if fs is None or v.type.rank == 0 or v.is_literal:
+                continue
+            self._fill(v, fs, cur, rule, op, True)
+            if v not in self.producer:
+                taken = self.taken.setdefault(v, [None] * v.type.rank)
+                for d, dfs in enumerate(fs):
+                    if taken[d] is None:
+                        taken[d] = self._safe_dim_axes(dfs, cur, rule)
+        # results are what this op makes
+        red_known = all(cur[f] is not None for f in rule.reduction)
+        for n, v in enumerate(op.outputs):
+            dims = self._dims(v)
+            changed = False
+            for d, dfs in enumerate(rule.results[n]):
+                a = self._safe_dim_axes(dfs, cur, rule)
+                if a is not None and dims[d] != a:
+                    dims[d] = a
+                    changed = True
+            if changed:
+                self.setter[v] = ("producer", me)
+            if red_known and op in self.passthrough and v not in self.partial:
+                st = OpStrategy(rule, tuple(a if a is not None else () for a in cur), self.passthrough[op])
+                self.partial[v] = st.result_partial(self.mesh)
+                changed = changed or bool(self.partial[v][0])
+            if changed:
+                for u in self.users.get(v, []):
+                    self._enqueue(u, op)
+
+    def _safe_dim_axes(self, fs, cur, rule):
+        try:
+            return dim_axes(fs, cur, rule, self.mesh)
+        except ValueError:
+            return None
+
+    def snapshot(self):
+        return ({op: (op.strategy, op.origin) for op in self.g.ops},
+                {v: v.layout for v in self.g.values() if v.layout is not None})
+
+    def needs(self):
+        """(value, layout an op needs it in) for every operand that must be redistributed."""
+        out = set()
+        for op in self.g.ops:
+            for n, v in enumerate(op.inputs):
+                if v.is_literal:
+                    continue
+                need = op.strategy.operand_layout(n, v.type.rank, self.mesh)
+                if need != v.layout:
+                    out.add((v, need))
+        for v in self.g.outputs:
+            if v.layout is not None and v.layout.partial:
+                out.add((v, v.layout.without_partial()))
+        return out
+
+    def carried_elsewhere(self, reduced: dict) -> bool:
+        """Does some value that gets reduced reach another op in a different layout
+        (still partial, or reduced differently)? Only then can a second round save
+        a redistribution, by letting that op take the reduced value."""
+        for v in reduced:
+            wanted = {u.strategy.operand_layout(n, v.type.rank, self.mesh)
+                      for u in self.users.get(v, []) for n, x in enumerate(u.inputs) if x is v}
+            if len(wanted) > 1:
+                return True
+        return False
+
+    def reduced_values(self, needs) -> dict:
+        """Partial values some op all-reduces in place (same dims, sum completed)."""
+        out: dict = {}
+        for v, need in needs:
+            if v.layout.partial and need == v.layout.without_partial():
+                out.setdefault(v, set()).add(need)
+        return out
+
+    def plan_cost(self, needs) -> float:
+        """Estimated time of the whole plan: every redistribution once, plus compute."""
+        total = 0.0
+        for v, need in needs:
+            total += redistribution_cost(v.type.shape, v.type.itemsize, v.layout, need, self.mesh,
+                                         self.cfg.allow_reduce_scatter, self.cfg.cost)
+        for op in self.g.ops:
+            degree = math.prod(self.mesh.axes_size(a) for a in op.strategy.factors if a)
+            touched = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
+            total += self.cfg.cost.compute_time(self.rules[op].flops / degree, touched / degree)
+        return total
+
+    def _finish(self) -> None:
+        mesh = self.mesh
+        for i, v in enumerate(self.g.inputs):
+            # an input arrives as its first deciding consumer takes it (wishes are only wishes)
+            dims = self._dims(v) if i in self.g.pinned_inputs else self.taken.get(v, self._dims(v))
+            layout = Layout(tuple(a if a is not None else () for a in dims))
+            if not layout.fits(v.type.shape, mesh):
+                layout = Layout.replicated(v.type.rank)
+            v.layout = layout
+        for op in self.g.ops:
+            rule = self.rules[op]
+            st = OpStrategy(rule, tuple(self.factors[op]), self.passthrough.get(op))
+            problems = st.problems(mesh)
+            if problems:
+                raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
+            op.strategy = st
+            op.origin = self.origin.get(op) or "default"
+            for n, v in enumerate(op.outputs):
+                v.layout = st.result_layout(n, mesh)
