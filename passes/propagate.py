@@ -41,6 +41,12 @@ class PropagateSharding:
         self.cost = cost
         self.allow_reduce_scatter = allow_reduce_scatter
         self.memo: dict = {}   # situation at an op -> the choice made there
+        self._rules: dict = {}  # graph id -> {op: rule}, built once for all rounds
+
+    def rules_of(self, graph: Graph) -> dict:
+        if id(graph) not in self._rules:
+            self._rules[id(graph)] = {op: rule_for(op) for op in graph.ops}
+        return self._rules[id(graph)]
 
     def __call__(self, graph: Graph) -> Graph:
         seeds = {op: self._body_wishes(op, graph) for op in graph.ops if op.subgraphs}

@@ -20,7 +20,6 @@ from ir.layout import Layout
 
 from .propagation_choice import ChoiceMixin, Source
 from .redistribute import redistribution_cost
-from .rules import rule_for
 from .rules.base import FactorRule
 from .sharding import OpStrategy, dim_axes, factors_from_operands, project
 
@@ -33,7 +32,7 @@ class Propagation(ChoiceMixin):
         self.seeds = seeds or {}       # loop op -> factors its body's shard() calls imply
         self.mesh = graph.mesh
         self.cfg = cfg
-        self.rules: dict[Op, FactorRule] = {op: rule_for(op) for op in graph.ops}
+        self.rules: dict[Op, FactorRule] = cfg.rules_of(graph)
         self.factors: dict[Op, list] = {op: [None] * r.num_factors for op, r in self.rules.items()}
         self.passthrough: dict[Op, Optional[tuple]] = {}
         self.dims: dict[Value, list] = {}    # per value, per dim: axes if known (decided, or wished)
