@@ -43,6 +43,12 @@ class PropagateSharding:
         self.memo: dict = {}   # situation at an op -> the choice made there
         self._rules: dict = {}  # graph id -> {op: rule}, built once for all rounds
 
+    def maps_of(self, graph: Graph) -> tuple:
+        key = ("maps", id(graph))
+        if key not in self._rules:
+            self._rules[key] = (graph.producers(), graph.users())
+        return self._rules[key]
+
     def rules_of(self, graph: Graph) -> dict:
         if id(graph) not in self._rules:
             self._rules[id(graph)] = {op: rule_for(op) for op in graph.ops}
@@ -89,12 +95,15 @@ class PropagateSharding:
         # for free instead of carrying the partial further (which would need a second
         # reduction later). The cheaper of the two plans is kept.
         initial = {op: op.origin for op in graph.ops}
+        first = Propagation(graph, self, {}, seeds)
+        first.wish()                  # wishes do not depend on the round: travel once
+        wished = first.state()
         best, reduced = None, {}
         for _ in range(2):
             for op in graph.ops:
                 op.origin = initial[op]
-            prop = Propagation(graph, self, reduced, seeds)
-            prop.run()
+            prop = Propagation(graph, self, reduced, seeds).load(wished)
+            prop.settle()
             needs = prop.needs()
             cost = prop.plan_cost(needs)
             if best is None or cost < best[0] - 1e-12:

@@ -41,11 +41,24 @@ class Propagation(ChoiceMixin):
         self.setter: dict[Value, str] = {}   # who decided a value's dims (for origins)
         self.partial: dict[Value, tuple] = {}
         self.origin: dict[Op, str] = {op: op.origin for op in graph.ops if op.origin}
-        self.producer = graph.producers()
-        self.users = graph.users()
+        self.producer, self.users = cfg.maps_of(graph)
         self.queue: deque = deque()
         self.queued: set = set()
-        self.order = {op: i for i, op in enumerate(graph.ops)}
+
+    _STATE = ("factors", "passthrough", "dims", "hints", "taken", "setter", "partial", "origin")
+
+    def state(self) -> dict:
+        """A copy of everything decided or wished so far (to start another round from)."""
+        out = {}
+        for name in self._STATE:
+            d = getattr(self, name)
+            out[name] = {k: (list(v) if isinstance(v, list) else v) for k, v in d.items()}
+        return out
+
+    def load(self, state: dict) -> "Propagation":
+        for name in self._STATE:
+            setattr(self, name, {k: (list(v) if isinstance(v, list) else v) for k, v in state[name].items()})
+        return self
 
     # -- helpers ----------------------------------------------------------------
     def _dims(self, v: Value) -> list:
@@ -100,6 +113,11 @@ class Propagation(ChoiceMixin):
             self._decide(op, factors, None, f"from shard() inside the {op.kind} body")
 
     def run(self) -> None:
+        self.wish()
+        self.settle()
+
+    def wish(self) -> None:
+        """Phase one: pin what the user fixed and let wishes travel (nothing else is decided)."""
         g = self.g
         self.seed()
         if self.cfg.mode == "semi_auto":
@@ -107,6 +125,10 @@ class Propagation(ChoiceMixin):
                 if op.origin != "user" and not (op.kind == CONSTRAINT and op.pinned is not None):
                     self._decide(op, self._data_parallel_default(op), None, "default (data parallel)")
         self._drain()
+
+    def settle(self) -> None:
+        """Phase two: decide every op in program order, then write strategies and layouts."""
+        g = self.g
         # Settle the rest in program order: producers before consumers, so every
         # pending partial is known when its consumer chooses how to resolve it,
         # and what consumers wish (agreed backwards above) is known as hints.
