@@ -138,6 +138,8 @@ class ChoiceMixin:
         cands += extra
         seen, scored = set(), []
         for idx, (c, pt, s) in enumerate(cands):
+            # a factor nobody proposes stays whole once the op settles: cost it that way
+            c = [a if a is not None else () for a in c]
             key = (tuple(c), pt)
             if key in seen:
                 continue
