@@ -157,7 +157,8 @@ class ParallelFunction:
         return compiled
 
     def _trace(self, args, kwargs):
-        graph, out_tree, out_shape = trace(self.fn, args, kwargs, self.mesh_spec.ir_mesh)
+        context = self.mesh_spec.jax_mesh() if self.mesh_spec.named else None
+        graph, out_tree, out_shape = trace(self.fn, args, kwargs, self.mesh_spec.ir_mesh, context)
         graph.count_mesh = not self.mesh_spec.named
         self._out_tree = out_tree
         self._state_pins(args, graph, out_shape)

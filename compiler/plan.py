@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ir.graph import COLLECTIVE_KINDS, Graph
+from ir.graph import Graph, is_collective
 from ir.mesh import Mesh
 from runtime.dump import summary_text, write_dumps
 
@@ -62,7 +62,7 @@ class Plan:
     def _ops(self, graph: Graph):
         mesh = graph.mesh
         for _, op in graph.walk_ops():
-            if op.kind in COLLECTIVE_KINDS:
+            if is_collective(op):
                 continue
             ins = tuple(op.strategy.operand_layout(n, v.type.rank, mesh) for n, v in enumerate(op.inputs))
             outs = tuple(op.strategy.result_layout(n, mesh) for n in range(len(op.outputs)))
@@ -72,7 +72,7 @@ class Plan:
     def _collectives(self, graph: Graph):
         mesh = graph.mesh
         for _, op in graph.walk_ops():
-            if op.kind not in COLLECTIVE_KINDS:
+            if not is_collective(op):
                 continue
             if op.kind == "permute":
                 axes, groups = mesh.axis_names, tuple((s, d) for s, d in op.params["pairs"] if s != d)

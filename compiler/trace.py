@@ -37,11 +37,17 @@ def source_of(source_info) -> Optional[str]:
     return None
 
 
+class UnsupportedValue(TypeError):
+    pass
+
+
 def tensor_type(aval) -> TensorType:
     if not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
-        raise TypeError(f"unsupported value type {aval}")
-    return TensorType(tuple(int(s) for s in aval.shape), np.dtype(aval.dtype).name
-                      if aval.dtype != jax.numpy.bfloat16 else "bfloat16")
+        raise UnsupportedValue(f"unsupported value type {aval}")
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        raise UnsupportedValue(f"values of type {aval.dtype} (PRNG keys) are not supported inside a parallelized "
+                               "function")
+    return TensorType(tuple(int(s) for s in aval.shape), np.dtype(aval.dtype).name)
 
 
 class _Importer:
@@ -76,27 +82,38 @@ class _Importer:
             # Bodies traced inside library code (jax.nn.relu's custom_jvp) carry no user
             # frame of their own: they take the line of the call that holds them.
             source = source_of(eqn.source_info) or outer_source
-            if name in CONTROL_FLOW:
-                outs = [Value(tensor_type(v.aval)) for v in eqn.outvars]
-                self.ops.append(CONTROL_FLOW[name](self, eqn, ins, outs, source))
-            elif name in INLINE and INLINE[name] in eqn.params:
-                body = eqn.params[INLINE[name]]
-                if isinstance(body, jcore.ClosedJaxpr):
-                    outs = self.walk(body.jaxpr, [self.const(c) for c in body.consts], ins, source)
-                else:
-                    outs = self.walk(body, [], ins, source)
-            else:
-                outs = [Value(tensor_type(v.aval)) for v in eqn.outvars]
-                if name == "shardprop_mark":
-                    op = Op(CONSTRAINT, ins, outs, dict(eqn.params), source)
-                else:
-                    op = Op(name, ins, outs, dict(eqn.params), source, prim=eqn.primitive)
-                self.ops.append(op)
+            try:
+                outs = self._eqn(eqn, ins, name, source)
+            except UnsupportedValue as e:
+                raise sharding_error(str(e), operator=name, source=source,
+                                     shapes=tuple(v.type.shape for v in ins),
+                                     fix="draw random numbers (dropout masks) outside and pass them in as "
+                                         "arrays, or split the key with jax.random outside") from None
             for var, val in zip(eqn.outvars, outs):
                 if not isinstance(var, jcore.DropVar):
                     env[var] = val
         return [self.read(a, env) for a in jaxpr.outvars]
 
+    def _eqn(self, eqn, ins, name, source) -> list[Value]:
+        """Import one equation: inline a call, nest a loop/branch, or add an op."""
+        if name in INLINE and INLINE[name] in eqn.params:
+            body = eqn.params[INLINE[name]]
+            if isinstance(body, jcore.ClosedJaxpr):
+                return self.walk(body.jaxpr, [self.const(c) for c in body.consts], ins, source)
+            return self.walk(body, [], ins, source)
+        outs = [Value(tensor_type(v.aval)) for v in eqn.outvars]
+        if name in CONTROL_FLOW:
+            self.ops.append(CONTROL_FLOW[name](self, eqn, ins, outs, source))
+        elif name == "shardprop_mark":
+            self.ops.append(Op(CONSTRAINT, ins, outs, dict(eqn.params), source))
+        elif name == "sharding_constraint":
+            # jax.lax.with_sharding_constraint: a layout the user asked for, kept as such
+            self.ops.append(Op(CONSTRAINT, ins, outs, {"role": "with_sharding_constraint",
+                                                       "user_spec": _spec_dims(eqn.params, ins[0].type.rank)},
+                               source))
+        else:
+            self.ops.append(Op(name, ins, outs, dict(eqn.params), source, prim=eqn.primitive))
+        return outs
 
     def body(self, closed, source) -> tuple[Graph, list[Value]]:
         """A loop or branch body as a Graph. Arrays the body closes over become
@@ -153,6 +170,15 @@ def _cond(imp: _Importer, eqn, ins, outs, source) -> Op:
 CONTROL_FLOW = {"scan": _scan, "while": _while, "cond": _cond}
 
 
+def _spec_dims(params, rank: int) -> tuple:
+    """The mesh axes per dim that a with_sharding_constraint's PartitionSpec names."""
+    spec = getattr(params.get("sharding"), "spec", None) or ()
+    dims = []
+    for entry in tuple(spec) + (None,) * (rank - len(tuple(spec))):
+        dims.append(() if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry)))
+    return tuple(dims[:rank])
+
+
 def _dead_code_elimination(ops: list[Op], outputs: list[Value]) -> list[Op]:
     live = {v.id for v in outputs}
     kept = []
@@ -174,7 +200,7 @@ def _tag_regions(ops: list[Op]) -> None:
             users.setdefault(v.id, []).append(op)
     marks: dict[int, dict[str, list[Op]]] = {}
     for op in ops:
-        if op.kind == CONSTRAINT:
+        if op.kind == CONSTRAINT and "region" in op.params:
             marks.setdefault(op.params["region"], {"in": [], "out": []})[op.params["role"]].append(op)
     for rid, ends in marks.items():
         bwd, stack = set(), [producers[v.id] for m in ends["out"] for v in m.inputs if v.id in producers]
@@ -211,10 +237,15 @@ def input_names(fn, args, kwargs) -> list[str]:
     return names
 
 
-def trace(fn, args, kwargs, mesh: Mesh):
+def trace(fn, args, kwargs, mesh: Mesh, context_mesh=None):
     """Trace ``fn(*args, **kwargs)`` into a Graph; also return the output pytree
-    structure and the outputs' shapes."""
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+    structure and the outputs' shapes. Tracing happens with ``context_mesh`` set, so
+    ``with_sharding_constraint(x, PartitionSpec(...))`` inside ``fn`` names its axes."""
+    if context_mesh is not None:
+        with jax.set_mesh(context_mesh):
+            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+    else:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     graph = import_jaxpr(closed, mesh, input_names(fn, args, kwargs), getattr(fn, "__name__", "main"))
     return graph, jax.tree_util.tree_structure(out_shape), out_shape
 
@@ -223,7 +254,13 @@ def import_jaxpr(closed, mesh: Mesh, names: list[str], name: str = "main") -> Gr
     """A closed jaxpr as a Graph: calls inlined, control flow as nested graphs, dead code gone."""
     imp = _Importer()
     consts = [imp.const(c) for c in closed.consts]
-    inputs = [Value(tensor_type(v.aval)) for v in closed.jaxpr.invars]
+    inputs = []
+    for v, n in zip(closed.jaxpr.invars, list(names) + [f"arg{i}" for i in range(len(closed.jaxpr.invars))]):
+        try:
+            inputs.append(Value(tensor_type(v.aval)))
+        except UnsupportedValue as e:
+            raise sharding_error(f"input {n}: {e}", operator=name,
+                                 fix="pass random masks (or raw uint32 key data) instead of a PRNG key") from None
     for v, n in zip(inputs, names):
         v.name_hint = n
     outputs = imp.walk(closed.jaxpr, consts, inputs)

@@ -24,6 +24,12 @@ RESHARD = "reshard"                 # layout change, before it is planned
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "slice", "permute")
 
 
+def is_collective(op: "Op") -> bool:
+    """A redistribution step the planner inserted (jax's own ``slice`` primitive has a
+    ``prim``; the planner's local ``slice`` does not)."""
+    return op.prim is None and op.kind in COLLECTIVE_KINDS
+
+
 @dataclass(frozen=True)
 class TensorType:
     shape: tuple[int, ...]

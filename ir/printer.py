@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from .graph import COLLECTIVE_KINDS, Graph, Op, Value
+from .graph import Graph, Op, Value, is_collective
 from .layout import Layout
 
 _ADDR = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -95,7 +95,7 @@ def _splits(layouts, mesh) -> str:
 
 def op_comment(op: Op, mesh, global_view: bool) -> str:
     parts = []
-    if op.strategy is not None and op.kind not in COLLECTIVE_KINDS:
+    if op.strategy is not None and not is_collective(op):
         ins = [op.strategy.operand_layout(n, v.type.rank, mesh) for n, v in enumerate(op.inputs)]
         outs = [op.strategy.result_layout(n, mesh) for n in range(len(op.outputs))]
         parts.append(f"strategy={_splits(ins, mesh)} -> {_splits(outs, mesh)}")
@@ -175,7 +175,7 @@ def _print_ops(graph: Graph, rank, namer: Namer, region_no: dict, lines: list, i
         ins = ", ".join(namer.use(v) for v in op.inputs)
         outs = ", ".join(namer.define(v) for v in op.outputs)
         if local:
-            params = _collective_params(op, rank, mesh) if op.kind in COLLECTIVE_KINDS else op.local_params
+            params = _collective_params(op, rank, mesh) if is_collective(op) else op.local_params
             sig = (f"({', '.join(str(v.local_type) for v in op.inputs)}) -> "
                    f"{', '.join(str(v.local_type) for v in op.outputs)}")
         else:

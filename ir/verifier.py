@@ -8,7 +8,7 @@ that is its global type cut by its layout (after localize).
 """
 from __future__ import annotations
 
-from .graph import COLLECTIVE_KINDS, CONSTRAINT, RESHARD, Graph
+from .graph import CONSTRAINT, RESHARD, Graph, is_collective
 
 STAGES = ("import", "bind-user-strategies", "propagate-sharding", "sink-reductions", "insert-reshards",
           "reshard-to-collectives", "localize")
@@ -52,13 +52,13 @@ def _check(graph: Graph, level: int, problems: list[str]) -> None:
             for p in v.layout.problems(v.type.shape, mesh):
                 problems.append(f"value {v} layout {v.layout}: {p}")
         for op in graph.ops:
-            if op.kind not in COLLECTIVE_KINDS and op.kind != RESHARD and op.strategy is None:
+            if not is_collective(op) and op.kind != RESHARD and op.strategy is None:
                 problems.append(f"{op.describe()}: no strategy")
     if level >= STAGES.index("insert-reshards"):
         for op in graph.ops:
             if op.kind == CONSTRAINT:
                 problems.append(f"{op.describe()}: constraint left after insert-reshards")
-            if op.kind in COLLECTIVE_KINDS or op.kind == RESHARD:
+            if is_collective(op) or op.kind == RESHARD:
                 continue
             for n, v in enumerate(op.inputs):
                 if v.is_literal:

@@ -63,6 +63,10 @@ class BindUserStrategies:
                                                             f"parallelize out_strategy for output {i}")
         for i, layout in graph.pinned_inputs.items():
             graph.inputs[i].layout = layout
+        for _, op in graph.walk_ops():
+            if op.kind == CONSTRAINT and "user_spec" in op.params:
+                op.pinned = self._axes_layout(op.params["user_spec"], op.inputs[0].type.shape, mesh, None,
+                                              f"with_sharding_constraint at {op.source}")
         return graph
 
     # -- regions ---------------------------------------------------------------

@@ -9,9 +9,12 @@ depend on the rank, and those the printer and the lowering compute per rank.
 """
 from __future__ import annotations
 
-from ir.graph import COLLECTIVE_KINDS, Graph, TensorType
+from ir.graph import Graph, TensorType, is_collective
 
 from .rules import LOCALIZERS
+
+
+_JAX_SHARDING_PARAMS = ("sharding", "out_sharding")
 
 
 class Localize:
@@ -28,9 +31,14 @@ class Localize:
             for body in op.subgraphs:
                 self(body)
             fn = LOCALIZERS.get(op.kind)
-            if fn is None or op.kind in COLLECTIVE_KINDS:
+            if fn is None or is_collective(op):
                 op.local_params = dict(op.params)
             else:
                 op.local_params = fn(op, [v.local_type.shape for v in op.inputs],
                                      [v.local_type.shape for v in op.outputs])
+            for key in _JAX_SHARDING_PARAMS:
+                # jax's own sharding hints (set when traced under a mesh) describe the global
+                # program; the per-rank program is already partitioned
+                if op.local_params.get(key) is not None:
+                    op.local_params[key] = None
         return graph

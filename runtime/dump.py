@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-from ir.graph import COLLECTIVE_KINDS, Graph
+from ir.graph import COLLECTIVE_KINDS, Graph, is_collective
 from ir.printer import print_graph
 
 
@@ -13,7 +13,7 @@ def summary_text(graph: Graph) -> str:
     by_kind = defaultdict(lambda: [0, 0])
     lines = [f"# shardprop summary; mesh {graph.mesh} ({graph.mesh.size} devices)", ""]
     for _, op in graph.walk_ops():
-        if op.kind in COLLECTIVE_KINDS:
+        if is_collective(op):
             by_kind[op.kind][0] += 1
             by_kind[op.kind][1] += op.params.get("wire_bytes", 0)
     lines.append(f"{'kind':<16}{'count':>8}{'bytes/device/step':>20}")
@@ -26,7 +26,7 @@ def summary_text(graph: Graph) -> str:
     lines.append("")
     lines.append("collectives in program order (those in loop bodies run once per iteration):")
     for _, op in graph.walk_ops():
-        if op.kind in COLLECTIVE_KINDS:
+        if is_collective(op):
             p = {k: v for k, v in op.params.items() if k not in ("wire_bytes", "pairs")}
             lines.append(f"  {op.kind:<15} {op.inputs[0].local_type} -> {op.outputs[0].local_type} "
                          f"{p} bytes={op.params.get('wire_bytes', 0)} {op.note}")

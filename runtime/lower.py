@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ir.graph import COLLECTIVE_KINDS, Graph, Op, Value
+from ir.graph import Graph, Op, Value, is_collective
 from ir.layout import Layout
 
 
@@ -51,8 +52,20 @@ def _run_collective(op: Op, x, mesh_axes: tuple):
     raise NotImplementedError(k)
 
 
+def _reduced_axes(op: Op) -> tuple:
+    st = op.strategy
+    return tuple(a for f in st.rule.reduction for a in st.factors[f])
+
+
 def _run_primitive(op: Op, args: list):
     params = op.local_params
+    if op.kind in ("scatter-add", "scatter_add") and _reduced_axes(op):
+        # Updates split over some axes: every device adds its share into the table and
+        # the result is a partial sum. The table itself must be counted once, so all
+        # devices but the first of each group start from zeros.
+        axes = _reduced_axes(op)
+        first = lax.axis_index(axes) == 0
+        args = [jnp.where(first, args[0], jnp.zeros_like(args[0]))] + list(args[1:])
     if op.kind == "iota":
         out = op.prim.bind(**params)
         axes = op.outputs[0].layout.dims[params["dimension"]]
@@ -75,7 +88,7 @@ def run_graph(graph: Graph, args: Sequence) -> list:
     env = {v.id: x for v, x in zip(graph.inputs, args)}
     for op in graph.ops:
         ins = [_read(env, v) for v in op.inputs]
-        if op.kind in COLLECTIVE_KINDS:
+        if is_collective(op):
             outs = [_run_collective(op, ins[0], graph.mesh.axis_names)]
         elif op.kind in _CONTROL_FLOW:
             outs = _CONTROL_FLOW[op.kind](op, ins)

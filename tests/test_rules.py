@@ -151,3 +151,16 @@ def test_named_mesh_partition_spec_rules():
         h = shard(jnp.matmul, (P("dp", None, "mp"), P("dp", "mp", None)))(x, y)
         return jax.nn.softmax(h, axis=-1).sum(1)
     check_parallel(f, (T3, T3B), mesh=((2, 4), ("dp", "mp")))
+
+
+def test_with_sharding_constraint_is_honoured():
+    """jax's own annotation inside the function is a user strategy like shard()."""
+    def f(x, w):
+        h = jax.lax.with_sharding_constraint(x @ w, P("dp", "mp"))
+        return jnp.tanh(h) @ w.T
+    w = rand(rng, 32, 32)
+    pf = parallelize(f, mesh=((2, 4), ("dp", "mp")))
+    tanh = next(o for o in pf.plan(A, w).ops if o.primitive == "tanh")
+    assert tanh.in_strategy == ((2, 4),)
+    from tests.helpers import assert_trees_close
+    assert_trees_close(pf(A, w), jax.jit(lambda x, w: jnp.tanh(x @ w) @ w.T)(A, w))

@@ -1,6 +1,7 @@
 """Sharding rules, one per primitive, registered in ``RULES`` by primitive name."""
 from .base import LOCALIZERS, RULES, FactorRule, register, register_localizer  # noqa: F401
-from . import constants, contraction, control_flow, elementwise, reductions, shape_ops  # noqa: F401  (registration)
+from . import (constants, contraction, control_flow, elementwise, indexing, reductions,  # noqa: F401
+               shape_ops, structural, windows)  # (registration)
 
 from ir.errors import sharding_error
 from ir.graph import CONSTRAINT
