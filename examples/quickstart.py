@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-if "--gpu" not in sys.argv:
+if __name__ == "__main__" and "--gpu" not in sys.argv:
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import jax  # noqa: E402

@@ -17,6 +17,7 @@ from typing import Optional
 from ir.graph import Op, Value
 from ir.layout import Layout
 
+from .cost import wire_bytes
 from .redistribute import redistribution_cost
 from .rules.base import FactorRule
 from .sharding import Axes, dim_axes
@@ -183,6 +184,19 @@ class ChoiceMixin:
         return redistribution_cost(v.type.shape, v.type.itemsize, have, want, self.mesh,
                                    self.cfg.allow_reduce_scatter, self.cfg.cost)
 
+    def _growth_charge(self, op: Op, rule: FactorRule, cand: list, group, axes) -> float:
+        """Carrying a partial on defers its reduction; through an op that makes the
+        tensor bigger (a broadcast) the later reduction costs more: charge the difference."""
+        n = self.mesh.axes_size(axes)
+
+        def reduce_time(v, fss):
+            local = math.prod(s // self.mesh.axes_size(dim_axes(d, cand, rule, self.mesh) or ())
+                              for s, d in zip(v.type.shape, fss))
+            return self.cfg.cost.collective_time(wire_bytes("all_reduce", local * v.type.itemsize, n))
+        before = max(reduce_time(op.inputs[m], rule.operands[m]) for m in group)
+        after = max(reduce_time(v, rule.results[k]) for k, v in enumerate(op.outputs))
+        return max(0.0, after - before)
+
     def _cost(self, op: Op, rule: FactorRule, cand: list, pt) -> float:
         mesh = self.mesh
         total = 0.0
@@ -209,6 +223,8 @@ class ChoiceMixin:
             mine = [dim_axes(d, cand, rule, mesh) for d in rule.results[n]]
             h, w = self._layout_pair(mine, res_partial, hint, ((), "sum"))
             total += self._redistribution(v, h, w)
+        if pt:
+            total += self._growth_charge(op, rule, cand, pt_group, pt_axes)
         degree = math.prod(mesh.axes_size(a) for a in cand if a)
         touched = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
         total += self.cfg.cost.compute_time(rule.flops / degree, touched / degree)
