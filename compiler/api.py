@@ -184,6 +184,16 @@ class ParallelFunction:
         donated = set(c.donated)
         return [place(x, s, i in donated) for i, (x, s) in enumerate(zip(list(leaves) + c.consts, c.in_shardings))]
 
+    def input_shardings(self, *args, **kwargs):
+        """The ``NamedSharding`` each argument leaf is fed in, as a pytree like the
+        arguments: what an input pipeline needs to assemble global batches in place
+        (``jax.make_array_from_process_local_data``) and a checkpoint to restore into."""
+        c = self._compile(args, kwargs)
+        n = len(jax.tree_util.tree_leaves((args, kwargs)))
+        tree = jax.tree_util.tree_structure((args, kwargs))
+        a, kw = jax.tree_util.tree_unflatten(tree, c.in_shardings[:n])
+        return a if not kwargs else (a, kw)
+
     def lower(self, *args, **kwargs):
         """jax's ``Lowered`` for these arguments (``.compile()``, ``.as_text()``,
         ``.compile().memory_analysis()``): what XLA is given to run."""
