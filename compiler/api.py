@@ -13,7 +13,8 @@ from ir.errors import ShardingError, sharding_error
 from passes.cost import DEFAULT_COST, CostModel
 from runtime.lower import lower, partition_spec
 from runtime.mesh import resolve_mesh
-from runtime.placement import owned_ranks, place
+from runtime.distributed import initialize as initialize_distributed
+from runtime.placement import owned_ranks, place, writes_global_files
 
 from .annotate import caller_source, normalize_tensor_strategy
 from .pipeline import Options, run_pipeline
@@ -62,6 +63,7 @@ class ParallelFunction:
                  donate_argnums, verify, batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,)):
         if mode not in MODES:
             raise ShardingError(f"mode={mode!r} is not one of {MODES}")
+        initialize_distributed()   # join a multi-process run (launcher, mpirun, SLURM) before looking at devices
         self.fn = fn
         self.mesh_spec = resolve_mesh(mesh)
         self.mode = mode
@@ -152,7 +154,8 @@ class ParallelFunction:
         compiled = Compiled(fn, plan, out_tree, consts, in_shardings, donate)
         self._cache[key] = compiled
         if self.dump_dir and not self._dumped:
-            plan.dump(self.dump_dir, ranks=owned_ranks(graph.mesh.size, self.mesh_spec.devices))
+            plan.dump(self.dump_dir, ranks=owned_ranks(graph.mesh.size, self.mesh_spec.devices),
+                      write_global=writes_global_files())
             self._dumped = True
         return compiled
 

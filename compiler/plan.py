@@ -99,10 +99,10 @@ class Plan:
     def summary(self) -> str:
         return summary_text(self.graph)
 
-    def dump(self, dump_dir: str, ranks=None) -> None:
-        if not self.pass_texts and self._regenerate_texts is not None:
+    def dump(self, dump_dir: str, ranks=None, write_global: bool = True) -> None:
+        if not self.pass_texts and self._regenerate_texts is not None and write_global:
             self.pass_texts = self._regenerate_texts()
-        write_dumps(dump_dir, self.graph, self.pass_texts, ranks)
+        write_dumps(dump_dir, self.graph, self.pass_texts, ranks, write_global)
 
     def __str__(self):
         lines = [f"plan on mesh {self.mesh} ({self.mesh.size} devices)", "operators:"]

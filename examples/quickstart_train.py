@@ -16,8 +16,8 @@ import os
 import sys
 
 if __name__ == "__main__" and "--gpu" not in sys.argv:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    from runtime.distributed import use_cpu_devices
+    use_cpu_devices(8)   # any machine can run it (unless a launcher chose the devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -33,11 +33,12 @@ def summary_text(graph: Graph) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_dumps(dump_dir: str, graph: Graph, pass_texts: dict, ranks=None) -> None:
+def write_dumps(dump_dir: str, graph: Graph, pass_texts: dict, ranks=None, write_global: bool = True) -> None:
     """Write ``NN_<pass>.ir``, ``rank_<r>/execute.ir`` for each rank and ``summary.txt``.
-    ``ranks`` limits the per-rank files to the ranks this process owns."""
+    ``ranks`` limits the per-rank files to the ranks this process owns; ``write_global``
+    says whether this process writes the files common to all ranks."""
     os.makedirs(dump_dir, exist_ok=True)
-    for name, text in pass_texts.items():
+    for name, text in (pass_texts.items() if write_global else ()):
         with open(os.path.join(dump_dir, name), "w") as f:
             f.write(text)
     for r in (range(graph.mesh.size) if ranks is None else ranks):
@@ -45,5 +46,6 @@ def write_dumps(dump_dir: str, graph: Graph, pass_texts: dict, ranks=None) -> No
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, "execute.ir"), "w") as f:
             f.write(print_graph(graph, rank=r, title=f"program executed by rank {r}"))
-    with open(os.path.join(dump_dir, "summary.txt"), "w") as f:
-        f.write(summary_text(graph))
+    if write_global:
+        with open(os.path.join(dump_dir, "summary.txt"), "w") as f:
+            f.write(summary_text(graph))

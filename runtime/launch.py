@@ -1,0 +1,291 @@
+"""``shardprop launch``: start one process per GPU (or CPU processes with K forced
+devices each) that together form one JAX mesh, like ``fleetrun --gpus 0,1`` /
+``--ips``, ``torchrun --nproc_per_node`` or ``mpirun -n``.
+
+    shardprop launch --nproc 2 --devices-per-proc 4 train.py --epochs 3
+    shardprop launch --gpus 0,1,2,3 train.py
+    shardprop launch --ips 10.0.0.1,10.0.0.2 --gpus 0,1 train.py   # the same command on both hosts
+
+Every rank's output goes to ``log/workerlog.<rank>``; rank 0's is also streamed
+to the console. When a rank fails or is killed, the others are stopped (SIGTERM,
+then SIGKILL: after ``jax.distributed.initialize`` a process ignores SIGTERM, and
+it would otherwise wait ~100 s for its dead peer's heartbeat), and the launcher
+exits non-zero naming the rank, its exit status and its log. Ctrl-C or SIGTERM
+to the launcher stops every rank the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from .distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+GRACE_S = 2.0       # between SIGTERM and SIGKILL
+POLL_S = 0.1
+
+
+class LaunchError(Exception):
+    """Bad arguments or environment, found before anything starts."""
+
+
+@dataclass
+class Config:
+    nproc: int                   # processes on this host
+    nnodes: int
+    node_rank: int
+    devices_per_proc: Optional[int]
+    gpus: Optional[list[str]]
+    coordinator: str
+    log_dir: str
+    script: str
+    script_args: list[str]
+
+    @property
+    def world(self) -> int:
+        return self.nproc * self.nnodes
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host if host not in ("localhost",) else "127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_addresses() -> set[str]:
+    names = {"127.0.0.1", "localhost", socket.gethostname()}
+    try:
+        names.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    return names
+
+
+def parse(argv: list[str]) -> Config:
+    ap = argparse.ArgumentParser(prog="shardprop launch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--nproc", type=int, help="processes on this host (CPU or one GPU each)")
+    group.add_argument("--gpus", help="comma-separated GPU ids, one process each, e.g. 0,1,2,3")
+    ap.add_argument("--devices-per-proc", type=int, default=None,
+                    help="forced CPU devices per process (CPU runs; default 1)")
+    ap.add_argument("--ips", default=None, help="comma-separated hosts; the first coordinates")
+    ap.add_argument("--node-rank", type=int, default=None, help="this host's index in --ips (default: found)")
+    ap.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    ap.add_argument("--log-dir", default="log")
+    ap.add_argument("script")
+    ap.add_argument("script_args", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+
+    gpus = [g for g in a.gpus.split(",") if g] if a.gpus else None
+    nproc = len(gpus) if gpus else (a.nproc if a.nproc is not None else 1)
+    if nproc < 1:
+        raise LaunchError(f"--nproc {nproc}: need at least one process")
+    if a.devices_per_proc is not None and a.devices_per_proc < 1:
+        raise LaunchError(f"--devices-per-proc {a.devices_per_proc}: need at least one device per process")
+    if gpus and a.devices_per_proc not in (None, 1):
+        raise LaunchError("--devices-per-proc forces CPU devices; with --gpus each process has one GPU")
+    if not os.path.isfile(a.script):
+        raise LaunchError(f"script {a.script!r} not found")
+    hosts = [h for h in a.ips.split(",") if h] if a.ips else ["127.0.0.1"]
+    node_rank = a.node_rank
+    if node_rank is None:
+        mine = _local_addresses()
+        matches = [i for i, h in enumerate(hosts) if h in mine]
+        if len(hosts) == 1:
+            node_rank = 0
+        elif len(matches) != 1:
+            raise LaunchError(f"cannot tell which of --ips {a.ips} is this host ({socket.gethostname()}); "
+                              "pass --node-rank")
+        else:
+            node_rank = matches[0]
+    if not 0 <= node_rank < len(hosts):
+        raise LaunchError(f"--node-rank {node_rank} is not an index into --ips {a.ips}")
+    host = hosts[0]
+    port = a.port
+    if port is None:
+        if len(hosts) > 1:
+            raise LaunchError("with --ips, give every host the same --port")
+        port = _free_port()
+    elif node_rank == 0 and not _port_is_free(host, port):
+        raise LaunchError(f"coordinator port {port} on {host} is already in use; pick another --port "
+                          "(or leave it out to get a free one)")
+    return Config(nproc, len(hosts), node_rank, a.devices_per_proc, gpus, f"{host}:{port}", a.log_dir,
+                  a.script, a.script_args)
+
+
+def worker_env(cfg: Config, local_rank: int) -> dict:
+    env = dict(os.environ)
+    rank = cfg.node_rank * cfg.nproc + local_rank
+    env[ENV_COORDINATOR] = cfg.coordinator
+    env[ENV_NUM_PROCESSES] = str(cfg.world)
+    env[ENV_PROCESS_ID] = str(rank)
+    if cfg.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[local_rank]
+    else:
+        k = cfg.devices_per_proc or 1
+        env["JAX_PLATFORMS"] = "cpu"
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={k}"])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Workers:
+    """The ranks on this host: started in their own sessions, stopped together."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[str] = []
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        os.makedirs(self.cfg.log_dir, exist_ok=True)
+        for local in range(self.cfg.nproc):
+            rank = self.cfg.node_rank * self.cfg.nproc + local
+            path = os.path.join(self.cfg.log_dir, f"workerlog.{rank}")
+            self.logs.append(path)
+            log = open(path, "w")
+            cmd = [sys.executable, "-u", self.cfg.script] + self.cfg.script_args
+            if rank == 0:
+                p = subprocess.Popen(cmd, env=worker_env(self.cfg, local), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+                t = threading.Thread(target=_tee, args=(p.stdout, log), daemon=True)
+                t.start()
+                self._threads.append(t)
+            else:
+                p = subprocess.Popen(cmd, env=worker_env(self.cfg, local), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+                log.close()
+            self.procs.append(p)
+
+    def first_failure(self) -> Optional[tuple[int, int]]:
+        for local, p in enumerate(self.procs):
+            code = p.poll()
+            if code not in (None, 0):
+                return self.cfg.node_rank * self.cfg.nproc + local, code
+        return None
+
+    def all_done(self) -> bool:
+        return all(p.poll() is not None for p in self.procs)
+
+    def stop(self) -> None:
+        """SIGTERM every rank's process group, then SIGKILL what is left after a grace period."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for p in self.procs:
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + GRACE_S
+            while time.monotonic() < deadline and not self.all_done():
+                time.sleep(POLL_S)
+            if self.all_done():
+                break
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for t in self._threads:
+            t.join(timeout=2)
+
+
+def _tee(stream, log) -> None:
+    for line in iter(stream.readline, b""):
+        text = line.decode(errors="replace")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        log.write(text)
+        log.flush()
+    log.close()
+
+
+def describe_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def run(cfg: Config) -> int:
+    devices = f"GPU {','.join(cfg.gpus)}" if cfg.gpus else f"{cfg.devices_per_proc or 1} CPU device(s) each"
+    print(f"shardprop launch: {cfg.world} process(es) ({cfg.nproc} on this host, node {cfg.node_rank} of "
+          f"{cfg.nnodes}), {devices}; coordinator {cfg.coordinator}; logs in {cfg.log_dir}/workerlog.<rank>",
+          flush=True)
+    workers = Workers(cfg)
+    stopping = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stopping["signal"] = signum
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        workers.start()
+        while True:
+            if stopping["signal"] is not None:
+                workers.stop()
+                name = signal.Signals(stopping["signal"]).name
+                print(f"shardprop launch: received {name}; stopped all ranks", file=sys.stderr, flush=True)
+                return 128 + stopping["signal"]
+            failure = workers.first_failure()
+            if failure is not None:
+                rank, code = failure
+                workers.stop()
+                log = os.path.join(cfg.log_dir, f"workerlog.{rank}")
+                print(f"shardprop launch: rank {rank} failed ({describe_status(code)}); stopped the other ranks. "
+                      f"See {log}", file=sys.stderr, flush=True)
+                _show_tail(log)
+                return code if code > 0 else 128 - code
+            if workers.all_done():
+                workers.stop()   # joins the console thread
+                return 0
+            time.sleep(POLL_S)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _show_tail(path: str, lines: int = 15) -> None:
+    try:
+        with open(path, errors="replace") as f:
+            tail = f.readlines()[-lines:]
+    except OSError:
+        return
+    if tail:
+        print(f"--- last lines of {path} ---", file=sys.stderr)
+        sys.stderr.writelines(tail)
+        sys.stderr.flush()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        cfg = parse(sys.argv[1:] if argv is None else argv)
+    except LaunchError as e:
+        print(f"shardprop launch: error: {e}", file=sys.stderr)
+        return 2
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The launcher: 2 processes x 4 CPU devices form one 8-device mesh and compute
+what one process computes (dumps included); failures end in bounded time with
+the right status and message, and no process is left behind."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "launch_workers" / "behave.py"
+QUICKSTART = ROOT / "examples" / "multiprocess_quickstart.py"
+
+
+def launch(args, cwd, timeout=120, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)   # the launcher decides the workers' device count
+    return subprocess.run([sys.executable, "-m", "runtime.launch"] + [str(a) for a in args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def assert_no_orphans(pid_dir):
+    for f in Path(pid_dir).glob("pid.*"):
+        pid = int(f.read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    proc = launch(["--nproc", 2, "--devices-per-proc", 4, QUICKSTART, "--out", tmp_path / "y.npy",
+                   "--dump-dir", tmp_path / "multi"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es)" in proc.stdout and "coordinator 127.0.0.1:" in proc.stdout
+    assert (tmp_path / "log" / "workerlog.0").exists() and (tmp_path / "log" / "workerlog.1").exists()
+    # the same network in this (single) process
+    sys.path.insert(0, str(ROOT / "examples"))
+    import multiprocess_quickstart as mq
+    from compiler import parallelize
+    rng = np.random.default_rng(1)
+    x = rng.random((16, 32), dtype=np.float32)
+    w1 = rng.standard_normal((32, 16)).astype(np.float32)
+    w2 = rng.standard_normal((16, 16)).astype(np.float32)
+    single = parallelize(mq.net, mesh=8, dump_dir=str(tmp_path / "single"))(x, w1, w2)
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), np.asarray(single), rtol=1e-6, atol=1e-6)
+    multi = {p.relative_to(tmp_path / "multi"): p.read_text() for p in (tmp_path / "multi").rglob("*") if p.is_file()}
+    one = {p.relative_to(tmp_path / "single"): p.read_text() for p in (tmp_path / "single").rglob("*") if p.is_file()}
+    assert sorted(multi) == sorted(one)
+    for name in one:
+        assert multi[name] == one[name], name
+
+
+def test_killed_rank_stops_the_others(tmp_path):
+    start = time.monotonic()
+    proc = launch(["--nproc", 2, "--devices-per-proc", 4, WORKER, tmp_path, "die_after_init"], cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 137
+    assert "rank 1 failed (killed by SIGKILL)" in proc.stderr and "log/workerlog.1" in proc.stderr
+    assert elapsed < 60   # the survivor sleeps 120 s: it was stopped, not waited for
+    assert_no_orphans(tmp_path)
+
+
+def test_rank_failing_at_startup(tmp_path):
+    proc = launch(["--nproc", 2, "--devices-per-proc", 2, WORKER, tmp_path, "fail_at_start"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "rank 1 failed (exit status 1)" in proc.stderr
+    assert "failing on purpose" in (tmp_path / "log" / "workerlog.1").read_text()
+    assert_no_orphans(tmp_path)
+
+
+def test_sigterm_to_launcher_stops_all_ranks(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.Popen([sys.executable, "-m", "runtime.launch", "--nproc", "2", "--devices-per-proc", "2",
+                          str(WORKER), str(tmp_path), "sleep"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid.*"))) < 2 or "rank 0:" not in _read(tmp_path / "log" / "workerlog.0"):
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGTERM
+    assert "received SIGTERM; stopped all ranks" in err
+    assert_no_orphans(tmp_path)
+
+
+def _read(path):
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def test_devices_per_proc_that_does_not_fit_the_mesh(tmp_path):
+    proc = launch(["--nproc", 2, "--devices-per-proc", 3, WORKER, tmp_path, "mesh8"], cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "failed (exit status" in proc.stderr
+    log = (tmp_path / "log" / "workerlog.0").read_text() + (tmp_path / "log" / "workerlog.1").read_text()
+    assert "needs 8 devices but jax sees 6" in log
+    assert_no_orphans(tmp_path)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nproc", 0, WORKER], "--nproc 0: need at least one process"),
+    (["--nproc", 2, "missing_script.py"], "script 'missing_script.py' not found"),
+    (["--ips", "10.0.0.1,10.0.0.2", WORKER], "cannot tell which of --ips"),
+])
+def test_bad_arguments_are_refused_before_starting(tmp_path, args, message):
+    proc = launch(args, cwd=tmp_path, timeout=30)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not (tmp_path / "log").exists()
+
+
+def test_busy_coordinator_port(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = launch(["--nproc", 2, "--port", port, WORKER, tmp_path, "ok"], cwd=tmp_path, timeout=30)
+    assert proc.returncode == 2 and f"coordinator port {port} on 127.0.0.1 is already in use" in proc.stderr
+
+
+def test_unreachable_coordinator_fails_in_bounded_time(tmp_path):
+    """This host is rank 1 of a run coordinated by a host that is not there."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SHARDPROP_INIT_TIMEOUT="5")
+    env.pop("XLA_FLAGS", None)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "runtime.launch", "--ips", "127.0.0.1,127.0.0.2", "--node-rank", "1",
+                           "--port", "1", str(WORKER), str(tmp_path), "ok"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "rank 1 failed" in proc.stderr
+    assert time.monotonic() - start < 90
+    assert_no_orphans(tmp_path)
+
+
+def test_cli_entry_point(tmp_path):
+    from compiler.cli import main
+    assert main(["frobnicate"]) == 2
+    assert jax.process_count() == 1
+
+
+def test_training_run_across_processes_equals_one_process(tmp_path):
+    proc = launch(["--nproc", 2, "--devices-per-proc", 4, ROOT / "examples" / "quickstart_train.py"], cwd=tmp_path,
+                  timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    multi = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("epoch:")]
+    sys.path.insert(0, str(ROOT / "examples"))
+    import io
+
+    import quickstart_train
+    single = quickstart_train.train(single_device=False, file=io.StringIO())
+    assert len(multi) == len(single) == 20
+    np.testing.assert_allclose(multi, single, rtol=1e-6, atol=1e-7)
