@@ -15,7 +15,6 @@ all-gathered). The same script runs on one device with ``--single-device``.
 
     python examples/data_parallel.py
 """
-import os
 import sys
 
 if __name__ == "__main__" and "--gpu" not in sys.argv:

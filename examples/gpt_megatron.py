@@ -12,7 +12,6 @@ The model is plain jax.numpy; ``make_train_step`` builds a whole training step
 """
 from __future__ import annotations
 
-import os
 import sys
 
 if __name__ == "__main__" and "--gpu" not in sys.argv:

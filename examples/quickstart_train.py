@@ -12,7 +12,6 @@ printed in MindSpore's ``LossMonitor`` form.
     python examples/quickstart_train.py --single-device  # the same script on one device
 """
 import argparse
-import os
 import sys
 
 if __name__ == "__main__" and "--gpu" not in sys.argv:

@@ -11,7 +11,6 @@ the model-parallel classifier is planned by the compiler.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 if __name__ == "__main__" and "--gpu" not in sys.argv:

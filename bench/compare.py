@@ -1,0 +1,204 @@
+"""shardprop against JAX's own partitioner, side by side in one run.
+
+For every case in ``bench/zoo.py`` the same marks go to (a) shardprop and (b)
+``jax.jit`` with the marked operators' inputs constrained by
+``with_sharding_constraint`` and everything else left to XLA (free inputs arrive
+replicated, as a user's params usually do). Read from each compiled program:
+collectives by kind and the bytes each device moves per step (ring formulas,
+see bench/hlo.py), peak memory per device (argument + output + temp - alias from
+``memory_analysis``), compile times, and the median step time over interleaved
+runs (A, B, A, B, ...) as the ratio A / B. Both results are checked against one
+device (float32, 1e-4 relative: whole training steps).
+
+    python bench/compare.py                  # every case (a few minutes)
+    python bench/compare.py --quick          # fewer timing repetitions
+    python bench/compare.py --cases seed_network megatron_mlp
+
+Writes bench/results/compare.json and prints the table. On forced CPU devices
+collectives are memcpys and timings are noisy: read ratios, not milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from bench import zoo  # noqa: E402
+from bench.hlo import collectives  # noqa: E402
+from compiler import ShardingError, parallelize  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def peak_memory(compiled) -> int:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def median_interleaved(fa, fb, reps: int) -> tuple[float, float]:
+    for f in (fa, fb):          # warm-up
+        jax.block_until_ready(f())
+    ta, tb = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fa())
+        ta.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        jax.block_until_ready(fb())
+        tb.append(time.perf_counter() - t)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def close(got, want, train: bool) -> bool:
+    # After an Adam step, parameters whose gradient is ~0 amplify rounding (any reduction
+    # order, XLA's too) to ~1e-4; the loss itself agrees to 1e-5.
+    atol = 2e-4 if train else 1e-5
+    ok = True
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        ok &= bool(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=atol))
+    return ok
+
+
+def run_case(case: zoo.Case, reps: int) -> dict:
+    shape, names = case.mesh
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
+    n = mesh.devices.size
+    args = case.args()
+    row = {"case": case.name, "note": case.note, "mesh": "x".join(map(str, shape))}
+
+    zoo.annotate.mode = "plain"
+    reference = jax.jit(case.fn)(*args)          # one device, no marks
+    zoo.annotate.mesh = mesh
+
+    # (a) shardprop
+    zoo.annotate.mode = "shardprop"
+    try:
+        pf = parallelize(case.fn, mesh=mesh)
+        plan = pf.plan(*args)
+    except ShardingError as e:
+        row["unsupported"] = str(e).splitlines()[0]
+        return row
+    row["ours_passes_s"] = plan.trace_seconds + sum(plan.pass_seconds.values())
+    lowered = pf.lower(*args)
+    t = time.perf_counter()
+    comp_a = lowered.compile()
+    row["xla_compile_a_s"] = time.perf_counter() - t
+    compiled = pf._compile(args, {})
+    flat_a = pf._flat_inputs(compiled, args, {})
+    out_a = jax.tree_util.tree_unflatten(compiled.out_tree, list(comp_a(*flat_a)))
+
+    # (b) XLA with the same marks as constraints
+    zoo.annotate.mode = "xla"
+    replicated = NamedSharding(mesh, P())
+    flat_b, tree = jax.tree_util.tree_flatten(args)
+    flat_b = [jax.device_put(x, replicated) for x in flat_b]
+    args_b = jax.tree_util.tree_unflatten(tree, flat_b)
+    with jax.set_mesh(mesh):
+        lowered_b = jax.jit(case.fn).lower(*args_b)
+        t = time.perf_counter()
+        comp_b = lowered_b.compile()
+        row["xla_compile_b_s"] = time.perf_counter() - t
+        out_b = comp_b(*args_b)
+
+    row["correct_a"] = close(out_a, reference, case.train)
+    row["correct_b"] = close(out_b, reference, case.train)
+    ca, cb = collectives(comp_a.as_text(), n), collectives(comp_b.as_text(), n)
+    row.update(collectives_a=dict(ca.counts), collectives_b=dict(cb.counts), bytes_a=ca.bytes, bytes_b=cb.bytes,
+               summary_a=ca.summary(), summary_b=cb.summary(),
+               floor_bytes=case.floor_bytes() if case.floor_bytes else None,
+               memory_a=peak_memory(comp_a), memory_b=peak_memory(comp_b))
+    with jax.set_mesh(mesh):
+        ta, tb = median_interleaved(lambda: comp_a(*flat_a), lambda: comp_b(*args_b), reps)
+    row.update(step_a_ms=ta * 1e3, step_b_ms=tb * 1e3, step_ratio=ta / tb)
+    return row
+
+
+def fmt_bytes(b) -> str:
+    if b is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if b < 1024 or unit == "GB":
+            return f"{b:.0f}{unit}" if unit == "B" else f"{b:.1f}{unit}"
+        b /= 1024
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'case':<22} {'shardprop collectives':<34} {'XLA collectives':<34} {'bytes A':>9} {'bytes B':>9} "
+            f"{'floor':>9} {'mem A/B':>8} {'passes':>7} {'XLA cA':>7} {'XLA cB':>7} {'step A/B':>9} ok")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "unsupported" in r:
+            lines.append(f"{r['case']:<22} unsupported by shardprop: {r['unsupported']}")
+            continue
+        ok = "yes" if r["correct_a"] and r["correct_b"] else f"A:{r['correct_a']} B:{r['correct_b']}"
+        lines.append(
+            f"{r['case']:<22} {r['summary_a'][:34]:<34} {r['summary_b'][:34]:<34} {fmt_bytes(r['bytes_a']):>9} "
+            f"{fmt_bytes(r['bytes_b']):>9} {fmt_bytes(r['floor_bytes']):>9} {r['memory_a'] / r['memory_b']:>8.2f} "
+            f"{r['ours_passes_s']:>6.2f}s {r['xla_compile_a_s']:>6.2f}s {r['xla_compile_b_s']:>6.2f}s "
+            f"{r['step_ratio']:>9.2f} {ok}")
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        if "unsupported" in r:
+            continue
+        if r["bytes_a"] > r["bytes_b"] * 1.001:
+            out.append(f"{r['case']}: shardprop moves more bytes ({fmt_bytes(r['bytes_a'])} vs {fmt_bytes(r['bytes_b'])})")
+        if r["floor_bytes"] and r["bytes_a"] > r["floor_bytes"] * 1.001:
+            out.append(f"{r['case']}: shardprop is above the analytic floor ({fmt_bytes(r['bytes_a'])} vs "
+                       f"{fmt_bytes(r['floor_bytes'])})")
+        if r["memory_a"] > 1.03 * r["memory_b"]:
+            out.append(f"{r['case']}: shardprop uses {r['memory_a'] / r['memory_b']:.2f}x XLA's peak memory")
+        if r["step_ratio"] > 1.02:
+            out.append(f"{r['case']}: shardprop's step is {r['step_ratio']:.2f}x XLA's")
+        if r["ours_passes_s"] > r["xla_compile_b_s"]:
+            out.append(f"{r['case']}: shardprop's passes ({r['ours_passes_s']:.2f}s) take longer than XLA's compile "
+                       f"({r['xla_compile_b_s']:.2f}s)")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="5 timing repetitions instead of 21")
+    ap.add_argument("--cases", nargs="*", help="run only these cases")
+    args = ap.parse_args()
+    reps = 5 if args.quick else 21
+    start = time.perf_counter()
+    rows = []
+    for case in zoo.cases():
+        if args.cases and case.name not in args.cases:
+            continue
+        print(f"... {case.name}", file=sys.stderr, flush=True)
+        rows.append(run_case(case, reps))
+    text = table(rows)
+    print(text)
+    print()
+    print("bytes: per device per step (ring formulas); mem A/B: peak per-device memory, shardprop / XLA; "
+          "passes: shardprop's trace + passes; XLA cA / cB: XLA's compile of shardprop's program / of the "
+          f"constrained program; step A/B: median of {reps} interleaved runs, shardprop / XLA.")
+    losses = verdicts(rows)
+    print("\nwhere shardprop loses:" if losses else "\nshardprop loses nowhere on these cases.")
+    for v in losses:
+        print("  " + v)
+    print(f"\ntotal {time.perf_counter() - start:.0f}s")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "compare.json").write_text(json.dumps(rows, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

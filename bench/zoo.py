@@ -1,0 +1,158 @@
+"""The comparison cases. Each is written once, with ``annotate(fn, specs)`` on the
+operators a user would mark; the harness gives those marks to shardprop as
+``shard()`` and to XLA as ``with_sharding_constraint`` on the marked operator's
+inputs (everything else left to each system)."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from compiler import shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+
+class Annotator:
+    """``annotate(fn, specs)(*args)``: shardprop's shard(), or XLA constraints on the inputs."""
+
+    def __init__(self):
+        self.mode, self.mesh = "shardprop", None
+
+    def __call__(self, fn, specs):
+        if self.mode == "plain":          # the single-device reference
+            return fn
+        if self.mode == "shardprop":
+            return shard(fn, specs)
+        mesh = self.mesh
+
+        def constrained(*args):
+            args = [jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+            return fn(*args)
+        return constrained
+
+
+annotate = Annotator()
+
+
+@dataclass
+class Case:
+    name: str
+    mesh: tuple                         # (shape, axis names)
+    fn: Callable
+    args: Callable[[], tuple]
+    floor_bytes: Optional[Callable[[], float]] = None   # analytic minimum bytes per device, where known
+    note: str = ""
+    train: bool = False                 # a training step: args (params, state, ...) are fed back
+
+
+def _rand(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# -- the seed network and the MindSpore FFN -----------------------------------------------
+def seed(x, w1, w2):
+    h = annotate(jnp.matmul, (P("a", "b"), P("b", None)))(x, w1)   # ((2, 4), (4, 1))
+    return jnp.matmul(jax.nn.relu(h), w2)
+
+
+def ffn(x, w1, b1, w2, b2):
+    h = annotate(jnp.matmul, (P("a", None), P(None, "b")))(x, w1)  # ((2, 1), (1, 4))
+    return jnp.matmul(jax.nn.relu(h + b1), w2) + b2
+
+
+# -- Megatron blocks, annotated on their first matmuls ---------------------------------------
+B, S, E, H = 4, 64, 256, 8
+
+
+def megatron_mlp(x, w1, w2):
+    h = annotate(jnp.matmul, (P(None, None, None), P(None, "mp")))(x, w1)
+    return x + jax.nn.gelu(h) @ w2
+
+
+def megatron_attention(x, wq, wk, wv, wo):
+    heads = annotate(lambda a, w: jnp.einsum("bse,ehd->bshd", a, w), (P(None, None, None), P(None, "mp", None)))
+    q, k, v = heads(x, wq), heads(x, wk), heads(x, wv)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(E // H)
+    causal = jnp.arange(S)[:, None] >= jnp.arange(S)[None, :]
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(causal, s, -1e9), -1), v).reshape(B, S, E)
+    return x + o @ wo
+
+
+def _block_output_floor(mp=8):
+    """Least a block can move: its output is a sum over mp devices, so each must at least
+    reduce-scatter it ((n-1)/n of the activation); an all_reduce moves twice that."""
+    return (mp - 1) / mp * B * S * E * 4
+
+
+# -- GPT training steps (examples/gpt_megatron.py, its marks routed through annotate) --------
+def gpt_case(layers: int, dp: int):
+    import gpt_megatron as G
+    cfg = G.Config(layers=layers, batch=8, seq=32, heads=8, head_dim=16, vocab=256)
+    if dp == 1:
+        par = G.Parallelism(heads=(P(None, None, None), P(None, "mp", None)), columns=(P(None, None, None), P(None, "mp")))
+    else:
+        par = G.Parallelism.data_and_tensor()
+
+    def fn(params, state, tokens, targets):
+        G.shard = annotate          # the example's marks, given to whichever system runs
+        return step(params, state, tokens, targets)
+    step, opt = G.make_train_step(par, cfg)
+
+    def args():
+        params = G.init_params(cfg)
+        tokens, targets = G.make_batch(cfg)
+        return params, opt.init(params), tokens, targets
+    mesh = ((8,), ("mp",)) if dp == 1 else ((2, 4), ("dp", "mp"))
+    return Case(f"gpt{layers}_train_{'mp8' if dp == 1 else 'dp2xmp4'}", mesh, fn, args, train=True,
+                note="forward, backward, Adam")
+
+
+# -- a small CNN, data parallel ----------------------------------------------------------------
+def cnn(x, k1, k2, w):
+    nhwc = ("NHWC", "HWIO", "NHWC")
+    conv = annotate(lambda a, k: jax.lax.conv_general_dilated(a, k, (1, 1), "SAME", dimension_numbers=nhwc),
+                    (P("d", None, None, None), P(None, None, None, None)))
+    h = jax.nn.relu(conv(x, k1))
+    h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    h = jax.nn.relu(jax.lax.conv_general_dilated(h, k2, (1, 1), "SAME", dimension_numbers=nhwc))
+    return jnp.mean(h, axis=(1, 2)) @ w
+
+
+def cnn_train(params, x, y):
+    def loss(p):
+        return jnp.mean((cnn(x, *p) - y) ** 2)
+    l, g = jax.value_and_grad(loss)(params)
+    return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g), l
+
+
+def cases() -> list[Case]:
+    rng = np.random.default_rng(0)
+    return [
+        Case("seed_network", ((2, 4), ("a", "b")), seed,
+             lambda: (_rand(rng, 16, 32), _rand(rng, 32, 16), _rand(rng, 16, 16)),
+             note="MindSpore quickstart, first matmul ((2,4),(4,1))"),
+        Case("mindspore_ffn", ((2, 4), ("a", "b")), ffn,
+             lambda: (_rand(rng, 64, 128), _rand(rng, 128, 256, scale=.1), np.zeros(256, np.float32),
+                      _rand(rng, 256, 128, scale=.1), np.zeros(128, np.float32)),
+             note="first matmul ((2,1),(1,4))"),
+        Case("megatron_mlp", ((8,), ("mp",)), megatron_mlp,
+             lambda: (_rand(rng, B, S, E), _rand(rng, E, 4 * E, scale=.05), _rand(rng, 4 * E, E, scale=.05)),
+             floor_bytes=_block_output_floor, note="first matmul column split"),
+        Case("megatron_attention", ((8,), ("mp",)), megatron_attention,
+             lambda: (_rand(rng, B, S, E), _rand(rng, E, H, E // H, scale=.05), _rand(rng, E, H, E // H, scale=.05),
+                      _rand(rng, E, H, E // H, scale=.05), _rand(rng, E, E, scale=.05)),
+             floor_bytes=_block_output_floor, note="QKV heads split"),
+        gpt_case(2, 1), gpt_case(12, 1), gpt_case(2, 2), gpt_case(12, 2),
+        Case("cnn_data_parallel", ((8,), ("d",)), cnn_train,
+             lambda: ((_rand(rng, 3, 3, 3, 16, scale=.2), _rand(rng, 3, 3, 16, 16, scale=.1), _rand(rng, 16, 10, scale=.1)),
+                      _rand(rng, 32, 16, 16, 3), _rand(rng, 32, 10)),
+             note="first conv batch split; SGD step", train=True),
+    ]
