@@ -24,23 +24,8 @@ class RegionFactors:
     operators: tuple[str, ...]            # the primitives the function is made of
 
 
-class _UnionFind:
-    def __init__(self):
-        self.parent: dict = {}
-
-    def find(self, x):
-        self.parent.setdefault(x, x)
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a, b):
-        self.parent[self.find(a)] = self.find(b)
-
-
 def factor_classes(fn, args, kwargs, array_positions) -> RegionFactors:
-    from passes.rules import rule_for
+    from passes.rules.dim_classes import DimClasses
 
     from .trace import _Importer, tensor_type
 
@@ -59,22 +44,9 @@ def factor_classes(fn, args, kwargs, array_positions) -> RegionFactors:
     imp = _Importer()
     inputs = [Value(tensor_type(v.aval)) for v in closed.jaxpr.invars]
     imp.walk(closed.jaxpr, [imp.const(c) for c in closed.consts], inputs)
-    uf = _UnionFind()
-    reduced_roots = set()
-    for op in imp.ops:
-        rule = rule_for(op)
-        for f, places in enumerate(rule.factor_dims()):
-            keys = []
-            for side, t, d in places:
-                tensor = op.inputs[t] if side == "operand" else op.outputs[t]
-                fs = (rule.operands[t] if side == "operand" else rule.results[t])[d]
-                if len(fs) == 1:
-                    keys.append((tensor.id, d))
-            for a, b in zip(keys, keys[1:]):
-                uf.union(a, b)
-            if f in rule.reduction and keys:
-                reduced_roots.add(keys[0])
-    reduced = {uf.find(k) for k in reduced_roots}
+    uf = DimClasses()
+    uf.add_ops(imp.ops)
+    reduced = uf.reduced_roots()
     index: dict = {}
     classes = []
     for v in inputs:

@@ -9,51 +9,14 @@ to the layouts chosen here (``propagate-sharding`` recurses into it).
 """
 from __future__ import annotations
 
-from ir.graph import Graph, Value
+from ir.graph import Value
 
 from .base import FactorBuilder, FactorRule, register
-
-
-class _DimClasses:
-    """Union-find over (value, dim): dims a rule maps to the same factor are joined."""
-
-    def __init__(self):
-        self.parent: dict = {}
-        self.flops = 0.0
-
-    def find(self, x):
-        self.parent.setdefault(x, x)
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a, b):
-        self.parent[self.find(a)] = self.find(b)
-
-    def add_graph(self, graph: Graph) -> None:
-        from . import rule_for
-        for op in graph.ops:
-            rule = rule_for(op)
-            self.flops += rule.flops
-            for places in rule.factor_dims():
-                keys = []
-                for side, t, d in places:
-                    v = op.inputs[t] if side == "operand" else op.outputs[t]
-                    fs = (rule.operands[t] if side == "operand" else rule.results[t])[d]
-                    if len(fs) == 1:
-                        keys.append((v.id, d))
-                for a, b in zip(keys, keys[1:]):
-                    self.union(a, b)
-
-    def tie(self, xs: list[Value], ys: list[Value]) -> None:
-        for x, y in zip(xs, ys):
-            for d in range(min(x.type.rank, y.type.rank)):
-                self.union((x.id, d), (y.id, d))
+from .dim_classes import DimClasses
 
 
 class _Factors:
-    def __init__(self, classes: _DimClasses):
+    def __init__(self, classes: DimClasses):
         self.classes = classes
         self.fb = FactorBuilder()
         self.of_root: dict = {}
@@ -85,8 +48,8 @@ class _Factors:
 def scan_rule(op) -> FactorRule:
     body = op.subgraphs[0]
     nc, ncarry = op.params["num_consts"], op.params["num_carry"]
-    classes = _DimClasses()
-    classes.add_graph(body)
+    classes = DimClasses()
+    classes.add_ops(body.ops)
     classes.tie(body.inputs[nc:nc + ncarry], body.outputs[:ncarry])
     fx = _Factors(classes)
     steps = fx.fb.new(op.params["length"]) if op.params["length"] > 1 else None
@@ -103,9 +66,9 @@ def scan_rule(op) -> FactorRule:
 def while_rule(op) -> FactorRule:
     cond, body = op.subgraphs
     nc, nb = op.params["cond_nconsts"], op.params["body_nconsts"]
-    classes = _DimClasses()
-    classes.add_graph(cond)
-    classes.add_graph(body)
+    classes = DimClasses()
+    classes.add_ops(cond.ops)
+    classes.add_ops(body.ops)
     classes.tie(body.inputs[nb:], body.outputs)
     classes.tie(cond.inputs[nc:], body.inputs[nb:])
     fx = _Factors(classes)
@@ -118,9 +81,9 @@ def while_rule(op) -> FactorRule:
 @register("cond")
 def cond_rule(op) -> FactorRule:
     branches = op.subgraphs
-    classes = _DimClasses()
+    classes = DimClasses()
     for b in branches:
-        classes.add_graph(b)
+        classes.add_ops(b.ops)
     for b in branches[1:]:
         classes.tie(branches[0].inputs, b.inputs)
         classes.tie(branches[0].outputs, b.outputs)
