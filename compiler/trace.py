@@ -136,10 +136,19 @@ class _Importer:
         return graph, outer
 
 
+def _scan_counts(params) -> tuple[int, int]:
+    """(consts, carries) of a scan: jax 0.10 names the counts, 0.11 gives the groups."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"]
+    return len(consts), len(carry)
+
+
 def _scan(imp: _Importer, eqn, ins, outs, source) -> Op:
     body, extra = imp.body(eqn.params["jaxpr"], source)
-    params = {k: v for k, v in eqn.params.items() if k != "jaxpr"}
-    params["num_consts"] += len(extra)
+    consts, carry = _scan_counts(eqn.params)
+    params = {"num_consts": consts + len(extra), "num_carry": carry, "length": eqn.params["length"],
+              "reverse": eqn.params["reverse"], "unroll": eqn.params.get("unroll", 1)}
     return Op("scan", extra + ins, outs, params, source, prim=eqn.primitive, subgraphs=[body])
 
 

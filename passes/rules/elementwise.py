@@ -18,7 +18,8 @@ _MIN = (((0, 1), "min"), ((0,), "min"), ((1,), "min"))
 UNARY = ("exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin",
          "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "abs", "sign", "floor", "ceil",
          "round", "sqrt", "rsqrt", "cbrt", "integer_pow", "square", "erf", "erfc", "erf_inv", "lgamma",
-         "digamma", "not", "is_finite", "population_count", "clz", "bessel_i0e", "bessel_i1e")
+         "digamma", "not", "is_finite", "population_count", "clz", "bessel_i0e", "bessel_i1e",
+         "one_minus_square")
 BINARY = ("pow", "rem", "atan2", "nextafter", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge",
           "shift_left", "shift_right_logical", "shift_right_arithmetic", "igamma", "igammac",
           "random_gamma_grad", "polygamma", "zeta")
