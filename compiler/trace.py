@@ -140,7 +140,7 @@ def _scan_counts(params) -> tuple[int, int]:
     """(consts, carries) of a scan: jax 0.10 names the counts, 0.11 gives the groups."""
     if "num_consts" in params:
         return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"]
+    consts, carry, _ = params["ft_in"].unpack()   # a jax FlatTree: len() counts its leaves
     return len(consts), len(carry)
 
 

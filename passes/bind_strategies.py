@@ -149,6 +149,8 @@ class BindUserStrategies:
                 if total <= n and n % total == 0:
                     matrices.append([s for s in raw[1] if s > 1] + ([n // total] if n // total > 1 else []))
         primes = prime_factors(n)
+        if len(set(primes)) <= 1:
+            return graph.mesh            # every order is the same (also for 1 device)
         for order in sorted(set(itertools.permutations(primes))):
             mesh = Mesh(tuple(f"d{i}" for i in range(len(order))), tuple(order))
             if all(bind_runs(m, mesh) is not None for m in matrices):
