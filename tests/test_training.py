@@ -71,3 +71,33 @@ def test_data_parallel_example_one_line():
     import data_parallel
     np.testing.assert_allclose(data_parallel.main(single_device=False, epochs=1),
                                data_parallel.main(single_device=True, epochs=1), rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_precision_bf16_compute_f32_master_weights():
+    """bf16 compute with f32 master weights, written as users write it (casts in the
+    step): traced as it is, data parallel, with losses close to one device's (bf16)."""
+    import jax.numpy as jnp
+
+    def net(params, x):
+        h = jax.nn.relu(x.astype(jnp.bfloat16) @ params["w1"].astype(jnp.bfloat16))
+        return (h @ params["w2"].astype(jnp.bfloat16)).astype(jnp.float32)
+
+    opt = optax.sgd(0.1)
+
+    def step(params, state, x, y):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((net(p, x) - y) ** 2))(params)
+        u, state = opt.update(g, state, params)
+        return optax.apply_updates(params, u), state, loss
+    rng = np.random.default_rng(0)
+    params = {"w1": (rng.standard_normal((16, 32)) * 0.3).astype(np.float32),
+              "w2": (rng.standard_normal((32, 4)) * 0.3).astype(np.float32)}
+    x, y = rng.standard_normal((32, 16)).astype(np.float32), rng.standard_normal((32, 4)).astype(np.float32)
+    pstep = parallelize(step, mesh=8, mode="data_parallel", batch_argnums=(2, 3))
+    plan = pstep.plan(params, opt.init(params), x, y)
+    assert any(o.primitive == "convert_element_type" for o in plan.ops)
+    a, b = (params, opt.init(params)), (params, opt.init(params))
+    for _ in range(3):
+        *a, la = pstep(*a, x, y)
+        *b, lb = jax.jit(step)(*b, x, y)
+        np.testing.assert_allclose(float(la), float(lb), rtol=2e-2)
+    assert a[0]["w1"].dtype == np.float32
