@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 from .layout import Layout
 from .mesh import Mesh
@@ -149,9 +149,3 @@ class Graph:
             if v.id not in seen:
                 seen.add(v.id)
                 yield v
-
-    def replace_uses(self, old: Value, new: Value, ops: Optional[Sequence[Op]] = None) -> None:
-        for op in (self.ops if ops is None else ops):
-            op.inputs = [new if v is old else v for v in op.inputs]
-        if ops is None:
-            self.outputs = [new if v is old else v for v in self.outputs]

@@ -57,9 +57,6 @@ class Layout:
         dims[d] = tuple(axes)
         return Layout(tuple(dims), self.partial, self.partial_op)
 
-    def with_partial(self, axes: Sequence[str], op: str = "sum") -> "Layout":
-        return Layout(self.dims, tuple(axes), op if axes else "sum")
-
     def splits(self, mesh: Mesh) -> tuple[int, ...]:
         """Split count per dim: the MindSpore view of this layout."""
         return tuple(mesh.axes_size(d) for d in self.dims)

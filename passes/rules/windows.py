@@ -82,46 +82,38 @@ _POOL_LINEAR = {"reduce_window_sum": (((0,), "sum"),), "reduce_window_max": (((0
                 "reduce_window_min": (((0,), "min"),)}
 
 
-@register("reduce_window_sum", "reduce_window_max", "reduce_window_min")
-def pooling_rule(op) -> FactorRule:
-    shape_in, shape_out = op.inputs[0].type.shape, op.outputs[0].type.shape
-    free = _window_dims(op)
+def _windowed(a_shape, b_shape, free):
+    """Factors of two tensors a window op relates dim by dim: shared where the window
+    is trivial and sizes agree, separate and kept whole elsewhere."""
     fb = FactorBuilder()
     need: set = set()
-    ins, outs = [], []
-    for d, (a, b) in enumerate(zip(shape_in, shape_out)):
+    fa_dims, fb_dims = [], []
+    for d, (a, b) in enumerate(zip(a_shape, b_shape)):
         if free[d] and a == b:
             f = (fb.new(a),) if a != 1 else ()
-            ins.append(f)
-            outs.append(f)
+            fa_dims.append(f)
+            fb_dims.append(f)
         else:
             fa = (fb.new(a),) if a != 1 else ()
             fo = (fb.new(b),) if b != 1 else ()
             need.update(fa + fo)
-            ins.append(fa)
-            outs.append(fo)
-    return FactorRule(tuple(fb.sizes), (tuple(ins),), (tuple(outs),), need_replication=frozenset(need),
-                      linear=_POOL_LINEAR[op.kind], flops=numel(shape_in))
+            fa_dims.append(fa)
+            fb_dims.append(fo)
+    return fb, frozenset(need), tuple(fa_dims), tuple(fb_dims)
+
+
+@register("reduce_window_sum", "reduce_window_max", "reduce_window_min")
+def pooling_rule(op) -> FactorRule:
+    shape_in = op.inputs[0].type.shape
+    fb, need, ins, outs = _windowed(shape_in, op.outputs[0].type.shape, _window_dims(op))
+    return FactorRule(tuple(fb.sizes), (ins,), (outs,), need_replication=need, linear=_POOL_LINEAR[op.kind],
+                      flops=numel(shape_in))
 
 
 @register("select_and_scatter_add")
 def select_and_scatter_add_rule(op) -> FactorRule:
     """The max-pool gradient: source (pooled shape) scattered into operand's shape."""
     source, operand = op.inputs[0].type.shape, op.inputs[1].type.shape
-    free = _window_dims(op)
-    fb = FactorBuilder()
-    need: set = set()
-    src_f, op_f = [], []
-    for d, (s, o) in enumerate(zip(source, operand)):
-        if free[d] and s == o:
-            f = (fb.new(o),) if o != 1 else ()
-            src_f.append(f)
-            op_f.append(f)
-        else:
-            fs = (fb.new(s),) if s != 1 else ()
-            fo = (fb.new(o),) if o != 1 else ()
-            need.update(fs + fo)
-            src_f.append(fs)
-            op_f.append(fo)
-    return FactorRule(tuple(fb.sizes), (tuple(src_f), tuple(op_f)), (tuple(op_f),),
-                      need_replication=frozenset(need), linear=(((0,), "sum"),), flops=numel(operand))
+    fb, need, src_f, op_f = _windowed(source, operand, _window_dims(op))
+    return FactorRule(tuple(fb.sizes), (src_f, op_f), (op_f,), need_replication=need, linear=(((0,), "sum"),),
+                      flops=numel(operand))
