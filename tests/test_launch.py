@@ -157,3 +157,34 @@ def test_training_run_across_processes_equals_one_process(tmp_path):
     single = quickstart_train.train(single_device=False, file=io.StringIO())
     assert len(multi) == len(single) == 20
     np.testing.assert_allclose(multi, single, rtol=1e-6, atol=1e-7)
+
+
+def test_two_hosts_with_ips(tmp_path):
+    """--ips: the same command on every host, each finding its node rank; here both
+    'hosts' are this machine, told their rank with --node-rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    procs = []
+    for node in (0, 1):
+        host_dir = tmp_path / f"host{node}"
+        host_dir.mkdir()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "runtime.launch", "--ips", "127.0.0.1,127.0.0.1", "--node-rank", str(node),
+             "--port", str(port), "--nproc", "1", "--devices-per-proc", "4", str(QUICKSTART),
+             "--out", str(tmp_path / "y.npy"), "--dump-dir", str(tmp_path / "dumps")],
+            cwd=host_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert "node 0 of 2" in outs[0][0] and "node 1 of 2" in outs[1][0]
+    assert (tmp_path / "host1" / "log" / "workerlog.1").exists()
+    assert sorted(p.name for p in (tmp_path / "dumps").iterdir() if p.name.startswith("rank_")) == \
+        [f"rank_{r}" for r in range(8)]
+    rng = np.random.default_rng(1)
+    x = rng.random((16, 32), dtype=np.float32)
+    w1 = rng.standard_normal((32, 16)).astype(np.float32)
+    w2 = rng.standard_normal((16, 16)).astype(np.float32)
+    want = np.maximum(x @ w1, 0) @ w2
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), want, rtol=1e-4, atol=1e-4)
