@@ -20,38 +20,50 @@ def _whole(fb, size, need):
     return (f,)
 
 
+def _indexed(operand, indices, windowed, window_dims, collapsed, index_map, operand_batching, indices_batching,
+             slice_size):
+    """Factors shared by gather and scatter: the indices' batch dims are the windowed
+    tensor's (gather output / scatter updates) other dims; an operand dim taken whole by
+    every window is shared with its window dim; indexed dims and the index vector stay
+    whole; operand batching dims follow the indices'. Returns the factors and the
+    factors of the indices' batch dims."""
+    fb = FactorBuilder()
+    need: set = set()
+    op_f: list = [()] * len(operand)
+    idx_f: list = [()] * len(indices)
+    win_f: list = [()] * len(windowed)
+    batch = []
+    for i, w in zip(range(len(indices) - 1), [d for d in range(len(windowed)) if d not in window_dims]):
+        f = (fb.new(indices[i]),) if indices[i] != 1 else ()
+        idx_f[i] = win_f[w] = f
+        batch.append(f)
+    idx_f[-1] = _whole(fb, indices[-1], need)
+    for od, idd in zip(operand_batching, indices_batching):
+        op_f[od] = idx_f[idd]
+    window = [d for d in range(len(operand)) if d not in collapsed and d not in operand_batching]
+    for d, w in zip(window, window_dims):
+        if d not in index_map and slice_size(d, w) == operand[d]:
+            f = (fb.new(operand[d]),) if operand[d] != 1 else ()
+            op_f[d] = win_f[w] = f
+        else:
+            op_f[d] = _whole(fb, operand[d], need)
+            win_f[w] = _whole(fb, windowed[w], need)
+    for d in range(len(operand)):
+        if d not in window and d not in operand_batching:
+            op_f[d] = _whole(fb, operand[d], need)   # collapsed (indexed) dims
+    return fb, need, tuple(op_f), tuple(idx_f), tuple(win_f), batch
+
+
 @register("gather")
 def gather_rule(op) -> FactorRule:
     dn = op.params["dimension_numbers"]
     operand, indices = op.inputs[0].type.shape, op.inputs[1].type.shape
     out = op.outputs[0].type.shape
     sizes = op.params["slice_sizes"]
-    fb = FactorBuilder()
-    need: set = set()
-    op_f: list = [()] * len(operand)
-    idx_f: list = [()] * len(indices)
-    out_f: list = [()] * len(out)
-    # batch dims of the indices (all but the last, the index vector) are the output's non-offset dims
-    batch_out = [d for d in range(len(out)) if d not in dn.offset_dims]
-    for i, o in zip(range(len(indices) - 1), batch_out):
-        f = (fb.new(indices[i]),) if indices[i] != 1 else ()
-        idx_f[i] = out_f[o] = f
-    idx_f[-1] = _whole(fb, indices[-1], need)
-    for od, idd in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
-        op_f[od] = idx_f[idd]
-    window = [d for d in range(len(operand)) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
-    for d, o in zip(window, dn.offset_dims):
-        if d not in dn.start_index_map and sizes[d] == operand[d]:
-            f = (fb.new(operand[d]),) if operand[d] != 1 else ()
-            op_f[d] = out_f[o] = f
-        else:
-            op_f[d] = _whole(fb, operand[d], need)
-            out_f[o] = _whole(fb, out[o], need)
-    for d in range(len(operand)):
-        if d not in window and d not in dn.operand_batching_dims:
-            op_f[d] = _whole(fb, operand[d], need)   # collapsed (indexed) dims
-    return FactorRule(tuple(fb.sizes), (tuple(op_f), tuple(idx_f)), (tuple(out_f),),
-                      need_replication=frozenset(need), flops=numel(out))
+    fb, need, op_f, idx_f, out_f, _ = _indexed(
+        operand, indices, out, dn.offset_dims, dn.collapsed_slice_dims, dn.start_index_map,
+        dn.operand_batching_dims, dn.start_indices_batching_dims, lambda d, w: sizes[d])
+    return FactorRule(tuple(fb.sizes), (op_f, idx_f), (out_f,), need_replication=frozenset(need), flops=numel(out))
 
 
 @register_localizer("gather")
@@ -70,39 +82,18 @@ def scatter_add_rule(op) -> FactorRule:
     group, so it is counted once)."""
     dn = op.params["dimension_numbers"]
     operand, indices, updates = (v.type.shape for v in op.inputs[:3])
-    fb = FactorBuilder()
-    need: set = set()
-    op_f: list = [()] * len(operand)
-    idx_f: list = [()] * len(indices)
-    upd_f: list = [()] * len(updates)
-    scatter_dims = [d for d in range(len(updates)) if d not in dn.update_window_dims]
-    reduction = set()
-    for i, u in zip(range(len(indices) - 1), scatter_dims):
-        f = (fb.new(indices[i]),) if indices[i] != 1 else ()
-        idx_f[i] = upd_f[u] = f
-        reduction.update(f)
-    idx_f[-1] = _whole(fb, indices[-1], need)
-    for od, idd in zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims):
-        op_f[od] = idx_f[idd]
-        reduction.difference_update(idx_f[idd])   # a batching dim is matched, not summed
-    window = [d for d in range(len(operand)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
-    for d, u in zip(window, dn.update_window_dims):
-        if d not in dn.scatter_dims_to_operand_dims and updates[u] == operand[d]:
-            f = (fb.new(operand[d]),) if operand[d] != 1 else ()
-            op_f[d] = upd_f[u] = f
-        else:
-            op_f[d] = _whole(fb, operand[d], need)
-            upd_f[u] = _whole(fb, updates[u], need)
-    for d in range(len(operand)):
-        if d not in window and d not in dn.operand_batching_dims:
-            op_f[d] = _whole(fb, operand[d], need)
-    out = tuple(op_f)
-    return FactorRule(tuple(fb.sizes), (out, tuple(idx_f), tuple(upd_f)), (out,),
+    fb, need, op_f, idx_f, upd_f, batch = _indexed(
+        operand, indices, updates, dn.update_window_dims, dn.inserted_window_dims, dn.scatter_dims_to_operand_dims,
+        dn.operand_batching_dims, dn.scatter_indices_batching_dims, lambda d, u: updates[u])
+    # rows added into the table are summed; a batching dim is matched, not summed
+    matched = {f for idd in dn.scatter_indices_batching_dims for f in idx_f[idd]}
+    reduction = {f for fs in batch for f in fs} - matched
+    return FactorRule(tuple(fb.sizes), (op_f, idx_f, upd_f), (op_f,),
                       reduction=frozenset(reduction), reduce_op="sum", need_replication=frozenset(need),
                       linear=(((0, 2), "sum"),), flops=numel(updates))
 
 
-def _sliced(op, operand_shape, slice_shape, n_extra_tensors):
+def _sliced(operand_shape, slice_shape):
     """dynamic_slice / dynamic_update_slice: dims taken whole are shared, others whole."""
     fb = FactorBuilder()
     need: set = set()
@@ -120,7 +111,7 @@ def _sliced(op, operand_shape, slice_shape, n_extra_tensors):
 
 @register("dynamic_slice")
 def dynamic_slice_rule(op) -> FactorRule:
-    fb, need, op_f, out_f = _sliced(op, op.inputs[0].type.shape, op.outputs[0].type.shape, 0)
+    fb, need, op_f, out_f = _sliced(op.inputs[0].type.shape, op.outputs[0].type.shape)
     return FactorRule(tuple(fb.sizes), (op_f,) + ((),) * (len(op.inputs) - 1), (out_f,),
                       need_replication=frozenset(need), linear=(((0,), "sum"),), flops=numel(op.outputs[0].type.shape))
 
@@ -132,7 +123,7 @@ def _dynamic_slice_local(op, in_shapes, out_shapes):
 
 @register("dynamic_update_slice")
 def dynamic_update_slice_rule(op) -> FactorRule:
-    fb, need, op_f, upd_f = _sliced(op, op.inputs[0].type.shape, op.inputs[1].type.shape, 0)
+    fb, need, op_f, upd_f = _sliced(op.inputs[0].type.shape, op.inputs[1].type.shape)
     return FactorRule(tuple(fb.sizes), (op_f, upd_f) + ((),) * (len(op.inputs) - 2), (op_f,),
                       need_replication=frozenset(need), linear=(((0, 1), "sum"),),
                       flops=numel(op.inputs[1].type.shape))
