@@ -103,7 +103,7 @@ class ParallelFunction:
             state |= set(self.optimizer_argnums)
         graph.tied_outputs = state_ties(args, sorted(a for a in state if a < len(args)), out_shape)
 
-    def _pins(self, args, kwargs, graph):
+    def _pins(self, args, kwargs, graph, out_tree):
         where = caller_source()
         if self.in_strategy is not None:
             prefix = self.in_strategy
@@ -125,7 +125,7 @@ class ParallelFunction:
             if _is_tensor_strategy(outs) and outs is not None:
                 per = [outs] * n_out
             else:
-                per = _per_leaf(outs, jax.tree_util.tree_unflatten(self._out_tree, [0] * n_out), "out_strategy")
+                per = _per_leaf(outs, jax.tree_util.tree_unflatten(out_tree, [0] * n_out), "out_strategy")
             for i, s in enumerate(per):
                 if s is not None:
                     graph.pinned_outputs[i] = normalize_tensor_strategy(
@@ -139,7 +139,6 @@ class ParallelFunction:
         t0 = time.perf_counter()
         graph, out_tree = self._trace(args, kwargs)
         trace_s = time.perf_counter() - t0
-        self._out_tree = out_tree
         res = run_pipeline(graph, self.options, keep_texts=bool(self.dump_dir))
         graph = res.graph
         plan = Plan(graph, res.texts, res.seconds, trace_s,
@@ -163,9 +162,8 @@ class ParallelFunction:
         context = self.mesh_spec.jax_mesh() if self.mesh_spec.named else None
         graph, out_tree, out_shape = trace(self.fn, args, kwargs, self.mesh_spec.ir_mesh, context)
         graph.count_mesh = not self.mesh_spec.named
-        self._out_tree = out_tree
         self._state_pins(args, graph, out_shape)
-        self._pins(args, kwargs, graph)
+        self._pins(args, kwargs, graph, out_tree)
         return graph, out_tree
 
     def _donated_leaves(self, args) -> tuple:

@@ -59,11 +59,11 @@ def _reduced_axes(op: Op) -> tuple:
 
 def _run_primitive(op: Op, args: list):
     params = op.local_params
-    if op.kind in ("scatter-add", "scatter_add") and _reduced_axes(op):
+    axes = _reduced_axes(op) if op.kind in ("scatter-add", "scatter_add") else ()
+    if axes:
         # Updates split over some axes: every device adds its share into the table and
         # the result is a partial sum. The table itself must be counted once, so all
         # devices but the first of each group start from zeros.
-        axes = _reduced_axes(op)
         first = lax.axis_index(axes) == 0
         args = [jnp.where(first, args[0], jnp.zeros_like(args[0]))] + list(args[1:])
     if op.kind == "iota":

@@ -164,3 +164,11 @@ def test_with_sharding_constraint_is_honoured():
     assert tanh.in_strategy == ((2, 4),)
     from tests.helpers import assert_trees_close
     assert_trees_close(pf(A, w), jax.jit(lambda x, w: jnp.tanh(x @ w) @ w.T)(A, w))
+
+
+def test_parallelize_out_strategy_pins_output_layouts():
+    pf = parallelize(lambda x: (jnp.tanh(x), x * 2.0), mesh=8, out_strategy=((8, 1), (1, 8)))
+    plan = pf.plan(A)
+    assert [v.layout.splits(plan.mesh) for v in plan.graph.outputs] == [(8, 1), (1, 8)]
+    from tests.helpers import assert_trees_close
+    assert_trees_close(pf(A), (np.tanh(A), A * 2.0), rtol=1e-6, atol=1e-6)
