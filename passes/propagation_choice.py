@@ -184,6 +184,13 @@ class ChoiceMixin:
         return redistribution_cost(v.type.shape, v.type.itemsize, have, want, self.mesh,
                                    self.cfg.allow_reduce_scatter, self.cfg.cost)
 
+    def _compute_time(self, op: Op, rule: FactorRule, factors) -> float:
+        """The op's own work per device: whatever its factors split is divided, the rest
+        is repeated on every device that holds it."""
+        degree = math.prod(self.mesh.axes_size(a) for a in factors if a)
+        touched = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
+        return self.cfg.cost.compute_time(rule.flops / degree, touched / degree)
+
     def _growth_charge(self, op: Op, rule: FactorRule, cand: list, group, axes) -> float:
         """Carrying a partial on defers its reduction; through an op that makes the
         tensor bigger (a broadcast) the later reduction costs more: charge the difference."""
@@ -225,7 +232,5 @@ class ChoiceMixin:
             total += self._redistribution(v, h, w)
         if pt:
             total += self._growth_charge(op, rule, cand, pt_group, pt_axes)
-        degree = math.prod(mesh.axes_size(a) for a in cand if a)
-        touched = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
-        total += self.cfg.cost.compute_time(rule.flops / degree, touched / degree)
+        total += self._compute_time(op, rule, cand)
         return total

@@ -10,8 +10,6 @@ order, so each choice sees its operands as produced and its consumers' wishes.
 """
 from __future__ import annotations
 
-import itertools
-import math
 from collections import deque
 from typing import Optional
 
@@ -368,9 +366,7 @@ class Propagation(ChoiceMixin):
             total += redistribution_cost(v.type.shape, v.type.itemsize, v.layout, need, self.mesh,
                                          self.cfg.allow_reduce_scatter, self.cfg.cost)
         for op in self.g.ops:
-            degree = math.prod(self.mesh.axes_size(a) for a in op.strategy.factors if a)
-            touched = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
-            total += self.cfg.cost.compute_time(self.rules[op].flops / degree, touched / degree)
+            total += self._compute_time(op, self.rules[op], op.strategy.factors)
         return total
 
     def _finish(self) -> None:
