@@ -17,7 +17,7 @@ from runtime.distributed import initialize as initialize_distributed
 from runtime.placement import owned_ranks, place, writes_global_files
 
 from .annotate import caller_source, normalize_tensor_strategy
-from .pipeline import Options, run_pipeline
+from .pipeline import Options, gc_paused, run_pipeline
 from .plan import Plan
 from .state import data_parallel_pins, optimizer_state_pins, state_ties
 from .trace import trace
@@ -136,10 +136,11 @@ class ParallelFunction:
         key = self._key(args, kwargs)
         if key in self._cache:
             return self._cache[key]
-        t0 = time.perf_counter()
-        graph, out_tree = self._trace(args, kwargs)
-        trace_s = time.perf_counter() - t0
-        res = run_pipeline(graph, self.options, keep_texts=bool(self.dump_dir))
+        with gc_paused():
+            t0 = time.perf_counter()
+            graph, out_tree = self._trace(args, kwargs)
+            trace_s = time.perf_counter() - t0
+            res = run_pipeline(graph, self.options, keep_texts=bool(self.dump_dir))
         graph = res.graph
         plan = Plan(graph, res.texts, res.seconds, trace_s,
                     regenerate_texts=lambda: run_pipeline(self._trace(args, kwargs)[0], self.options,

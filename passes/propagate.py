@@ -34,14 +34,17 @@ class PropagateSharding:
     name = "propagate-sharding"
 
     def __init__(self, mode: str = "sharding_propagation", cost: CostModel = DEFAULT_COST,
-                 allow_reduce_scatter: bool = True):
+                 allow_reduce_scatter: bool = True, memoize: bool = True):
         if mode not in ("sharding_propagation", "semi_auto"):
             raise ValueError(f"unknown propagation mode {mode!r}")
         self.mode = mode
         self.cost = cost
         self.allow_reduce_scatter = allow_reduce_scatter
-        self.memo: dict = {}   # situation at an op -> the choice made there
+        # situation at an op -> the choice made there (None: work every choice out afresh,
+        # which must give the same plan: a test holds the memo to that)
+        self.memo: Optional[dict] = {} if memoize else None
         self._rules: dict = {}  # graph id -> {op: rule}, built once for all rounds
+        self._interned: dict = {}  # rule -> the one equal rule object every op shares
 
     def maps_of(self, graph: Graph) -> tuple:
         key = ("maps", id(graph))
@@ -51,7 +54,9 @@ class PropagateSharding:
 
     def rules_of(self, graph: Graph) -> dict:
         if id(graph) not in self._rules:
-            self._rules[id(graph)] = {op: rule_for(op) for op in graph.ops}
+            # equal rules become one object, so a memo key can name a rule by its id
+            self._rules[id(graph)] = {op: self._interned.setdefault(r, r)
+                                      for op in graph.ops for r in (rule_for(op),)}
         return self._rules[id(graph)]
 
     def __call__(self, graph: Graph) -> Graph:

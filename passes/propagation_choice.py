@@ -20,7 +20,7 @@ from ir.layout import Layout
 from .cost import wire_bytes
 from .redistribute import redistribution_cost
 from .rules.base import FactorRule
-from .sharding import Axes, dim_axes
+from .sharding import Axes, dim_axes, project
 
 IMPOSSIBLE = 1e6  # seconds: a candidate that needs a redistribution that cannot exist
 
@@ -47,11 +47,14 @@ class ChoiceMixin:
                     return True
         return False
 
-    def _origin_from(self, lead: Optional[Source]) -> str:
+    def _origin_from(self, op: Op, lead: Optional[tuple]) -> str:
+        """Where a choice led by (side, index) of this op came from, in words."""
         if lead is None:
             return "default"
-        how, who = self.setter.get(lead.value, ("", "?"))
-        if lead.kind == "result" or how == "consumer":
+        side, index = lead
+        v = (op.inputs if side == "operand" else op.outputs)[index]
+        how, who = self.setter.get(v, ("", "?"))
+        if side == "result" or how == "consumer":
             return f"backward from {who}"
         if how == "producer":
             return f"forward from {who}"
@@ -71,31 +74,21 @@ class ChoiceMixin:
                 used.update(axes)
         return cand
 
-    def _situation(self, op, rule, cur, sources, partial_operands) -> tuple:
-        """Everything the choice at this op depends on. Repeated layers meet the same
-        situation again and again, so the choice is computed once per situation."""
-        def value_state(v):
-            d = self.dims.get(v)
-            return (v.type, tuple(d) if d is not None else None, self.partial.get(v),
-                    frozenset(self.reduced.get(v, ())))
-        return (rule, tuple(cur), self.passthrough.get(op, "open"),
-                tuple((s.kind, s.index, tuple(sorted(s.proposal.items()))) for s in sources),
-                tuple(partial_operands), tuple(value_state(v) for v in op.inputs),
-                tuple(value_state(v) for v in op.outputs))
+    def _situation(self, op: Op, rule: FactorRule, cur: list) -> tuple:
+        """Everything the settling choice at this op reads: its rule and what is decided
+        of it, and the known dims, pending partial, layouts reduced anyway and (for
+        results) consumers' hints of every operand and result."""
+        dims, partial, reduced, hints = self.dims, self.partial, self.reduced, self.hints
+
+        def known(d):
+            return tuple(d) if d is not None else None
+        return (id(rule), tuple(cur), self.passthrough.get(op, "open"),
+                tuple((v.type, v.literal is not None, known(dims.get(v)), partial.get(v), reduced.get(v))
+                      for v in op.inputs),
+                tuple((v.type, known(dims.get(v)), known(hints.get(v)), partial.get(v), reduced.get(v))
+                      for v in op.outputs))
 
     def _best_candidate(self, op, rule, cur, sources, partial_operands):
-        key = self._situation(op, rule, cur, sources, partial_operands)
-        memo = self.cfg.memo
-        if key not in memo:
-            best = self._best_candidate_uncached(op, rule, cur, sources, partial_operands)
-            memo[key] = None if best is None else (best[0], best[1], sources.index(best[2]) if best[2] else None)
-        hit = memo[key]
-        if hit is None:
-            return None
-        c, pt, i = hit
-        return list(c), pt, (sources[i] if i is not None else None)
-
-    def _best_candidate_uncached(self, op, rule, cur, sources, partial_operands):
         mesh = self.mesh
         cands: list[tuple[list, Optional[tuple], Optional[Source]]] = []
         pt_now = self.passthrough.get(op)
@@ -121,7 +114,17 @@ class ChoiceMixin:
                         for c, _, s in cands:
                             cc = [a if a is None or not set(a) & set(axes) else None for a in c]
                             extra.append((cc, (gi, axes), s))
-            # partial -> sharded: a reduce_scatter (or MindSpore's all_reduce + slice)
+            # partial -> sharded: a reduce_scatter (or MindSpore's all_reduce + slice),
+            # onto a dim some neighbour wants split that way, or that no neighbour but the
+            # partial itself has a say on. Scattering onto a dim another neighbour holds
+            # whole (the residual stream beside a row-parallel matmul's output) looks
+            # cheaper here, half an all_reduce, but splits that neighbour's stream away
+            # from everything else that reads it whole.
+            wanted = {(f, a) for src in sources for f, a in src.proposal.items()}
+            said = {f for src in sources if src.kind == "operand" and src.index not in partial_operands
+                    for f in src.proposal}
+            said.update(f for k, v in enumerate(op.outputs)
+                        for f in project(rule.results[k], self.hints.get(v), rule, mesh))
             if pop == "sum" and rule.operands[n]:
                 for c, _, s in cands:
                     for fs in rule.operands[n]:
@@ -132,6 +135,8 @@ class ChoiceMixin:
                             if set(c[f]) & set(axes) or not rule.shardable(f) or rule.sizes[f] % mesh.axes_size(new):
                                 continue
                             if any(set(a) & set(axes) for g, a in enumerate(c) if g != f and a):
+                                continue
+                            if f in said and (f, new) not in wanted:
                                 continue
                             cc = list(c)
                             cc[f] = new

@@ -17,6 +17,8 @@ from ir.graph import CONSTRAINT, Graph, Op, Value
 from ir.layout import Layout
 
 from .propagation_choice import ChoiceMixin, Source
+
+_UNSEEN = object()
 from .redistribute import redistribution_cost
 from .rules.base import FactorRule
 from .sharding import OpStrategy, dim_axes, factors_from_operands, project
@@ -26,7 +28,8 @@ class Propagation(ChoiceMixin):
     def __init__(self, graph: Graph, cfg, reduced: Optional[dict] = None,
                  seeds: Optional[dict] = None):
         self.g = graph
-        self.reduced = reduced or {}   # value -> layouts a reshard of it makes anyway
+        # value -> layouts a reshard of it makes anyway
+        self.reduced = {v: frozenset(ls) for v, ls in (reduced or {}).items()}
         self.seeds = seeds or {}       # loop op -> factors its body's shard() calls imply
         self.mesh = graph.mesh
         self.cfg = cfg
@@ -131,12 +134,35 @@ class Propagation(ChoiceMixin):
         # pending partial is known when its consumer chooses how to resolve it,
         # and what consumers wish (agreed backwards above) is known as hints.
         for op in g.ops:
-            self._visit(op, settle=True)
-            f = self.factors[op]
-            if any(a is None for a in f) or op not in self.passthrough:  # unconstrained: stays whole
-                self._decide(op, [a if a is not None else () for a in f], None, self.origin.get(op) or "default")
+            self._settle_op(op)
             self._drain()
         self._finish()
+
+    def _settle_op(self, op: Op) -> None:
+        """Decide everything still open at this op: from its neighbours if they say
+        something (the cheapest candidate), else the default (whole)."""
+        cur = self.factors[op]
+        if None not in cur and op in self.passthrough:
+            return
+        rule = self.rules[op]
+        if op.kind == CONSTRAINT and op.pinned is None:
+            self._alias(op, rule)
+            return
+        # The choice depends only on the situation: repeated layers meet the same
+        # situations again and again, so each is worked out once.
+        memo = self.cfg.memo
+        if memo is None:
+            choice = self._choose(op, rule, cur)
+        else:
+            key = self._situation(op, rule, cur)
+            choice = memo.get(key, _UNSEEN)
+            if choice is _UNSEEN:
+                choice = memo[key] = self._choose(op, rule, cur)
+        if choice is not None:
+            factors, passthrough, lead = choice
+            self._decide(op, list(factors), passthrough, self._origin_from(op, lead))
+        if None in cur or op not in self.passthrough:  # unconstrained: stays whole
+            self._decide(op, [a if a is not None else () for a in cur], None, self.origin.get(op) or "default")
 
     @staticmethod
     def _is_pinned_mark(op: Optional[Op]) -> bool:
@@ -184,17 +210,13 @@ class Propagation(ChoiceMixin):
                 out.append(Source("result", n, v, prop))
         return out
 
-    def _visit(self, op: Op, settle: bool = False) -> None:
-        """Decide what the neighbours say about this op's open factors. Unless
-        ``settle``, only uncontested decisions are taken: every neighbour that says
-        something agrees and no pending partial must be resolved."""
+    def _visit(self, op: Op) -> None:
+        """Pass on what this op's neighbours agree about its open factors (nothing
+        is decided here; contested factors wait for settling)."""
         rule = self.rules[op]
         cur = self.factors[op]
         open_factors = [f for f, a in enumerate(cur) if a is None]
         if not open_factors and op in self.passthrough:
-            return
-        if settle and op.kind == CONSTRAINT and op.pinned is None:
-            self._alias(op, rule)
             return
         sources = self._sources(op, rule)
         useful = [s for s in sources if any(f in s.proposal for f in open_factors)]
@@ -203,17 +225,27 @@ class Propagation(ChoiceMixin):
         if not useful and not (partial_operands and op not in self.passthrough and any(
                 self.dims.get(v) for v in op.inputs)):
             return
-        if not settle:
-            # Before settling, only wishes travel: what the neighbours agree on is passed
-            # on to the other neighbours' unknown dims, and nothing is decided yet.
-            if not self._contested(cur, useful):
-                self._wish(op, rule, cur, useful)
-            return
+        # Before settling, only wishes travel: what the neighbours agree on is passed
+        # on to the other neighbours' unknown dims, and nothing is decided yet.
+        if not self._contested(cur, useful):
+            self._wish(op, rule, cur, useful)
+
+    def _choose(self, op: Op, rule: FactorRule, cur: list) -> Optional[tuple]:
+        """The settling choice at this op: (factors, passthrough, lead as (side, index)),
+        or None when no neighbour says anything about its open factors."""
+        open_factors = [f for f, a in enumerate(cur) if a is None]
+        sources = self._sources(op, rule)
+        useful = [s for s in sources if any(f in s.proposal for f in open_factors)]
+        partial_operands = [n for n, v in enumerate(op.inputs) if self.partial.get(v, ((), "sum"))[0]
+                            and rule.operands[n] is not None]
+        if not useful and not (partial_operands and op not in self.passthrough and any(
+                self.dims.get(v) for v in op.inputs)):
+            return None
         best = self._best_candidate(op, rule, cur, useful or sources, partial_operands)
         if best is None:
-            return
+            return None
         factors, passthrough, lead = best
-        self._decide(op, factors, passthrough, self._origin_from(lead))
+        return tuple(factors), passthrough, (lead.kind, lead.index) if lead is not None else None
 
     def _alias(self, op: Op, rule: FactorRule) -> None:
         """A shard() output mark without an out_strategy only delimits the region:
@@ -228,7 +260,7 @@ class Propagation(ChoiceMixin):
         axes, pop = self.partial.get(v, ((), "sum"))
         group = next((gi for gi, (g, gop) in enumerate(rule.linear) if gop == pop), None)
         passthrough = (group, axes) if axes and group is not None else None
-        self._decide(op, factors, passthrough, self._origin_from(Source("operand", 0, v, {})))
+        self._decide(op, factors, passthrough, self._origin_from(op, ("operand", 0)))
 
     def _wish(self, op: Op, rule: FactorRule, cur: list, sources: list[Source]) -> None:
         """Fill the unknown dims of this op's operands and results with what its
