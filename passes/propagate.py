@@ -43,6 +43,10 @@ class PropagateSharding:
         # situation at an op -> the choice made there (None: work every choice out afresh,
         # which must give the same plan: a test holds the memo to that)
         self.memo: Optional[dict] = {} if memoize else None
+        self.wish_memo: Optional[dict] = {} if memoize else None  # situation -> wishes passed on
+        self.touched: dict = {}      # op -> bytes it reads and writes (whole tensors)
+        self.compute_memo: dict = {}  # (rule, factors, bytes) -> compute time per device
+        self.axes_memo: dict = {}  # (rule, factors) -> per-dim axes of its operands and results
         self._rules: dict = {}  # graph id -> {op: rule}, built once for all rounds
         self._interned: dict = {}  # rule -> the one equal rule object every op shares
 

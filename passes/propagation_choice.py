@@ -34,6 +34,10 @@ class Source:
 
 
 
+def _known(dims: Optional[list]) -> Optional[tuple]:
+    return tuple(dims) if dims is not None else None
+
+
 class ChoiceMixin:
     """Candidate generation and costing; mixed into the propagation state."""
 
@@ -54,6 +58,8 @@ class ChoiceMixin:
         side, index = lead
         v = (op.inputs if side == "operand" else op.outputs)[index]
         how, who = self.setter.get(v, ("", "?"))
+        if isinstance(who, Op):
+            who = self._describe(who)
         if side == "result" or how == "consumer":
             return f"backward from {who}"
         if how == "producer":
@@ -79,9 +85,7 @@ class ChoiceMixin:
         of it, and the known dims, pending partial, layouts reduced anyway and (for
         results) consumers' hints of every operand and result."""
         dims, partial, reduced, hints = self.dims, self.partial, self.reduced, self.hints
-
-        def known(d):
-            return tuple(d) if d is not None else None
+        known = _known
         return (id(rule), tuple(cur), self.passthrough.get(op, "open"),
                 tuple((v.type, v.literal is not None, known(dims.get(v)), partial.get(v), reduced.get(v))
                       for v in op.inputs),
@@ -192,9 +196,15 @@ class ChoiceMixin:
     def _compute_time(self, op: Op, rule: FactorRule, factors) -> float:
         """The op's own work per device: whatever its factors split is divided, the rest
         is repeated on every device that holds it."""
-        degree = math.prod(self.mesh.axes_size(a) for a in factors if a)
-        touched = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
-        return self.cfg.cost.compute_time(rule.flops / degree, touched / degree)
+        touched = self.cfg.touched.get(op)
+        if touched is None:
+            touched = self.cfg.touched[op] = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
+        key = (id(rule), tuple(factors), touched)
+        t = self.cfg.compute_memo.get(key)
+        if t is None:
+            degree = math.prod(self.mesh.axes_size(a) for a in factors if a)
+            t = self.cfg.compute_memo[key] = self.cfg.cost.compute_time(rule.flops / degree, touched / degree)
+        return t
 
     def _growth_charge(self, op: Op, rule: FactorRule, cand: list, group, axes) -> float:
         """Carrying a partial on defers its reduction; through an op that makes the

@@ -16,12 +16,12 @@ from typing import Optional
 from ir.graph import CONSTRAINT, Graph, Op, Value
 from ir.layout import Layout
 
-from .propagation_choice import ChoiceMixin, Source
+from .propagation_choice import ChoiceMixin, Source, _known
 
 _UNSEEN = object()
 from .redistribute import redistribution_cost
 from .rules.base import FactorRule
-from .sharding import OpStrategy, dim_axes, factors_from_operands, project
+from .sharding import OpStrategy, dim_axes, factors_from_operands, project, result_partial
 
 
 class Propagation(ChoiceMixin):
@@ -39,7 +39,7 @@ class Propagation(ChoiceMixin):
         self.dims: dict[Value, list] = {}    # per value, per dim: axes if known (decided, or wished)
         self.hints: dict[Value, list] = {}   # per value, per dim: what its consumers ask for
         self.taken: dict[Value, list] = {}   # graph input -> per dim, as its first deciding consumer takes it
-        self.setter: dict[Value, str] = {}   # who decided a value's dims (for origins)
+        self.setter: dict[Value, tuple] = {}  # (how, the op or words) that decided a value's dims, for origins
         self.partial: dict[Value, tuple] = {}
         self.origin: dict[Op, str] = {op: op.origin for op in graph.ops if op.origin}
         self.producer, self.users = cfg.maps_of(graph)
@@ -213,22 +213,41 @@ class Propagation(ChoiceMixin):
     def _visit(self, op: Op) -> None:
         """Pass on what this op's neighbours agree about its open factors (nothing
         is decided here; contested factors wait for settling)."""
-        rule = self.rules[op]
         cur = self.factors[op]
-        open_factors = [f for f, a in enumerate(cur) if a is None]
-        if not open_factors and op in self.passthrough:
+        if None not in cur and op in self.passthrough:
             return
+        rule = self.rules[op]
+        memo = self.cfg.wish_memo
+        if memo is None:
+            wishes = self._wishes(op, rule, cur)
+        else:
+            # what the neighbours agree on depends only on what they say: work it out
+            # once per situation (repeated layers meet the same ones again and again)
+            dims, hints, partial = self.dims, self.hints, self.partial
+            key = (id(rule), tuple(cur), op in self.passthrough,
+                   tuple((v.literal is not None, _known(dims.get(v)), _known(hints.get(v)), partial.get(v))
+                         for v in op.inputs),
+                   tuple(_known(dims.get(v)) for v in op.outputs))
+            wishes = memo.get(key)
+            if wishes is None:
+                wishes = memo[key] = self._wishes(op, rule, cur)
+        for to_operand, n, axes in wishes:
+            self._fill((op.inputs if to_operand else op.outputs)[n], axes, op, to_operand)
+
+    def _wishes(self, op: Op, rule: FactorRule, cur: list) -> tuple:
+        """What this op passes on, as (to an operand?, index, per-dim axes): the
+        neighbours' agreement on its open factors; nothing if they disagree."""
+        open_factors = [f for f, a in enumerate(cur) if a is None]
         sources = self._sources(op, rule)
         useful = [s for s in sources if any(f in s.proposal for f in open_factors)]
         partial_operands = [n for n, v in enumerate(op.inputs) if self.partial.get(v, ((), "sum"))[0]
                             and rule.operands[n] is not None]
         if not useful and not (partial_operands and op not in self.passthrough and any(
                 self.dims.get(v) for v in op.inputs)):
-            return
-        # Before settling, only wishes travel: what the neighbours agree on is passed
-        # on to the other neighbours' unknown dims, and nothing is decided yet.
-        if not self._contested(cur, useful):
-            self._wish(op, rule, cur, useful)
+            return ()
+        if self._contested(cur, useful):
+            return ()
+        return tuple(self._agreed(op, rule, cur, useful))
 
     def _choose(self, op: Op, rule: FactorRule, cur: list) -> Optional[tuple]:
         """The settling choice at this op: (factors, passthrough, lead as (side, index)),
@@ -262,17 +281,18 @@ class Propagation(ChoiceMixin):
         passthrough = (group, axes) if axes and group is not None else None
         self._decide(op, factors, passthrough, self._origin_from(op, ("operand", 0)))
 
-    def _wish(self, op: Op, rule: FactorRule, cur: list, sources: list[Source]) -> None:
-        """Fill the unknown dims of this op's operands and results with what its
-        neighbours agree on, without deciding the op. What goes to one neighbour is
-        made from the others only, so a value never hears its own wish echoed back."""
+    def _agreed(self, op: Op, rule: FactorRule, cur: list, sources: list[Source]):
+        """For the unknown dims of this op's operands and results: what its
+        neighbours agree on. What goes to one neighbour is made from the others
+        only, so a value never hears its own wish echoed back."""
         for side, tensors, fss in (("operand", op.inputs, rule.operands), ("result", op.outputs, rule.results)):
             for n, (v, fs) in enumerate(zip(tensors, fss)):
                 if fs is None or v.type.rank == 0 or v.is_literal or self._settled(v, side == "operand"):
                     continue
                 others = [s for s in sources if not (s.kind == side and s.index == n)]
                 if others:
-                    self._fill(v, fs, self._complete(rule, cur, others), rule, op, side == "operand")
+                    operand_axes, result_axes = self._tensor_axes(rule, self._complete(rule, cur, others))
+                    yield (side == "operand", n, (operand_axes if side == "operand" else result_axes)[n])
 
     def _settled(self, v: Value, from_consumer: bool) -> bool:
         """Nothing left to fill: every dim known (and, for a consumer's wish, hinted)."""
@@ -284,12 +304,27 @@ class Propagation(ChoiceMixin):
             return hints is not None and None not in hints
         return True
 
-    def _fill(self, v: Value, fs, factors: list, rule: FactorRule, op: Op, from_consumer: bool) -> None:
+    def _tensor_axes(self, rule: FactorRule, factors: list) -> tuple:
+        """Per operand and per result, per dim: the axes these factors give it (None
+        where a factor is open or the combination is invalid; None for an operand
+        that takes no part). Worked out once per rule and factors."""
+        key = (id(rule), tuple(factors))
+        memo = self.cfg.axes_memo
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = (
+                tuple(None if fs is None else tuple(self._safe_dim_axes(d, factors, rule) for d in fs)
+                      for fs in rule.operands),
+                tuple(tuple(self._safe_dim_axes(d, factors, rule) for d in fs) for fs in rule.results))
+        return out
+
+    def _fill(self, v: Value, axes: tuple, op: Op, from_consumer: bool) -> None:
+        """Write per-dim ``axes`` into the dims of ``v`` nobody has said yet (and, for
+        a consumer's wish, into its hints)."""
         dims = self._dims(v)
         hints = self.hints.setdefault(v, [None] * v.type.rank) if from_consumer else None
         changed = False
-        for d, dfs in enumerate(fs):
-            a = self._safe_dim_axes(dfs, factors, rule)
+        for d, a in enumerate(axes):
             if a is None:
                 continue
             if hints is not None and hints[d] is None:
@@ -298,7 +333,7 @@ class Propagation(ChoiceMixin):
                 dims[d] = a
                 changed = True
         if changed:
-            self.setter.setdefault(v, ("consumer" if from_consumer else "producer", self._describe(op)))
+            self.setter.setdefault(v, ("consumer" if from_consumer else "producer", op))
             self._enqueue(self.producer.get(v), op)
             for u in self.users.get(v, []):
                 self._enqueue(u, op)
@@ -315,33 +350,30 @@ class Propagation(ChoiceMixin):
             self.passthrough[op] = passthrough
         if op not in self.origin or not self.origin[op]:
             self.origin[op] = origin
-        me = self._describe(op)
+        operand_axes, result_axes = self._tensor_axes(rule, cur)
         # operands learn what this op wants, where nobody has said yet
-        for n, v in enumerate(op.inputs):
-            fs = rule.operands[n]
-            if fs is None or v.type.rank == 0 or v.is_literal:
+        for v, axes in zip(op.inputs, operand_axes):
+            if axes is None or not axes or v.is_literal:
                 continue
-            self._fill(v, fs, cur, rule, op, True)
+            self._fill(v, axes, op, True)
             if v not in self.producer:
                 taken = self.taken.setdefault(v, [None] * v.type.rank)
-                for d, dfs in enumerate(fs):
+                for d, a in enumerate(axes):
                     if taken[d] is None:
-                        taken[d] = self._safe_dim_axes(dfs, cur, rule)
+                        taken[d] = a
         # results are what this op makes
         red_known = all(cur[f] is not None for f in rule.reduction)
-        for n, v in enumerate(op.outputs):
+        for v, axes in zip(op.outputs, result_axes):
             dims = self._dims(v)
             changed = False
-            for d, dfs in enumerate(rule.results[n]):
-                a = self._safe_dim_axes(dfs, cur, rule)
+            for d, a in enumerate(axes):
                 if a is not None and dims[d] != a:
                     dims[d] = a
                     changed = True
             if changed:
-                self.setter[v] = ("producer", me)
+                self.setter[v] = ("producer", op)
             if red_known and op in self.passthrough and v not in self.partial:
-                st = OpStrategy(rule, tuple(a if a is not None else () for a in cur), self.passthrough[op])
-                self.partial[v] = st.result_partial(self.mesh)
+                self.partial[v] = result_partial(rule, cur, self.passthrough[op], self.mesh)
                 changed = changed or bool(self.partial[v][0])
             if changed:
                 for u in self.users.get(v, []):
@@ -410,12 +442,16 @@ class Propagation(ChoiceMixin):
             if not layout.fits(v.type.shape, mesh):
                 layout = Layout.replicated(v.type.rank)
             v.layout = layout
+        strategies: dict = {}   # ops with equal strategies share one (and its layouts)
         for op in self.g.ops:
             rule = self.rules[op]
-            st = OpStrategy(rule, tuple(self.factors[op]), self.passthrough.get(op))
-            problems = st.problems(mesh)
-            if problems:
-                raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
+            key = (id(rule), tuple(self.factors[op]), self.passthrough.get(op))
+            st = strategies.get(key)
+            if st is None:
+                st = strategies[key] = OpStrategy(rule, key[1], key[2])
+                problems = st.problems(mesh)
+                if problems:
+                    raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
             op.strategy = st
             op.origin = self.origin.get(op) or "default"
             for n, v in enumerate(op.outputs):

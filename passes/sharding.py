@@ -2,7 +2,7 @@
 two projections between strategies and tensor layouts."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional, Sequence
 
@@ -63,6 +63,9 @@ class OpStrategy:
     rule: FactorRule
     factors: tuple[Axes, ...]
     passthrough: Optional[tuple[int, Axes]] = None  # (index into rule.linear, partial axes)
+    # layouts already worked out (ops with equal strategies share one object, and
+    # every pass asks for the same layouts again)
+    _layouts: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def _partial_in(self, n: int) -> tuple[Axes, str]:
         if self.passthrough is None:
@@ -71,6 +74,13 @@ class OpStrategy:
         return (self.passthrough[1], op) if n in group else ((), "sum")
 
     def operand_layout(self, n: int, rank: int, mesh: Mesh) -> Layout:
+        key = (n, rank, id(mesh))
+        out = self._layouts.get(key)
+        if out is None:
+            out = self._layouts[key] = self._operand_layout(n, rank, mesh)
+        return out
+
+    def _operand_layout(self, n: int, rank: int, mesh: Mesh) -> Layout:
         fs = self.rule.operands[n]
         if fs is None:
             return Layout.replicated(rank)
@@ -79,14 +89,16 @@ class OpStrategy:
                       mesh.sort_axes(partial), op)
 
     def result_partial(self, mesh: Mesh) -> tuple[Axes, str]:
-        axes = [a for f in self.rule.reduction for a in self.factors[f]]
-        op = self.rule.reduce_op or "sum"
-        if self.passthrough is not None:
-            axes += list(self.passthrough[1])
-            op = self.rule.linear[self.passthrough[0]][1]
-        return mesh.sort_axes(axes), op
+        return result_partial(self.rule, self.factors, self.passthrough, mesh)
 
     def result_layout(self, n: int, mesh: Mesh) -> Layout:
+        key = ("result", n, id(mesh))
+        out = self._layouts.get(key)
+        if out is None:
+            out = self._layouts[key] = self._result_layout(n, mesh)
+        return out
+
+    def _result_layout(self, n: int, mesh: Mesh) -> Layout:
         partial, op = self.result_partial(mesh)
         return Layout(tuple(dim_axes(d, self.factors, self.rule, mesh) for d in self.rule.results[n]),
                       partial, op)
@@ -105,6 +117,17 @@ class OpStrategy:
         if len(set(used)) != len(used):
             out.append(f"mesh axes used twice: {used}")
         return out
+
+
+def result_partial(rule: FactorRule, factors, passthrough, mesh: Mesh) -> tuple[Axes, str]:
+    """The pending partial (axes, op) an op's results carry: its sharded reduction
+    factors, plus a partial passed through a linear operand group."""
+    axes = [a for f in rule.reduction for a in (factors[f] or ())]
+    op = rule.reduce_op or "sum"
+    if passthrough is not None:
+        axes += list(passthrough[1])
+        op = rule.linear[passthrough[0]][1]
+    return mesh.sort_axes(axes), op
 
 
 PartialDims = list  # per dim: Optional[Axes] (None: not known yet)
