@@ -31,9 +31,17 @@ def source_of(source_info) -> Optional[str]:
     tb = getattr(source_info, "traceback", None)
     if tb is None:
         return None
-    for fr in tb.frames:
-        if not _is_library_frame(fr.file_name):
-            return f"{os.path.basename(fr.file_name)}:{fr.line_num}"
+    raw = getattr(tb, "raw_frames", None)
+    if raw is None:   # a jaxlib without raw frames
+        for fr in tb.frames:
+            if not _is_library_frame(fr.file_name):
+                return f"{os.path.basename(fr.file_name)}:{fr.line_num}"
+        return None
+    # raw frames are ten times cheaper than .frames; the line is looked up only
+    # for the one frame that is wanted
+    for code, lasti in zip(*raw()):
+        if not _is_library_frame(code.co_filename):
+            return f"{os.path.basename(code.co_filename)}:{type(tb).code_addr2line(code, lasti)}"
     return None
 
 
@@ -41,7 +49,23 @@ class UnsupportedValue(TypeError):
     pass
 
 
+_TYPES: dict = {}   # (shape, dtype) -> TensorType: a model has few distinct types
+
+
 def tensor_type(aval) -> TensorType:
+    key = (getattr(aval, "shape", None), getattr(aval, "dtype", None))
+    try:
+        t = _TYPES.get(key)
+    except TypeError:   # an unhashable shape or dtype: checked the long way below
+        t = None
+    if t is None:
+        t = _tensor_type(aval)
+        if len(_TYPES) < 65536:
+            _TYPES[key] = t
+    return t
+
+
+def _tensor_type(aval) -> TensorType:
     if not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
         raise UnsupportedValue(f"unsupported value type {aval}")
     if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):

@@ -46,9 +46,11 @@ class PropagateSharding:
         self.wish_memo: Optional[dict] = {} if memoize else None  # situation -> wishes passed on
         self.touched: dict = {}      # op -> bytes it reads and writes (whole tensors)
         self.compute_memo: dict = {}  # (rule, factors, bytes) -> compute time per device
+        self.partial_memo: dict = {}  # (rule, factors, passthrough) -> the results' pending partial
         self.axes_memo: dict = {}  # (rule, factors) -> per-dim axes of its operands and results
         self._rules: dict = {}  # graph id -> {op: rule}, built once for all rounds
         self._interned: dict = {}  # rule -> the one equal rule object every op shares
+        self._by_signature: dict = {}  # (primitive, types, params) -> its rule
 
     def maps_of(self, graph: Graph) -> tuple:
         key = ("maps", id(graph))
@@ -58,10 +60,28 @@ class PropagateSharding:
 
     def rules_of(self, graph: Graph) -> dict:
         if id(graph) not in self._rules:
-            # equal rules become one object, so a memo key can name a rule by its id
-            self._rules[id(graph)] = {op: self._interned.setdefault(r, r)
-                                      for op in graph.ops for r in (rule_for(op),)}
+            self._rules[id(graph)] = {op: self._rule(op) for op in graph.ops}
         return self._rules[id(graph)]
+
+    def _rule(self, op: Op):
+        """The op's rule, one object for all equal rules (so a memo key can name a rule
+        by its id). A rule depends only on the primitive, its params and the types:
+        repeated layers build each once."""
+        key = None
+        if not op.subgraphs:
+            try:
+                key = (op.kind, tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs),
+                       tuple(sorted(op.params.items())))
+                hash(key)
+            except TypeError:   # a param jax gave as something unhashable
+                key = None
+        rule = self._by_signature.get(key) if key is not None else None
+        if rule is None:
+            rule = rule_for(op)
+            rule = self._interned.setdefault(rule, rule)
+            if key is not None:
+                self._by_signature[key] = rule
+        return rule
 
     def __call__(self, graph: Graph) -> Graph:
         seeds = {op: self._body_wishes(op, graph) for op in graph.ops if op.subgraphs}

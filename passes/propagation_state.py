@@ -160,7 +160,7 @@ class Propagation(ChoiceMixin):
                 choice = memo[key] = self._choose(op, rule, cur)
         if choice is not None:
             factors, passthrough, lead = choice
-            self._decide(op, list(factors), passthrough, self._origin_from(op, lead))
+            self._decide(op, factors, passthrough, self.origin.get(op) or self._origin_from(op, lead))
         if None in cur or op not in self.passthrough:  # unconstrained: stays whole
             self._decide(op, [a if a is not None else () for a in cur], None, self.origin.get(op) or "default")
 
@@ -318,42 +318,60 @@ class Propagation(ChoiceMixin):
                 tuple(tuple(self._safe_dim_axes(d, factors, rule) for d in fs) for fs in rule.results))
         return out
 
+    def _result_partial(self, rule: FactorRule, factors: list, passthrough) -> tuple:
+        if not rule.reduction and passthrough is None:
+            return (), rule.reduce_op or "sum"
+        key = (id(rule), tuple(factors), passthrough)
+        out = self.cfg.partial_memo.get(key)
+        if out is None:
+            out = self.cfg.partial_memo[key] = result_partial(rule, factors, passthrough, self.mesh)
+        return out
+
     def _fill(self, v: Value, axes: tuple, op: Op, from_consumer: bool) -> None:
         """Write per-dim ``axes`` into the dims of ``v`` nobody has said yet (and, for
         a consumer's wish, into its hints)."""
-        dims = self._dims(v)
-        hints = self.hints.setdefault(v, [None] * v.type.rank) if from_consumer else None
+        dims = self.dims.get(v)
+        if dims is None:
+            dims = self.dims[v] = [None] * len(axes)
         changed = False
-        for d, a in enumerate(axes):
-            if a is None:
-                continue
-            if hints is not None and hints[d] is None:
-                hints[d] = a
-            if dims[d] is None:
-                dims[d] = a
-                changed = True
+        if from_consumer:
+            hints = self.hints.get(v)
+            if hints is None:
+                hints = self.hints[v] = [None] * len(axes)
+            for d, a in enumerate(axes):
+                if a is not None:
+                    if hints[d] is None:
+                        hints[d] = a
+                    if dims[d] is None:
+                        dims[d] = a
+                        changed = True
+        else:
+            for d, a in enumerate(axes):
+                if a is not None and dims[d] is None:
+                    dims[d] = a
+                    changed = True
         if changed:
             self.setter.setdefault(v, ("consumer" if from_consumer else "producer", op))
             self._enqueue(self.producer.get(v), op)
-            for u in self.users.get(v, []):
+            for u in self.users.get(v, ()):
                 self._enqueue(u, op)
 
     # -- committing a decision --------------------------------------------------
     def _decide(self, op: Op, factors: list, passthrough, origin: str) -> None:
         rule = self.rules[op]
         cur = self.factors[op]
-        for f, a in enumerate(factors):
-            if cur[f] is None and a is not None:
-                cur[f] = tuple(a)
-        if op not in self.passthrough and (passthrough is not None or all(a is not None for a in cur)
-                                           or origin == "user"):
+        if None in cur:
+            for f, a in enumerate(factors):
+                if cur[f] is None and a is not None:
+                    cur[f] = a if type(a) is tuple else tuple(a)
+        if op not in self.passthrough and (passthrough is not None or None not in cur or origin == "user"):
             self.passthrough[op] = passthrough
-        if op not in self.origin or not self.origin[op]:
+        if not self.origin.get(op):
             self.origin[op] = origin
         operand_axes, result_axes = self._tensor_axes(rule, cur)
         # operands learn what this op wants, where nobody has said yet
         for v, axes in zip(op.inputs, operand_axes):
-            if axes is None or not axes or v.is_literal:
+            if not axes or v.literal is not None:
                 continue
             self._fill(v, axes, op, True)
             if v not in self.producer:
@@ -362,9 +380,11 @@ class Propagation(ChoiceMixin):
                     if taken[d] is None:
                         taken[d] = a
         # results are what this op makes
-        red_known = all(cur[f] is not None for f in rule.reduction)
+        red_known = not rule.reduction or all(cur[f] is not None for f in rule.reduction)
         for v, axes in zip(op.outputs, result_axes):
-            dims = self._dims(v)
+            dims = self.dims.get(v)
+            if dims is None:
+                dims = self.dims[v] = [None] * len(axes)
             changed = False
             for d, a in enumerate(axes):
                 if a is not None and dims[d] != a:
@@ -373,10 +393,10 @@ class Propagation(ChoiceMixin):
             if changed:
                 self.setter[v] = ("producer", op)
             if red_known and op in self.passthrough and v not in self.partial:
-                self.partial[v] = result_partial(rule, cur, self.passthrough[op], self.mesh)
+                self.partial[v] = self._result_partial(rule, cur, self.passthrough[op])
                 changed = changed or bool(self.partial[v][0])
             if changed:
-                for u in self.users.get(v, []):
+                for u in self.users.get(v, ()):
                     self._enqueue(u, op)
 
     def _safe_dim_axes(self, fs, cur, rule):
