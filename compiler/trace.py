@@ -40,9 +40,15 @@ def source_of(source_info) -> Optional[str]:
     # raw frames are ten times cheaper than .frames; the line is looked up only
     # for the one frame that is wanted
     for code, lasti in zip(*raw()):
-        if not _is_library_frame(code.co_filename):
+        library = _LIBRARY_CODE.get(code)
+        if library is None:
+            library = _LIBRARY_CODE[code] = _is_library_frame(code.co_filename)
+        if not library:
             return f"{os.path.basename(code.co_filename)}:{type(tb).code_addr2line(code, lasti)}"
     return None
+
+
+_LIBRARY_CODE: dict = {}   # code object -> is it shardprop's or jax's (asked once per function)
 
 
 class UnsupportedValue(TypeError):

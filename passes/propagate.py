@@ -123,31 +123,22 @@ class PropagateSharding:
         # (for some consumer); their other consumers can then take the reduced value
         # for free instead of carrying the partial further (which would need a second
         # reduction later). The cheaper of the two plans is kept.
-        initial = {op: op.origin for op in graph.ops}
-        first = Propagation(graph, self, {}, seeds)
-        first.wish()                  # wishes do not depend on the round: travel once
-        wished = first.state()
-        best, reduced = None, {}
-        for _ in range(2):
-            for op in graph.ops:
-                op.origin = initial[op]
-            prop = Propagation(graph, self, reduced, seeds).load(wished)
-            prop.settle()
+        wished = Propagation(graph, self, {}, seeds)
+        wished.wish()                  # wishes do not depend on the round: travel once
+        best, reduced, rounds = None, {}, 2
+        for r in range(rounds):
+            # the last round may take the wished state itself; earlier ones work on a copy
+            prop = Propagation(graph, self, reduced, seeds, start=wished, copy=r < rounds - 1)
+            prop.settle()   # writes its plan into the graph
             needs = prop.needs()
             cost = prop.plan_cost(needs)
             if best is None or cost < best[0] - 1e-12:
-                best = (cost, prop.snapshot())
+                best = (cost, prop)
             now = prop.reduced_values(needs)
             if now == reduced or not prop.carried_elsewhere(now):
                 break
             reduced = now
-        _restore(graph, best[1])
+        if best[1] is not prop:
+            best[1].write_plan()   # an earlier round was cheaper: its plan goes back in
 
 
-def _restore(graph: Graph, snap) -> None:
-    ops, values = snap
-    for op in graph.ops:
-        op.strategy, op.origin = ops[op]
-    for v in graph.values():
-        if v in values:
-            v.layout = values[v]

@@ -26,7 +26,9 @@ from .sharding import OpStrategy, dim_axes, factors_from_operands, project, resu
 
 class Propagation(ChoiceMixin):
     def __init__(self, graph: Graph, cfg, reduced: Optional[dict] = None,
-                 seeds: Optional[dict] = None):
+                 seeds: Optional[dict] = None, start: Optional["Propagation"] = None, copy: bool = True):
+        """``start``: carry on from that propagation's state (copied, unless ``copy``
+        is False and ``start`` is not used again)."""
         self.g = graph
         # value -> layouts a reshard of it makes anyway
         self.reduced = {v: frozenset(ls) for v, ls in (reduced or {}).items()}
@@ -34,6 +36,15 @@ class Propagation(ChoiceMixin):
         self.mesh = graph.mesh
         self.cfg = cfg
         self.rules: dict[Op, FactorRule] = cfg.rules_of(graph)
+        self.producer, self.users = cfg.maps_of(graph)
+        self.queue: deque = deque()
+        self.queued: set = set()
+        if start is not None:
+            for name in self._STATE:
+                d = getattr(start, name)
+                setattr(self, name, {k: (list(v) if isinstance(v, list) else v) for k, v in d.items()}
+                        if copy else d)
+            return
         self.factors: dict[Op, list] = {op: [None] * r.num_factors for op, r in self.rules.items()}
         self.passthrough: dict[Op, Optional[tuple]] = {}
         self.dims: dict[Value, list] = {}    # per value, per dim: axes if known (decided, or wished)
@@ -42,24 +53,8 @@ class Propagation(ChoiceMixin):
         self.setter: dict[Value, tuple] = {}  # (how, the op or words) that decided a value's dims, for origins
         self.partial: dict[Value, tuple] = {}
         self.origin: dict[Op, str] = {op: op.origin for op in graph.ops if op.origin}
-        self.producer, self.users = cfg.maps_of(graph)
-        self.queue: deque = deque()
-        self.queued: set = set()
 
     _STATE = ("factors", "passthrough", "dims", "hints", "taken", "setter", "partial", "origin")
-
-    def state(self) -> dict:
-        """A copy of everything decided or wished so far (to start another round from)."""
-        out = {}
-        for name in self._STATE:
-            d = getattr(self, name)
-            out[name] = {k: (list(v) if isinstance(v, list) else v) for k, v in d.items()}
-        return out
-
-    def load(self, state: dict) -> "Propagation":
-        for name in self._STATE:
-            setattr(self, name, {k: (list(v) if isinstance(v, list) else v) for k, v in state[name].items()})
-        return self
 
     # -- helpers ----------------------------------------------------------------
     def _dims(self, v: Value) -> list:
@@ -136,7 +131,7 @@ class Propagation(ChoiceMixin):
         for op in g.ops:
             self._settle_op(op)
             self._drain()
-        self._finish()
+        self.write_plan()
 
     def _settle_op(self, op: Op) -> None:
         """Decide everything still open at this op: from its neighbours if they say
@@ -405,19 +400,17 @@ class Propagation(ChoiceMixin):
         except ValueError:
             return None
 
-    def snapshot(self):
-        return ({op: (op.strategy, op.origin) for op in self.g.ops},
-                {v: v.layout for v in self.g.values() if v.layout is not None})
-
     def needs(self):
         """(value, layout an op needs it in) for every operand that must be redistributed."""
         out = set()
+        mesh = self.mesh
         for op in self.g.ops:
+            st = op.strategy
             for n, v in enumerate(op.inputs):
-                if v.is_literal:
+                if v.literal is not None:
                     continue
-                need = op.strategy.operand_layout(n, v.type.rank, self.mesh)
-                if need != v.layout:
+                need = st.operand_layout(n, v.type.rank, mesh)
+                if need is not v.layout and need != v.layout:
                     out.add((v, need))
         for v in self.g.outputs:
             if v.layout is not None and v.layout.partial:
@@ -453,7 +446,8 @@ class Propagation(ChoiceMixin):
             total += self._compute_time(op, self.rules[op], op.strategy.factors)
         return total
 
-    def _finish(self) -> None:
+    def write_plan(self) -> None:
+        """Every op's strategy and origin, every value's layout, into the graph."""
         mesh = self.mesh
         for i, v in enumerate(self.g.inputs):
             # an input arrives as its first deciding consumer takes it (wishes are only wishes)
