@@ -51,13 +51,20 @@ class ChoiceMixin:
                     return True
         return False
 
-    def _origin_from(self, op: Op, lead: Optional[tuple]) -> str:
-        """Where a choice led by (side, index) of this op came from, in words."""
+    def _origin_from(self, op: Op, lead: Optional[tuple]):
+        """Where a choice led by (side, index) of this op came from: kept as
+        (side, how, who) and put into words only for the plan that is kept."""
         if lead is None:
             return "default"
         side, index = lead
         v = (op.inputs if side == "operand" else op.outputs)[index]
         how, who = self.setter.get(v, ("", "?"))
+        return side, how, who
+
+    def _origin_words(self, origin) -> str:
+        if isinstance(origin, str):
+            return origin
+        side, how, who = origin
         if isinstance(who, Op):
             who = self._describe(who)
         if side == "result" or how == "consumer":

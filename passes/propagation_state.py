@@ -52,7 +52,7 @@ class Propagation(ChoiceMixin):
         self.taken: dict[Value, list] = {}   # graph input -> per dim, as its first deciding consumer takes it
         self.setter: dict[Value, tuple] = {}  # (how, the op or words) that decided a value's dims, for origins
         self.partial: dict[Value, tuple] = {}
-        self.origin: dict[Op, str] = {op: op.origin for op in graph.ops if op.origin}
+        self.origin: dict[Op, object] = {op: op.origin for op in graph.ops if op.origin}
 
     _STATE = ("factors", "passthrough", "dims", "hints", "taken", "setter", "partial", "origin")
 
@@ -130,7 +130,8 @@ class Propagation(ChoiceMixin):
         # and what consumers wish (agreed backwards above) is known as hints.
         for op in g.ops:
             self._settle_op(op)
-            self._drain()
+            if self.queue:
+                self._drain()
         self.write_plan()
 
     def _settle_op(self, op: Op) -> None:
@@ -467,6 +468,6 @@ class Propagation(ChoiceMixin):
                 if problems:
                     raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
             op.strategy = st
-            op.origin = self.origin.get(op) or "default"
+            op.origin = self._origin_words(self.origin.get(op) or "default")
             for n, v in enumerate(op.outputs):
                 v.layout = st.result_layout(n, mesh)
