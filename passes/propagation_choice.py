@@ -127,15 +127,18 @@ class ChoiceMixin:
                             extra.append((cc, (gi, axes), s))
             # partial -> sharded: a reduce_scatter (or MindSpore's all_reduce + slice),
             # onto a dim some neighbour wants split that way, or that no neighbour but the
-            # partial itself has a say on. Scattering onto a dim another neighbour holds
-            # whole (the residual stream beside a row-parallel matmul's output) looks
-            # cheaper here, half an all_reduce, but splits that neighbour's stream away
-            # from everything else that reads it whole.
+            # partial itself has a say on, or when nothing reads the result but the
+            # caller. Scattering onto a dim another neighbour holds whole (the residual
+            # stream beside a row-parallel matmul's output) looks cheaper here, half an
+            # all_reduce, but splits that stream away from everything downstream that
+            # reads it whole (a layer norm's statistics then cost collectives of their own).
             wanted = {(f, a) for src in sources for f, a in src.proposal.items()}
-            said = {f for src in sources if src.kind == "operand" and src.index not in partial_operands
-                    for f in src.proposal}
-            said.update(f for k, v in enumerate(op.outputs)
-                        for f in project(rule.results[k], self.hints.get(v), rule, mesh))
+            said = set()
+            if any(self.users.get(v) for v in op.outputs):
+                said = {f for src in sources if src.kind == "operand" and src.index not in partial_operands
+                        for f in src.proposal}
+                said.update(f for k, v in enumerate(op.outputs)
+                            for f in project(rule.results[k], self.hints.get(v), rule, mesh))
             if pop == "sum" and rule.operands[n]:
                 for c, _, s in cands:
                     for fs in rule.operands[n]:
