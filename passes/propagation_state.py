@@ -233,6 +233,14 @@ class Propagation(ChoiceMixin):
     def _wishes(self, op: Op, rule: FactorRule, cur: list) -> tuple:
         """What this op passes on, as (to an operand?, index, per-dim axes): the
         neighbours' agreement on its open factors; nothing if they disagree."""
+        sources, useful, partial_operands = self._neighbours(op, rule, cur)
+        if sources is None or self._contested(cur, useful):
+            return ()
+        return tuple(self._agreed(op, rule, cur, useful))
+
+    def _neighbours(self, op: Op, rule: FactorRule, cur: list) -> tuple:
+        """(every neighbour's proposal, those about an open factor, operands with a
+        pending partial); sources None when nothing is said that this op could act on."""
         open_factors = [f for f, a in enumerate(cur) if a is None]
         sources = self._sources(op, rule)
         useful = [s for s in sources if any(f in s.proposal for f in open_factors)]
@@ -240,21 +248,14 @@ class Propagation(ChoiceMixin):
                             and rule.operands[n] is not None]
         if not useful and not (partial_operands and op not in self.passthrough and any(
                 self.dims.get(v) for v in op.inputs)):
-            return ()
-        if self._contested(cur, useful):
-            return ()
-        return tuple(self._agreed(op, rule, cur, useful))
+            return None, useful, partial_operands
+        return sources, useful, partial_operands
 
     def _choose(self, op: Op, rule: FactorRule, cur: list) -> Optional[tuple]:
         """The settling choice at this op: (factors, passthrough, lead as (side, index)),
         or None when no neighbour says anything about its open factors."""
-        open_factors = [f for f, a in enumerate(cur) if a is None]
-        sources = self._sources(op, rule)
-        useful = [s for s in sources if any(f in s.proposal for f in open_factors)]
-        partial_operands = [n for n, v in enumerate(op.inputs) if self.partial.get(v, ((), "sum"))[0]
-                            and rule.operands[n] is not None]
-        if not useful and not (partial_operands and op not in self.passthrough and any(
-                self.dims.get(v) for v in op.inputs)):
+        sources, useful, partial_operands = self._neighbours(op, rule, cur)
+        if sources is None:
             return None
         best = self._best_candidate(op, rule, cur, useful or sources, partial_operands)
         if best is None:
