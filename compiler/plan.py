@@ -8,6 +8,7 @@ writes the same files as ``parallelize(..., dump_dir=dir)``.
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -56,8 +57,16 @@ class Plan:
         self._regenerate_texts = regenerate_texts  # printing every pass is slow: done on demand
         self.pass_seconds = dict(pass_seconds)
         self.trace_seconds = trace_seconds
-        self.ops = tuple(self._ops(graph))
-        self.collectives = tuple(self._collectives(graph))
+
+    # Worked out when first asked: a program that only runs never reads them (and
+    # every op's source line and origin would be looked up for them).
+    @functools.cached_property
+    def ops(self) -> tuple:
+        return tuple(self._ops(self.graph))
+
+    @functools.cached_property
+    def collectives(self) -> tuple:
+        return tuple(self._collectives(self.graph))
 
     def _ops(self, graph: Graph):
         mesh = graph.mesh

@@ -51,6 +51,22 @@ def source_of(source_info) -> Optional[str]:
 _LIBRARY_CODE: dict = {}   # code object -> is it shardprop's or jax's (asked once per function)
 
 
+class _SourceLine:
+    """An equation's ``file.py:LINE``, found when first asked for (``Op.source``).
+    Bodies traced inside library code (jax.nn.relu's custom_jvp) carry no user
+    frame of their own: they take the line of the call that holds them."""
+    __slots__ = ("info", "outer")
+
+    def __init__(self, info, outer):
+        self.info, self.outer = info, outer
+
+    def __call__(self) -> Optional[str]:
+        found = source_of(self.info)
+        if found is None and self.outer is not None:
+            found = self.outer if isinstance(self.outer, str) else self.outer()
+        return found
+
+
 class UnsupportedValue(TypeError):
     pass
 
@@ -109,13 +125,11 @@ class _Importer:
         for eqn in jaxpr.eqns:
             ins = [self.read(a, env) for a in eqn.invars]
             name = eqn.primitive.name
-            # Bodies traced inside library code (jax.nn.relu's custom_jvp) carry no user
-            # frame of their own: they take the line of the call that holds them.
-            source = source_of(eqn.source_info) or outer_source
+            source = _SourceLine(eqn.source_info, outer_source)
             try:
                 outs = self._eqn(eqn, ins, name, source)
             except UnsupportedValue as e:
-                raise sharding_error(str(e), operator=name, source=source,
+                raise sharding_error(str(e), operator=name, source=source(),
                                      shapes=tuple(v.type.shape for v in ins),
                                      fix="draw random numbers (dropout masks) outside and pass them in as "
                                          "arrays, or split the key with jax.random outside") from None

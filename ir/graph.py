@@ -105,6 +105,27 @@ class Op:
         return f"{self.kind}{where} with operands ({shapes})"
 
 
+# ``source`` and ``origin`` may be given as a lookup to run on first use (a jax
+# traceback to search, a propagation choice to put into words): most compiles
+# never print them, and working them out for every op costs as much as planning.
+def _lazy(name: str) -> property:
+    slot = "_" + name
+
+    def get(self):
+        v = self.__dict__.get(slot)
+        if v is not None and not isinstance(v, str):
+            v = self.__dict__[slot] = v()
+        return v
+
+    def set(self, v):
+        self.__dict__[slot] = v
+    return property(get, set)
+
+
+Op.source = _lazy("source")
+Op.origin = _lazy("origin")
+
+
 @dataclass(eq=False)
 class Graph:
     mesh: Mesh

@@ -14,6 +14,8 @@ makes ``[{d0}, {}] partial_sum{d1,d2}``, so a reshard between them is inserted.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from ir.graph import CONSTRAINT, RESHARD, Graph, Op, Value
 from ir.layout import Layout
 
@@ -34,11 +36,13 @@ class InsertReshards:
         made: dict[tuple, Value] = {}
         alias: dict[Value, Value] = {}
 
-        def reshard(v: Value, target: Layout, op, note: str) -> Value:
-            if v.layout == target:
+        def reshard(v: Value, target: Layout, op, note: Optional[str] = None) -> Value:
+            if v.layout is target or v.layout == target:
                 return v
             key = (v.id, target)
             if key not in made:
+                if note is None:   # written only for the reshards made (it reads the source line)
+                    note = f"for {op.kind} at {op.source}" if op.source else f"for {op.kind}"
                 w = Value(v.type, layout=target)
                 new_ops.append(Op(RESHARD, [v], [w], {"src": v.layout, "dst": target},
                                   source=op.source if op is not None else None, origin="redistribution",
@@ -49,14 +53,13 @@ class InsertReshards:
         for op in graph.ops:
             op.inputs = [alias.get(v, v) for v in op.inputs]
             if op.kind == CONSTRAINT:
-                alias[op.outputs[0]] = reshard(op.inputs[0], op.outputs[0].layout, op,
-                                               f"for {op.kind} at {op.source}")
+                alias[op.outputs[0]] = reshard(op.inputs[0], op.outputs[0].layout, op)
                 continue
             for n, v in enumerate(op.inputs):
                 if v.is_literal:
                     continue
                 need = op.strategy.operand_layout(n, v.type.rank, mesh)
-                op.inputs[n] = reshard(v, need, op, f"for {op.kind} at {op.source}" if op.source else f"for {op.kind}")
+                op.inputs[n] = reshard(v, need, op)
             new_ops.append(op)
         outputs = [alias.get(v, v) for v in graph.outputs]
         for i, v in enumerate(outputs):

@@ -9,12 +9,13 @@ layers meet the same situation again and again.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ir.graph import Op, Value
+from ir.graph import CONSTRAINT, Op, Value
 from ir.layout import Layout
 
 from .cost import wire_bytes
@@ -34,8 +35,23 @@ class Source:
 
 
 
-def _known(dims: Optional[list]) -> Optional[tuple]:
-    return tuple(dims) if dims is not None else None
+def describe_op(op: Op, regions: dict) -> str:
+    """An op as origins name it: ``kind at file:line`` (a shard() mark: its call)."""
+    kind = op.kind
+    if op.kind == CONSTRAINT and op.region is not None and op.region in regions:
+        kind = regions[op.region].describe()
+    return f"{kind} at {op.source}" if op.source else kind
+
+
+def origin_words(origin: tuple, regions: dict) -> str:
+    side, how, who = origin
+    if isinstance(who, Op):
+        who = describe_op(who, regions)
+    if side == "result" or how == "consumer":
+        return f"backward from {who}"
+    if how == "producer":
+        return f"forward from {who}"
+    return f"from {who}"
 
 
 class ChoiceMixin:
@@ -61,17 +77,12 @@ class ChoiceMixin:
         how, who = self.setter.get(v, ("", "?"))
         return side, how, who
 
-    def _origin_words(self, origin) -> str:
+    def _origin_words(self, origin):
+        """The origin for the graph: words, or (for a propagated choice) a lookup
+        that puts it into words when first read (``Op.origin``)."""
         if isinstance(origin, str):
             return origin
-        side, how, who = origin
-        if isinstance(who, Op):
-            who = self._describe(who)
-        if side == "result" or how == "consumer":
-            return f"backward from {who}"
-        if how == "producer":
-            return f"forward from {who}"
-        return f"from {who}"
+        return functools.partial(origin_words, origin, self.g.regions)
 
     def _complete(self, rule: FactorRule, base: list, ordered: list[Source], reserved=()) -> list:
         cand = list(base)
@@ -92,11 +103,10 @@ class ChoiceMixin:
         of it, and the known dims, pending partial, layouts reduced anyway and (for
         results) consumers' hints of every operand and result."""
         dims, partial, reduced, hints = self.dims, self.partial, self.reduced, self.hints
-        known = _known
         return (id(rule), tuple(cur), self.passthrough.get(op, "open"),
-                tuple((v.type, v.literal is not None, known(dims.get(v)), partial.get(v), reduced.get(v))
+                tuple((v.type, v.literal is not None, dims.get(v), partial.get(v), reduced.get(v))
                       for v in op.inputs),
-                tuple((v.type, known(dims.get(v)), known(hints.get(v)), partial.get(v), reduced.get(v))
+                tuple((v.type, dims.get(v), hints.get(v), partial.get(v), reduced.get(v))
                       for v in op.outputs))
 
     def _best_candidate(self, op, rule, cur, sources, partial_operands):

@@ -16,12 +16,17 @@ from typing import Optional
 from ir.graph import CONSTRAINT, Graph, Op, Value
 from ir.layout import Layout
 
-from .propagation_choice import ChoiceMixin, Source, _known
+from .propagation_choice import ChoiceMixin, Source
 
 _UNSEEN = object()
 from .redistribute import redistribution_cost
 from .rules.base import FactorRule
 from .sharding import OpStrategy, dim_axes, factors_from_operands, project, result_partial
+
+
+def _fill_open(old: tuple, axes: tuple) -> tuple:
+    """``old`` with its unknown (None) dims taken from ``axes``."""
+    return tuple(a if o is None else o for o, a in zip(old, axes))
 
 
 class Propagation(ChoiceMixin):
@@ -47,8 +52,10 @@ class Propagation(ChoiceMixin):
             return
         self.factors: dict[Op, list] = {op: [None] * r.num_factors for op, r in self.rules.items()}
         self.passthrough: dict[Op, Optional[tuple]] = {}
-        self.dims: dict[Value, list] = {}    # per value, per dim: axes if known (decided, or wished)
-        self.hints: dict[Value, list] = {}   # per value, per dim: what its consumers ask for
+        # per value, per dim (tuples, replaced on every change, so they can go
+        # straight into memo keys):
+        self.dims: dict[Value, tuple] = {}   # axes if known (decided, or wished)
+        self.hints: dict[Value, tuple] = {}  # what its consumers ask for
         self.taken: dict[Value, list] = {}   # graph input -> per dim, as its first deciding consumer takes it
         self.setter: dict[Value, tuple] = {}  # (how, the op or words) that decided a value's dims, for origins
         self.partial: dict[Value, tuple] = {}
@@ -57,22 +64,14 @@ class Propagation(ChoiceMixin):
     _STATE = ("factors", "passthrough", "dims", "hints", "taken", "setter", "partial", "origin")
 
     # -- helpers ----------------------------------------------------------------
-    def _dims(self, v: Value) -> list:
+    def _dims(self, v: Value) -> tuple:
         d = self.dims.get(v)
-        if d is None:
-            d = self.dims[v] = [None] * v.type.rank
-        return d
+        return d if d is not None else (None,) * v.type.rank
 
     def _enqueue(self, op: Optional[Op], skip: Optional[Op] = None) -> None:
         if op is not None and op is not skip and op not in self.queued:
             self.queued.add(op)
             self.queue.append(op)
-
-    def _describe(self, op: Op) -> str:
-        kind = op.kind
-        if op.kind == CONSTRAINT and op.region is not None and op.region in self.g.regions:
-            kind = self.g.regions[op.region].describe()
-        return f"{kind} at {op.source}" if op.source else kind
 
     # -- driver -----------------------------------------------------------------
     def seed(self) -> None:
@@ -81,7 +80,7 @@ class Propagation(ChoiceMixin):
         g = self.g
         for i, layout in g.pinned_inputs.items():
             v = g.inputs[i]
-            self.dims[v] = list(layout.dims)
+            self.dims[v] = tuple(layout.dims)
             name = g.input_names[i] if i < len(g.input_names) else f"#{i}"
             self.setter[v] = ("input", f"in_strategy of input {name}" if g.name != "body" else "loop boundary")
             for u in self.users.get(v, []):
@@ -91,8 +90,8 @@ class Propagation(ChoiceMixin):
         for i, layout in {**tied, **g.pinned_outputs}.items():
             v = g.outputs[i]
             if v not in self.dims and not v.is_literal:
-                self.dims[v] = list(layout.dims)
-                self.hints[v] = list(layout.dims)
+                self.dims[v] = tuple(layout.dims)
+                self.hints[v] = tuple(layout.dims)
                 self.setter[v] = ("consumer", f"out_strategy of output {i}" if g.name != "body" else "loop boundary")
                 self._enqueue(self.producer.get(v))
         for op in g.ops:
@@ -221,9 +220,9 @@ class Propagation(ChoiceMixin):
             # once per situation (repeated layers meet the same ones again and again)
             dims, hints, partial = self.dims, self.hints, self.partial
             key = (id(rule), tuple(cur), op in self.passthrough,
-                   tuple((v.literal is not None, _known(dims.get(v)), _known(hints.get(v)), partial.get(v))
+                   tuple((v.literal is not None, dims.get(v), hints.get(v), partial.get(v))
                          for v in op.inputs),
-                   tuple(_known(dims.get(v)) for v in op.outputs))
+                   tuple(dims.get(v) for v in op.outputs))
             wishes = memo.get(key)
             if wishes is None:
                 wishes = memo[key] = self._wishes(op, rule, cur)
@@ -267,7 +266,7 @@ class Propagation(ChoiceMixin):
         """A shard() output mark without an out_strategy only delimits the region:
         its value passes through exactly as produced, pending partial included."""
         v = op.inputs[0]
-        dims = self.dims.get(v) or [None] * v.type.rank
+        dims = self.dims.get(v) or (None,) * v.type.rank
         factors = list(self.factors[op])
         for fs, axes in zip(rule.operands[0], dims):
             for f in fs:
@@ -327,31 +326,29 @@ class Propagation(ChoiceMixin):
     def _fill(self, v: Value, axes: tuple, op: Op, from_consumer: bool) -> None:
         """Write per-dim ``axes`` into the dims of ``v`` nobody has said yet (and, for
         a consumer's wish, into its hints)."""
-        dims = self.dims.get(v)
-        if dims is None:
-            dims = self.dims[v] = [None] * len(axes)
-        changed = False
         if from_consumer:
             hints = self.hints.get(v)
             if hints is None:
-                hints = self.hints[v] = [None] * len(axes)
-            for d, a in enumerate(axes):
-                if a is not None:
-                    if hints[d] is None:
-                        hints[d] = a
-                    if dims[d] is None:
-                        dims[d] = a
-                        changed = True
+                self.hints[v] = axes
+            elif None in hints:
+                self.hints[v] = _fill_open(hints, axes)
+        dims = self.dims.get(v)
+        if dims is None:
+            if all(a is None for a in axes):
+                self.dims[v] = axes
+                return
+            new = axes
+        elif None not in dims:
+            return
         else:
-            for d, a in enumerate(axes):
-                if a is not None and dims[d] is None:
-                    dims[d] = a
-                    changed = True
-        if changed:
-            self.setter.setdefault(v, ("consumer" if from_consumer else "producer", op))
-            self._enqueue(self.producer.get(v), op)
-            for u in self.users.get(v, ()):
-                self._enqueue(u, op)
+            new = _fill_open(dims, axes)
+            if new == dims:
+                return
+        self.dims[v] = new
+        self.setter.setdefault(v, ("consumer" if from_consumer else "producer", op))
+        self._enqueue(self.producer.get(v), op)
+        for u in self.users.get(v, ()):
+            self._enqueue(u, op)
 
     # -- committing a decision --------------------------------------------------
     def _decide(self, op: Op, factors: list, passthrough, origin: str) -> None:
@@ -380,13 +377,9 @@ class Propagation(ChoiceMixin):
         red_known = not rule.reduction or all(cur[f] is not None for f in rule.reduction)
         for v, axes in zip(op.outputs, result_axes):
             dims = self.dims.get(v)
-            if dims is None:
-                dims = self.dims[v] = [None] * len(axes)
-            changed = False
-            for d, a in enumerate(axes):
-                if a is not None and dims[d] != a:
-                    dims[d] = a
-                    changed = True
+            new = axes if dims is None else tuple(d if a is None else a for d, a in zip(dims, axes))
+            changed = new != dims and (dims is not None or any(a is not None for a in new))
+            self.dims[v] = new
             if changed:
                 self.setter[v] = ("producer", op)
             if red_known and op in self.passthrough and v not in self.partial:

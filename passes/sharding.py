@@ -56,6 +56,17 @@ def _split_sizes(sizes: tuple, axes: Axes, mesh: Mesh) -> Optional[list[Axes]]:
     return out
 
 
+_LAYOUTS: dict = {}   # layout -> the one equal object strategies hand out
+
+
+def _canonical(layout: Layout) -> Layout:
+    """One object per distinct layout, so the passes' many comparisons of what an op
+    needs with what its operand has mostly end at ``is``."""
+    if len(_LAYOUTS) > 65536:
+        _LAYOUTS.clear()
+    return _LAYOUTS.setdefault(layout, layout)
+
+
 @dataclass(frozen=True)
 class OpStrategy:
     """A complete strategy: mesh axes for every factor, plus the partial (if any)
@@ -77,7 +88,7 @@ class OpStrategy:
         key = (n, rank, id(mesh))
         out = self._layouts.get(key)
         if out is None:
-            out = self._layouts[key] = self._operand_layout(n, rank, mesh)
+            out = self._layouts[key] = _canonical(self._operand_layout(n, rank, mesh))
         return out
 
     def _operand_layout(self, n: int, rank: int, mesh: Mesh) -> Layout:
@@ -95,7 +106,7 @@ class OpStrategy:
         key = ("result", n, id(mesh))
         out = self._layouts.get(key)
         if out is None:
-            out = self._layouts[key] = self._result_layout(n, mesh)
+            out = self._layouts[key] = _canonical(self._result_layout(n, mesh))
         return out
 
     def _result_layout(self, n: int, mesh: Mesh) -> Layout:
