@@ -99,12 +99,12 @@ class ChoiceMixin:
         return cand
 
     def _situation(self, op: Op, rule: FactorRule, cur: list) -> tuple:
-        """Everything the settling choice at this op reads: its rule and what is decided
-        of it, and the known dims, pending partial, layouts reduced anyway and (for
-        results) consumers' hints of every operand and result."""
+        """Everything settling this op reads: its rule and what is decided of it, and
+        the known dims, consumers' hints, pending partial and layouts reduced anyway
+        of every operand and result."""
         dims, partial, reduced, hints = self.dims, self.partial, self.reduced, self.hints
         return (id(rule), tuple(cur), self.passthrough.get(op, "open"),
-                tuple((v.type, v.literal is not None, dims.get(v), partial.get(v), reduced.get(v))
+                tuple((v.type, v.literal is not None, dims.get(v), hints.get(v), partial.get(v), reduced.get(v))
                       for v in op.inputs),
                 tuple((v.type, dims.get(v), hints.get(v), partial.get(v), reduced.get(v))
                       for v in op.outputs))

@@ -143,21 +143,87 @@ class Propagation(ChoiceMixin):
         if op.kind == CONSTRAINT and op.pinned is None:
             self._alias(op, rule)
             return
-        # The choice depends only on the situation: repeated layers meet the same
-        # situations again and again, so each is worked out once.
+        # The choice, and what taking it writes, depend only on the situation:
+        # repeated layers meet the same situations again and again, so each is
+        # worked out once.
         memo = self.cfg.memo
         if memo is None:
-            choice = self._choose(op, rule, cur)
+            outcome = self._outcome(op, rule, cur)
         else:
             key = self._situation(op, rule, cur)
-            choice = memo.get(key, _UNSEEN)
-            if choice is _UNSEEN:
-                choice = memo[key] = self._choose(op, rule, cur)
-        if choice is not None:
-            factors, passthrough, lead = choice
-            self._decide(op, factors, passthrough, self.origin.get(op) or self._origin_from(op, lead))
-        if None in cur or op not in self.passthrough:  # unconstrained: stays whole
-            self._decide(op, [a if a is not None else () for a in cur], None, self.origin.get(op) or "default")
+            outcome = memo.get(key)
+            if outcome is None:
+                outcome = memo[key] = self._outcome(op, rule, cur)
+        self._take(op, outcome)
+
+    def _outcome(self, op: Op, rule: FactorRule, cur: list) -> tuple:
+        """(factors, passthrough, lead, what to write into operands, into results):
+        the cheapest candidate if some neighbour says something, factors nobody
+        constrains whole. Nothing is written here."""
+        choice = self._choose(op, rule, cur)
+        factors = tuple(a if a is not None else (tuple(choice[0][f]) if choice and choice[0][f] is not None else ())
+                        for f, a in enumerate(cur))
+        passthrough = self.passthrough[op] if op in self.passthrough else (choice[1] if choice else None)
+        operand_axes, result_axes = self._tensor_axes(rule, factors)
+        # operands learn what this op wants, where nobody has said yet (in order: an
+        # operand may come twice)
+        dims, hints = {}, {}
+        to_operands = []
+        for v, axes in zip(op.inputs, operand_axes):
+            if not axes or v.literal is not None:
+                to_operands.append(None)
+                continue
+            old_hints = hints.get(v, self.hints.get(v))
+            new_hints = axes if old_hints is None else _fill_open(old_hints, axes)
+            old = dims.get(v, self.dims.get(v))
+            new = axes if old is None else _fill_open(old, axes)
+            changed = new != old and (old is not None or any(a is not None for a in new))
+            hints[v], dims[v] = new_hints, new
+            to_operands.append((new, new_hints, changed, axes))
+        # results are what this op makes
+        to_results = []
+        for v, axes in zip(op.outputs, result_axes):
+            old = self.dims.get(v)
+            new = axes if old is None else tuple(d if a is None else a for d, a in zip(old, axes))
+            changed = new != old and (old is not None or any(a is not None for a in new))
+            partial = None if v in self.partial else self._result_partial(rule, factors, passthrough)
+            to_results.append((new, changed, partial))
+        return factors, passthrough, choice[2] if choice else None, tuple(to_operands), tuple(to_results)
+
+    def _take(self, op: Op, outcome: tuple) -> None:
+        """Write an outcome into the state, and queue the neighbours that now hear more."""
+        factors, passthrough, lead, to_operands, to_results = outcome
+        self.factors[op][:] = factors
+        if op not in self.passthrough:
+            self.passthrough[op] = passthrough
+        if not self.origin.get(op):
+            self.origin[op] = self._origin_from(op, lead)
+        for v, effect in zip(op.inputs, to_operands):
+            if effect is None:
+                continue
+            dims, hints, changed, axes = effect
+            self.hints[v] = hints
+            self.dims[v] = dims
+            if changed:
+                self.setter.setdefault(v, ("consumer", op))
+                self._enqueue(self.producer.get(v), op)
+                for u in self.users.get(v, ()):
+                    self._enqueue(u, op)
+            if v not in self.producer:
+                taken = self.taken.setdefault(v, [None] * v.type.rank)
+                for d, a in enumerate(axes):
+                    if taken[d] is None:
+                        taken[d] = a
+        for v, (dims, changed, partial) in zip(op.outputs, to_results):
+            self.dims[v] = dims
+            if changed:
+                self.setter[v] = ("producer", op)
+            if partial is not None and v not in self.partial:
+                self.partial[v] = partial
+                changed = changed or bool(partial[0])
+            if changed:
+                for u in self.users.get(v, ()):
+                    self._enqueue(u, op)
 
     @staticmethod
     def _is_pinned_mark(op: Optional[Op]) -> bool:
