@@ -22,11 +22,16 @@ class Localize:
 
     def __call__(self, graph: Graph) -> Graph:
         mesh = graph.mesh
+        local_types: dict = {}   # (layout, type) -> the local type; values share few of each
         for v in graph.values():
             if v.layout is None:
                 v.local_type = v.type
-            else:
-                v.local_type = TensorType(v.layout.local_shape(v.type.shape, mesh), v.type.dtype)
+                continue
+            key = (id(v.layout), id(v.type))   # both live as long as the graph
+            t = local_types.get(key)
+            if t is None:
+                t = local_types[key] = TensorType(v.layout.local_shape(v.type.shape, mesh), v.type.dtype)
+            v.local_type = t
         for op in graph.ops:
             for body in op.subgraphs:
                 self(body)

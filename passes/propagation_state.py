@@ -517,7 +517,7 @@ class Propagation(ChoiceMixin):
             if not layout.fits(v.type.shape, mesh):
                 layout = Layout.replicated(v.type.rank)
             v.layout = layout
-        strategies: dict = {}   # ops with equal strategies share one (and its layouts)
+        strategies = self.cfg.strategies   # ops with equal strategies share one (and its layouts)
         for op in self.g.ops:
             rule = self.rules[op]
             key = (id(rule), tuple(self.factors[op]), self.passthrough.get(op))
