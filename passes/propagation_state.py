@@ -462,21 +462,9 @@ class Propagation(ChoiceMixin):
             return None
 
     def needs(self):
-        """(value, layout an op needs it in) for every operand that must be redistributed."""
-        out = set()
-        mesh = self.mesh
-        for op in self.g.ops:
-            st = op.strategy
-            for n, v in enumerate(op.inputs):
-                if v.literal is not None:
-                    continue
-                need = st.operand_layout(n, v.type.rank, mesh)
-                if need is not v.layout and need != v.layout:
-                    out.add((v, need))
-        for v in self.g.outputs:
-            if v.layout is not None and v.layout.partial:
-                out.add((v, v.layout.without_partial()))
-        return out
+        """(value, layout an op needs it in) for every operand that must be
+        redistributed (found while the plan was written)."""
+        return self._needs
 
     def carried_elsewhere(self, reduced: dict) -> bool:
         """Does some value that gets reduced reach another op in a different layout
@@ -499,16 +487,15 @@ class Propagation(ChoiceMixin):
 
     def plan_cost(self, needs) -> float:
         """Estimated time of the whole plan: every redistribution once, plus compute."""
-        total = 0.0
+        total = self._compute
         for v, need in needs:
             total += redistribution_cost(v.type.shape, v.type.itemsize, v.layout, need, self.mesh,
                                          self.cfg.allow_reduce_scatter, self.cfg.cost)
-        for op in self.g.ops:
-            total += self._compute_time(op, self.rules[op], op.strategy.factors)
         return total
 
     def write_plan(self) -> None:
-        """Every op's strategy and origin, every value's layout, into the graph."""
+        """Every op's strategy and origin, every value's layout, into the graph;
+        on the way, what must be redistributed and the compute time."""
         mesh = self.mesh
         for i, v in enumerate(self.g.inputs):
             # an input arrives as its first deciding consumer takes it (wishes are only wishes)
@@ -518,6 +505,7 @@ class Propagation(ChoiceMixin):
                 layout = Layout.replicated(v.type.rank)
             v.layout = layout
         strategies = self.cfg.strategies   # ops with equal strategies share one (and its layouts)
+        needs, compute = set(), 0.0
         for op in self.g.ops:
             rule = self.rules[op]
             key = (id(rule), tuple(self.factors[op]), self.passthrough.get(op))
@@ -529,5 +517,17 @@ class Propagation(ChoiceMixin):
                     raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
             op.strategy = st
             op.origin = self._origin_words(self.origin.get(op) or "default")
+            # in program order every operand's layout is written already: what must be
+            # redistributed, and the compute, are read off on the way
+            for n, v in enumerate(op.inputs):
+                if v.literal is None:
+                    need = st.operand_layout(n, v.type.rank, mesh)
+                    if need is not v.layout and need != v.layout:
+                        needs.add((v, need))
+            compute += self._compute_time(op, rule, st.factors)
             for n, v in enumerate(op.outputs):
                 v.layout = st.result_layout(n, mesh)
+        for v in self.g.outputs:
+            if v.layout is not None and v.layout.partial:
+                needs.add((v, v.layout.without_partial()))
+        self._needs, self._compute = needs, compute
