@@ -47,8 +47,9 @@ class Propagation(ChoiceMixin):
         if start is not None:
             for name in self._STATE:
                 d = getattr(start, name)
-                setattr(self, name, {k: (list(v) if isinstance(v, list) else v) for k, v in d.items()}
-                        if copy else d)
+                if copy:   # lists are changed in place; everything else is replaced whole
+                    d = {k: list(v) for k, v in d.items()} if name in self._LISTS else dict(d)
+                setattr(self, name, d)
             return
         self.factors: dict[Op, list] = {op: [None] * r.num_factors for op, r in self.rules.items()}
         self.passthrough: dict[Op, Optional[tuple]] = {}
@@ -62,6 +63,7 @@ class Propagation(ChoiceMixin):
         self.origin: dict[Op, object] = {op: op.origin for op in graph.ops if op.origin}
 
     _STATE = ("factors", "passthrough", "dims", "hints", "taken", "setter", "partial", "origin")
+    _LISTS = ("factors", "taken")
 
     # -- helpers ----------------------------------------------------------------
     def _dims(self, v: Value) -> tuple:
