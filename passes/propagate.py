@@ -47,7 +47,9 @@ class PropagateSharding:
         self.touched: dict = {}      # op -> bytes it reads and writes (whole tensors)
         self.compute_memo: dict = {}  # (rule, factors, bytes) -> compute time per device
         self.partial_memo: dict = {}  # (rule, factors, passthrough) -> the results' pending partial
-        self.strategies: dict = {}  # (rule, factors, passthrough) -> the one OpStrategy ops share
+        # (rule, factors, passthrough) -> the one OpStrategy ops share, its operand and
+        # result layouts, and its compute time per bytes touched
+        self.strategies: dict = {}
         self.axes_memo: dict = {}  # (rule, factors) -> per-dim axes of its operands and results
         self._rules: dict = {}  # graph id -> {op: rule}, built once for all rounds
         self._interned: dict = {}  # rule -> the one equal rule object every op shares
