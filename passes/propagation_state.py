@@ -17,11 +17,12 @@ from ir.graph import CONSTRAINT, Graph, Op, Value
 from ir.layout import Layout
 
 from .propagation_choice import ChoiceMixin, Source
-
-_UNSEEN = object()
 from .redistribute import redistribution_cost
 from .rules.base import FactorRule
 from .sharding import OpStrategy, dim_axes, factors_from_operands, project, result_partial
+
+
+_OPEN = object()   # a passthrough not decided yet
 
 
 def _fill_open(old: tuple, axes: tuple) -> tuple:
@@ -166,6 +167,23 @@ class Propagation(ChoiceMixin):
         factors = tuple(a if a is not None else (tuple(choice[0][f]) if choice and choice[0][f] is not None else ())
                         for f, a in enumerate(cur))
         passthrough = self.passthrough[op] if op in self.passthrough else (choice[1] if choice else None)
+        return (factors, passthrough, choice[2] if choice else None) + self._writes(op, rule, factors, passthrough)
+
+    def _take(self, op: Op, outcome: tuple) -> None:
+        """Write an outcome into the state, and queue the neighbours that now hear more."""
+        factors, passthrough, lead, to_operands, to_results = outcome
+        self.factors[op][:] = factors
+        if op not in self.passthrough:
+            self.passthrough[op] = passthrough
+        if not self.origin.get(op):
+            self.origin[op] = self._origin_from(op, lead)
+        self._write(op, to_operands, to_results)
+
+    def _writes(self, op: Op, rule: FactorRule, factors, passthrough) -> tuple:
+        """What deciding ``factors`` (None where still open) writes, worked out from
+        the state without changing it: per operand, (dims, hints, changed?, axes) or
+        None; per result, (dims, changed?, pending partial or None). ``passthrough``
+        is _OPEN while undecided (no result partial is known then)."""
         operand_axes, result_axes = self._tensor_axes(rule, factors)
         # operands learn what this op wants, where nobody has said yet (in order: an
         # operand may come twice)
@@ -183,23 +201,18 @@ class Propagation(ChoiceMixin):
             hints[v], dims[v] = new_hints, new
             to_operands.append((new, new_hints, changed, axes))
         # results are what this op makes
+        partial_known = passthrough is not _OPEN and all(factors[f] is not None for f in rule.reduction)
         to_results = []
         for v, axes in zip(op.outputs, result_axes):
             old = self.dims.get(v)
             new = axes if old is None else tuple(d if a is None else a for d, a in zip(old, axes))
             changed = new != old and (old is not None or any(a is not None for a in new))
-            partial = None if v in self.partial else self._result_partial(rule, factors, passthrough)
+            partial = (self._result_partial(rule, factors, passthrough)
+                       if partial_known and v not in self.partial else None)
             to_results.append((new, changed, partial))
-        return factors, passthrough, choice[2] if choice else None, tuple(to_operands), tuple(to_results)
+        return tuple(to_operands), tuple(to_results)
 
-    def _take(self, op: Op, outcome: tuple) -> None:
-        """Write an outcome into the state, and queue the neighbours that now hear more."""
-        factors, passthrough, lead, to_operands, to_results = outcome
-        self.factors[op][:] = factors
-        if op not in self.passthrough:
-            self.passthrough[op] = passthrough
-        if not self.origin.get(op):
-            self.origin[op] = self._origin_from(op, lead)
+    def _write(self, op: Op, to_operands: tuple, to_results: tuple) -> None:
         for v, effect in zip(op.inputs, to_operands):
             if effect is None:
                 continue
@@ -420,7 +433,7 @@ class Propagation(ChoiceMixin):
 
     # -- committing a decision --------------------------------------------------
     def _decide(self, op: Op, factors: list, passthrough, origin: str) -> None:
-        rule = self.rules[op]
+        """Fix what ``factors`` says (None: still open) at this op, for good."""
         cur = self.factors[op]
         if None in cur:
             for f, a in enumerate(factors):
@@ -430,32 +443,7 @@ class Propagation(ChoiceMixin):
             self.passthrough[op] = passthrough
         if not self.origin.get(op):
             self.origin[op] = origin
-        operand_axes, result_axes = self._tensor_axes(rule, cur)
-        # operands learn what this op wants, where nobody has said yet
-        for v, axes in zip(op.inputs, operand_axes):
-            if not axes or v.literal is not None:
-                continue
-            self._fill(v, axes, op, True)
-            if v not in self.producer:
-                taken = self.taken.setdefault(v, [None] * v.type.rank)
-                for d, a in enumerate(axes):
-                    if taken[d] is None:
-                        taken[d] = a
-        # results are what this op makes
-        red_known = not rule.reduction or all(cur[f] is not None for f in rule.reduction)
-        for v, axes in zip(op.outputs, result_axes):
-            dims = self.dims.get(v)
-            new = axes if dims is None else tuple(d if a is None else a for d, a in zip(dims, axes))
-            changed = new != dims and (dims is not None or any(a is not None for a in new))
-            self.dims[v] = new
-            if changed:
-                self.setter[v] = ("producer", op)
-            if red_known and op in self.passthrough and v not in self.partial:
-                self.partial[v] = self._result_partial(rule, cur, self.passthrough[op])
-                changed = changed or bool(self.partial[v][0])
-            if changed:
-                for u in self.users.get(v, ()):
-                    self._enqueue(u, op)
+        self._write(op, *self._writes(op, self.rules[op], cur, self.passthrough.get(op, _OPEN)))
 
     def _safe_dim_axes(self, fs, cur, rule):
         try:
