@@ -509,8 +509,8 @@ class Propagation(ChoiceMixin):
                 entry = strategies[key] = (
                     st, tuple(None if fs is None else st.operand_layout(n, len(fs), mesh)
                               for n, fs in enumerate(rule.operands)),
-                    tuple(st.result_layout(n, mesh) for n in range(len(rule.results))), {})
-            st, operand_layouts, result_layouts, compute_times = entry
+                    tuple(st.result_layout(n, mesh) for n in range(len(rule.results))))
+            st, operand_layouts, result_layouts = entry
             op.strategy = st
             op.origin = self._origin_words(origin.get(op) or "default")
             # in program order every operand's layout is written already: what must be
@@ -520,13 +520,7 @@ class Propagation(ChoiceMixin):
                     need = operand_layouts[n] or st.operand_layout(n, v.type.rank, mesh)
                     if need is not v.layout and need != v.layout:
                         needs.add((v, need))
-            touched = self.cfg.touched.get(op)
-            if touched is None:
-                touched = self.cfg.touched[op] = sum(v.type.nbytes for v in op.inputs + op.outputs)
-            t = compute_times.get(touched)
-            if t is None:
-                t = compute_times[touched] = self._compute_time(op, rule, st.factors)
-            compute += t
+            compute += self._compute_time(op, rule, st.factors)
             for v, layout in zip(op.outputs, result_layouts):
                 v.layout = layout
         for v in self.g.outputs:
