@@ -3,8 +3,10 @@
 Traces a GPT-style training step (forward, backward, Adam; Megatron annotations,
 8-way tensor parallel) at several depths and prints, per size: jaxpr equations,
 seconds in jax's tracing, in our import and in each pass, and microseconds per
-equation for our pipeline (import + passes). Flat per-equation time means the
-pipeline is linear in graph size.
+equation for our pipeline (import + passes), as medians over rounds in which the
+sizes take turns. Flat per-equation time means the pipeline is linear in graph
+size; the growth ratios compare runs made side by side. Compiling runs with the
+garbage collector paused, as ``parallelize`` does.
 
     python bench/propagation.py                 # 12, 24, 48, 96 layers
     python bench/propagation.py --layers 12 24 --repeat 3
