@@ -47,9 +47,7 @@ class PropagateSharding:
         self.touched: dict = {}      # op -> bytes it reads and writes (whole tensors)
         self.compute_memo: dict = {}  # (rule, factors, bytes) -> compute time per device
         self.partial_memo: dict = {}  # (rule, factors, passthrough) -> the results' pending partial
-        # (rule, factors, passthrough) -> the one OpStrategy ops share, with its operand
-        # and result layouts
-        self.strategies: dict = {}
+        self.strategies: dict = {}  # (rule, factors, passthrough) -> the one OpStrategy ops share
         self.axes_memo: dict = {}  # (rule, factors) -> per-dim axes of its operands and results
         self._rules: dict = {}  # graph id -> {op: rule}, built once for all rounds
         self._interned: dict = {}  # rule -> the one equal rule object every op shares

@@ -494,35 +494,30 @@ class Propagation(ChoiceMixin):
             if not layout.fits(v.type.shape, mesh):
                 layout = Layout.replicated(v.type.rank)
             v.layout = layout
-        strategies = self.cfg.strategies   # ops with equal strategies share one (and its layouts)
+        strategies = self.cfg.strategies   # ops with equal strategies share one (it caches its layouts)
         rules, factors, passthrough, origin = self.rules, self.factors, self.passthrough, self.origin
         needs, compute = set(), 0.0
         for op in self.g.ops:
             rule = rules[op]
             key = (id(rule), tuple(factors[op]), passthrough.get(op))
-            entry = strategies.get(key)
-            if entry is None:
-                st = OpStrategy(rule, key[1], key[2])
+            st = strategies.get(key)
+            if st is None:
+                st = strategies[key] = OpStrategy(rule, key[1], key[2])
                 problems = st.problems(mesh)
                 if problems:
                     raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
-                entry = strategies[key] = (
-                    st, tuple(None if fs is None else st.operand_layout(n, len(fs), mesh)
-                              for n, fs in enumerate(rule.operands)),
-                    tuple(st.result_layout(n, mesh) for n in range(len(rule.results))))
-            st, operand_layouts, result_layouts = entry
             op.strategy = st
             op.origin = self._origin_words(origin.get(op) or "default")
             # in program order every operand's layout is written already: what must be
             # redistributed, and the compute, are read off on the way
             for n, v in enumerate(op.inputs):
                 if v.literal is None:
-                    need = operand_layouts[n] or st.operand_layout(n, v.type.rank, mesh)
+                    need = st.operand_layout(n, v.type.rank, mesh)
                     if need is not v.layout and need != v.layout:
                         needs.add((v, need))
             compute += self._compute_time(op, rule, st.factors)
-            for v, layout in zip(op.outputs, result_layouts):
-                v.layout = layout
+            for n, v in enumerate(op.outputs):
+                v.layout = st.result_layout(n, mesh)
         for v in self.g.outputs:
             if v.layout is not None and v.layout.partial:
                 needs.add((v, v.layout.without_partial()))

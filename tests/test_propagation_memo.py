@@ -4,6 +4,7 @@ every choice out afresh."""
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from compiler import parallelize
@@ -25,7 +26,6 @@ def _gpt(par, mesh):
 
 
 def _resnet():
-    import numpy as np
     rng = np.random.default_rng(1)
     params = resnet.init_params()
     step, opt = resnet.make_train_step()
