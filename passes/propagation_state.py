@@ -25,6 +25,11 @@ from .sharding import OpStrategy, dim_axes, factors_from_operands, project, resu
 _OPEN = object()   # a passthrough not decided yet
 
 
+def _open_soft(old: tuple, axes: tuple, soft: frozenset) -> tuple:
+    """``old`` with the soft dims that ``axes`` splits open again."""
+    return tuple(None if d in soft and a else o for d, (o, a) in enumerate(zip(old, axes)))
+
+
 def _fill_open(old: tuple, axes: tuple) -> tuple:
     """``old`` with its unknown (None) dims taken from ``axes``."""
     return tuple(a if o is None else o for o, a in zip(old, axes))
@@ -45,6 +50,7 @@ class Propagation(ChoiceMixin):
         self.producer, self.users = cfg.maps_of(graph)
         self.queue: deque = deque()
         self.queued: set = set()
+        self.wishing = False   # in the wish phase (``soft`` counts only there)
         if start is not None:
             for name in self._STATE:
                 d = getattr(start, name)
@@ -61,9 +67,13 @@ class Propagation(ChoiceMixin):
         self.taken: dict[Value, list] = {}   # graph input -> per dim, as its first deciding consumer takes it
         self.setter: dict[Value, tuple] = {}  # (how, the op or words) that decided a value's dims, for origins
         self.partial: dict[Value, tuple] = {}
+        # value -> dims that only a wish made whole: a wish to split them still wins
+        # (a replicated operand pinned near the end must not out-run, by being closer,
+        # the split that the program's first op pins and that flows all the way there)
+        self.soft: dict[Value, frozenset] = {}
         self.origin: dict[Op, object] = {op: op.origin for op in graph.ops if op.origin}
 
-    _STATE = ("factors", "passthrough", "dims", "hints", "taken", "setter", "partial", "origin")
+    _STATE = ("factors", "passthrough", "dims", "hints", "taken", "setter", "partial", "soft", "origin")
     _LISTS = ("factors", "taken")
 
     # -- helpers ----------------------------------------------------------------
@@ -122,7 +132,9 @@ class Propagation(ChoiceMixin):
             for op in g.ops:
                 if op.origin != "user" and not (op.kind == CONSTRAINT and op.pinned is not None):
                     self._decide(op, self._data_parallel_default(op), None, "default (data parallel)")
+        self.wishing = True
         self._drain()
+        self.wishing = False
 
     def settle(self) -> None:
         """Phase two: decide every op in program order, then write strategies and layouts."""
@@ -269,22 +281,31 @@ class Propagation(ChoiceMixin):
         return factors
 
     # -- one op -----------------------------------------------------------------
-    def _sources(self, op: Op, rule: FactorRule) -> list[Source]:
+    def _sources(self, op: Op, rule: FactorRule, hush_soft: bool = False) -> list[Source]:
+        """What each operand and result says about this op's factors (``hush_soft``:
+        dims only a wish made whole say nothing)."""
+        said = self._said if hush_soft else self.dims.__getitem__
         out = []
         for n, v in enumerate(op.inputs):
             fs = rule.operands[n]
             if fs is None or v.type.rank == 0 or v not in self.dims:
                 continue
-            prop = project(fs, self.dims[v], rule, self.mesh)
+            prop = project(fs, said(v), rule, self.mesh)
             if prop:
                 out.append(Source("operand", n, v, prop))
         for n, v in enumerate(op.outputs):
             if v not in self.dims or v.type.rank == 0:
                 continue
-            prop = project(rule.results[n], self.dims[v], rule, self.mesh)
+            prop = project(rule.results[n], said(v), rule, self.mesh)
             if prop:
                 out.append(Source("result", n, v, prop))
         return out
+
+    def _said(self, v: Value) -> tuple:
+        """The dims of ``v`` less those only a wish made whole."""
+        dims = self.dims[v]
+        soft = self.soft.get(v)
+        return tuple(None if d in soft else a for d, a in enumerate(dims)) if soft else dims
 
     def _visit(self, op: Op) -> None:
         """Pass on what this op's neighbours agree about its open factors (nothing
@@ -300,10 +321,11 @@ class Propagation(ChoiceMixin):
             # what the neighbours agree on depends only on what they say: work it out
             # once per situation (repeated layers meet the same ones again and again)
             dims, hints, partial = self.dims, self.hints, self.partial
+            soft = self.soft if self.wishing else {}
             key = (id(rule), tuple(cur), op in self.passthrough,
-                   tuple((v.literal is not None, dims.get(v), hints.get(v), partial.get(v))
+                   tuple((v.literal is not None, dims.get(v), hints.get(v), partial.get(v), soft.get(v))
                          for v in op.inputs),
-                   tuple(dims.get(v) for v in op.outputs))
+                   tuple((dims.get(v), soft.get(v)) for v in op.outputs))
             wishes = memo.get(key)
             if wishes is None:
                 wishes = memo[key] = self._wishes(op, rule, cur)
@@ -314,15 +336,18 @@ class Propagation(ChoiceMixin):
         """What this op passes on, as (to an operand?, index, per-dim axes): the
         neighbours' agreement on its open factors; nothing if they disagree."""
         sources, useful, partial_operands = self._neighbours(op, rule, cur)
+        if sources is not None and self.wishing and self.soft and self._contested(cur, useful):
+            # a wish to split beats one for whole that only wishes carried here
+            sources, useful, partial_operands = self._neighbours(op, rule, cur, hush_soft=True)
         if sources is None or self._contested(cur, useful):
             return ()
         return tuple(self._agreed(op, rule, cur, useful))
 
-    def _neighbours(self, op: Op, rule: FactorRule, cur: list) -> tuple:
+    def _neighbours(self, op: Op, rule: FactorRule, cur: list, hush_soft: bool = False) -> tuple:
         """(every neighbour's proposal, those about an open factor, operands with a
         pending partial); sources None when nothing is said that this op could act on."""
         open_factors = [f for f, a in enumerate(cur) if a is None]
-        sources = self._sources(op, rule)
+        sources = self._sources(op, rule, hush_soft)
         useful = [s for s in sources if any(f in s.proposal for f in open_factors)]
         partial_operands = [n for n, v in enumerate(op.inputs) if self.partial.get(v, ((), "sum"))[0]
                             and rule.operands[n] is not None]
@@ -374,7 +399,7 @@ class Propagation(ChoiceMixin):
     def _settled(self, v: Value, from_consumer: bool) -> bool:
         """Nothing left to fill: every dim known (and, for a consumer's wish, hinted)."""
         dims = self.dims.get(v)
-        if dims is None or None in dims:
+        if dims is None or None in dims or self.wishing and v in self.soft:
             return False
         if from_consumer:
             hints = self.hints.get(v)
@@ -407,13 +432,21 @@ class Propagation(ChoiceMixin):
     def _fill(self, v: Value, axes: tuple, op: Op, from_consumer: bool) -> None:
         """Write per-dim ``axes`` into the dims of ``v`` nobody has said yet (and, for
         a consumer's wish, into its hints)."""
+        soft = self.soft.get(v) if self.wishing else None
         if from_consumer:
             hints = self.hints.get(v)
+            if soft and hints is not None:
+                hints = _open_soft(hints, axes, soft)
             if hints is None:
                 self.hints[v] = axes
             elif None in hints:
                 self.hints[v] = _fill_open(hints, axes)
-        dims = self.dims.get(v)
+        dims = old = self.dims.get(v)
+        if soft:
+            opened = _open_soft(dims, axes, soft)
+            dims = opened if opened != old else old
+        if self.wishing:
+            self._soften(v, old, axes)
         if dims is None:
             if all(a is None for a in axes):
                 self.dims[v] = axes
@@ -423,13 +456,27 @@ class Propagation(ChoiceMixin):
             return
         else:
             new = _fill_open(dims, axes)
-            if new == dims:
+            if new == old:
                 return
         self.dims[v] = new
-        self.setter.setdefault(v, ("consumer" if from_consumer else "producer", op))
+        if dims is not old:   # a split replaced a soft whole: this op speaks for v now
+            self.setter[v] = ("consumer" if from_consumer else "producer", op)
+        else:
+            self.setter.setdefault(v, ("consumer" if from_consumer else "producer", op))
         self._enqueue(self.producer.get(v), op)
         for u in self.users.get(v, ()):
             self._enqueue(u, op)
+
+    def _soften(self, v: Value, old: Optional[tuple], axes: tuple) -> None:
+        """Note which dims of ``v`` this wish makes whole, and which soft ones it splits."""
+        soft = self.soft.get(v, frozenset())
+        now = {d for d, a in enumerate(axes) if a == () and (old is None or old[d] is None or d in soft)}
+        now |= {d for d in soft if not axes[d]}
+        if now != soft:
+            if now:
+                self.soft[v] = frozenset(now)
+            else:
+                self.soft.pop(v, None)
 
     # -- committing a decision --------------------------------------------------
     def _decide(self, op: Op, factors: list, passthrough, origin: str) -> None:

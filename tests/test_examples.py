@@ -27,6 +27,15 @@ def test_resnet_data_parallel_with_model_parallel_classifier():
     # the convolutions downstream follow the batch split without being told
     convs = [o for o in plan.ops if o.primitive == "conv_general_dilated" and o.origin != "user"]
     assert convs and all(o.in_strategy[0][0] == 8 for o in convs[:4])
+    # MindSpore's hand-written plan: gather the pooled features once for the classifier,
+    # reduce-scatter its input gradient back onto the batch; everything else stays
+    # batch-split (no activation is all-reduced, gathered or cut back to the split)
+    kinds = [c.kind for c in plan.collectives]
+    assert kinds.count("all_gather") == 1 and kinds.count("reduce_scatter") == 1 and "slice" not in kinds
+    scatter = next(c for c in plan.collectives if c.kind == "reduce_scatter")
+    assert scatter.in_shape == (16, 8) and scatter.out_shape == (2, 8)
+    assert not [c for c in plan.collectives if c.kind == "all_reduce" and c.in_shape[:1] == (16,)
+                and len(c.in_shape) == 4]
     par, single = (params, opt.init(params)), (params, opt.init(params))
     for _ in range(3):
         *par, loss = pstep(*par, images, labels)
