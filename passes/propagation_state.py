@@ -25,6 +25,16 @@ from .sharding import OpStrategy, dim_axes, factors_from_operands, project, resu
 _OPEN = object()   # a passthrough not decided yet
 
 
+_WHOLE: dict = {}   # per-dim axes -> the dims they make whole
+
+
+def _whole_dims(axes: tuple) -> frozenset:
+    out = _WHOLE.get(axes)
+    if out is None:
+        out = _WHOLE[axes] = frozenset(d for d, a in enumerate(axes) if a == ())
+    return out
+
+
 def _open_soft(old: tuple, axes: tuple, soft: frozenset) -> tuple:
     """``old`` with the soft dims that ``axes`` splits open again."""
     return tuple(None if d in soft and a else o for d, (o, a) in enumerate(zip(old, axes)))
@@ -433,20 +443,20 @@ class Propagation(ChoiceMixin):
         """Write per-dim ``axes`` into the dims of ``v`` nobody has said yet (and, for
         a consumer's wish, into its hints)."""
         soft = self.soft.get(v) if self.wishing else None
+        opens = soft is not None and any(axes[d] for d in soft)   # splits a soft whole
         if from_consumer:
             hints = self.hints.get(v)
-            if soft and hints is not None:
+            if opens and hints is not None:
                 hints = _open_soft(hints, axes, soft)
             if hints is None:
                 self.hints[v] = axes
             elif None in hints:
                 self.hints[v] = _fill_open(hints, axes)
         dims = old = self.dims.get(v)
-        if soft:
-            opened = _open_soft(dims, axes, soft)
-            dims = opened if opened != old else old
+        if opens:
+            dims = _open_soft(dims, axes, soft)
         if self.wishing:
-            self._soften(v, old, axes)
+            self._soften(v, old, axes, soft)
         if dims is None:
             if all(a is None for a in axes):
                 self.dims[v] = axes
@@ -467,14 +477,20 @@ class Propagation(ChoiceMixin):
         for u in self.users.get(v, ()):
             self._enqueue(u, op)
 
-    def _soften(self, v: Value, old: Optional[tuple], axes: tuple) -> None:
-        """Note which dims of ``v`` this wish makes whole, and which soft ones it splits."""
-        soft = self.soft.get(v, frozenset())
-        now = {d for d, a in enumerate(axes) if a == () and (old is None or old[d] is None or d in soft)}
-        now |= {d for d in soft if not axes[d]}
-        if now != soft:
+    def _soften(self, v: Value, old: Optional[tuple], axes: tuple, soft: Optional[frozenset]) -> None:
+        """Note which dims of ``v`` this wish makes whole (those nobody had said yet),
+        and which soft ones it splits."""
+        whole = _whole_dims(axes)
+        if old is None:
+            now = whole
+        elif soft is None:
+            now = frozenset(d for d in whole if old[d] is None)
+        else:
+            now = frozenset([d for d in whole if old[d] is None or d in soft]
+                            + [d for d in soft if not axes[d]])
+        if now != (soft or frozenset()):
             if now:
-                self.soft[v] = frozenset(now)
+                self.soft[v] = now
             else:
                 self.soft.pop(v, None)
 
