@@ -35,17 +35,16 @@ class TensorType:
     shape: tuple[int, ...]
     dtype: str
 
-    @property
-    def rank(self) -> int:
-        return len(self.shape)
+    def __post_init__(self):
+        # worked out once: the planner asks for these (and hashes types in memo keys)
+        # hundreds of thousands of times on a large model
+        object.__setattr__(self, "rank", len(self.shape))
+        object.__setattr__(self, "itemsize", _ITEMSIZE.get(self.dtype, 4))
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * self.itemsize)
+        object.__setattr__(self, "_hash", hash((self.shape, self.dtype)))
 
-    @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE.get(self.dtype, 4)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
         return f"{_SHORT.get(self.dtype, self.dtype)}[{','.join(map(str, self.shape))}]"

@@ -404,12 +404,16 @@ class Propagation(ChoiceMixin):
                 others = [s for s in sources if not (s.kind == side and s.index == n)]
                 if others:
                     operand_axes, result_axes = self._tensor_axes(rule, self._complete(rule, cur, others))
-                    yield (side == "operand", n, (operand_axes if side == "operand" else result_axes)[n])
+                    axes = (operand_axes if side == "operand" else result_axes)[n]
+                    if self._settled(v, side == "operand", soft=False) and not any(axes[d] for d in self.soft[v]):
+                        continue   # known but for soft wholes, and this wish splits none of them
+                    yield (side == "operand", n, axes)
 
-    def _settled(self, v: Value, from_consumer: bool) -> bool:
-        """Nothing left to fill: every dim known (and, for a consumer's wish, hinted)."""
+    def _settled(self, v: Value, from_consumer: bool, soft: bool = True) -> bool:
+        """Nothing left to fill: every dim known (and, for a consumer's wish, hinted);
+        while wishing, a soft whole may still be split (unless ``soft`` is False)."""
         dims = self.dims.get(v)
-        if dims is None or None in dims or self.wishing and v in self.soft:
+        if dims is None or None in dims or soft and self.wishing and v in self.soft:
             return False
         if from_consumer:
             hints = self.hints.get(v)
