@@ -48,10 +48,14 @@ class PropagateSharding:
         self.compute_memo: dict = {}  # (rule, factors, bytes) -> compute time per device
         self.partial_memo: dict = {}  # (rule, factors, passthrough) -> the results' pending partial
         self.strategies: dict = {}  # (rule, factors, passthrough) -> the one OpStrategy ops share
+        # (signature, factors, passthrough) -> (strategy, layout each operand needs or None
+        # for a literal, compute time, result layouts): what writing the plan reads per op
+        self.placements: dict = {}
         self.axes_memo: dict = {}  # (rule, factors) -> per-dim axes of its operands and results
         self._rules: dict = {}  # graph id -> {op: rule}, built once for all rounds
         self._interned: dict = {}  # rule -> the one equal rule object every op shares
         self._by_signature: dict = {}  # (primitive, types, params) -> its rule
+        self._signature_ids: dict = {}  # (rule, operand types, result types) -> small int
 
     def maps_of(self, graph: Graph) -> tuple:
         key = ("maps", id(graph))
@@ -63,6 +67,18 @@ class PropagateSharding:
         if id(graph) not in self._rules:
             self._rules[id(graph)] = {op: self._rule(op) for op in graph.ops}
         return self._rules[id(graph)]
+
+    def signatures_of(self, graph: Graph) -> dict:
+        """op -> a small int naming its rule, operand types (and which are literals) and
+        result types: everything static a memo key needs, in one cheap hash."""
+        key = ("signatures", id(graph))
+        if key not in self._rules:
+            rules, ids = self.rules_of(graph), self._signature_ids
+            self._rules[key] = {
+                op: ids.setdefault((id(rules[op]), tuple((v.type, v.literal is not None) for v in op.inputs),
+                                    tuple(v.type for v in op.outputs)), len(ids))
+                for op in graph.ops}
+        return self._rules[key]
 
     def _rule(self, op: Op):
         """The op's rule, one object for all equal rules (so a memo key can name a rule

@@ -98,16 +98,15 @@ class ChoiceMixin:
                 used.update(axes)
         return cand
 
-    def _situation(self, op: Op, rule: FactorRule, cur: list) -> tuple:
+    def _situation(self, op: Op, cur: list) -> tuple:
         """Everything settling this op reads: its rule and what is decided of it, and
         the known dims, consumers' hints, pending partial and layouts reduced anyway
         of every operand and result."""
         dims, partial, reduced, hints = self.dims, self.partial, self.reduced, self.hints
-        return (id(rule), tuple(cur), self.passthrough.get(op, "open"),
-                tuple((v.type, v.literal is not None, dims.get(v), hints.get(v), partial.get(v), reduced.get(v))
-                      for v in op.inputs),
-                tuple((v.type, dims.get(v), hints.get(v), partial.get(v), reduced.get(v))
-                      for v in op.outputs))
+        # the signature names the rule, the types and which operands are literals
+        return (self.signature[op], tuple(cur), self.passthrough.get(op, "open"),
+                tuple([(dims.get(v), hints.get(v), partial.get(v), reduced.get(v)) for v in op.inputs]),
+                tuple([(dims.get(v), hints.get(v), partial.get(v), reduced.get(v)) for v in op.outputs]))
 
     def _best_candidate(self, op, rule, cur, sources, partial_operands):
         mesh = self.mesh

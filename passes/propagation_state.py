@@ -57,6 +57,7 @@ class Propagation(ChoiceMixin):
         self.mesh = graph.mesh
         self.cfg = cfg
         self.rules: dict[Op, FactorRule] = cfg.rules_of(graph)
+        self.signature: dict[Op, int] = cfg.signatures_of(graph)
         self.producer, self.users = cfg.maps_of(graph)
         self.queue: deque = deque()
         self.queued: set = set()
@@ -175,7 +176,7 @@ class Propagation(ChoiceMixin):
         if memo is None:
             outcome = self._outcome(op, rule, cur)
         else:
-            key = self._situation(op, rule, cur)
+            key = self._situation(op, cur)
             outcome = memo.get(key)
             if outcome is None:
                 outcome = memo[key] = self._outcome(op, rule, cur)
@@ -333,9 +334,9 @@ class Propagation(ChoiceMixin):
             dims, hints, partial = self.dims, self.hints, self.partial
             soft = self.soft if self.wishing else {}
             key = (id(rule), tuple(cur), op in self.passthrough,
-                   tuple((v.literal is not None, dims.get(v), hints.get(v), partial.get(v), soft.get(v))
-                         for v in op.inputs),
-                   tuple((dims.get(v), soft.get(v)) for v in op.outputs))
+                   tuple([(v.literal is not None, dims.get(v), hints.get(v), partial.get(v), soft.get(v))
+                          for v in op.inputs]),
+                   tuple([(dims.get(v), soft.get(v)) for v in op.outputs]))
             wishes = memo.get(key)
             if wishes is None:
                 wishes = memo[key] = self._wishes(op, rule, cur)
@@ -550,6 +551,25 @@ class Propagation(ChoiceMixin):
                                          self.cfg.allow_reduce_scatter, self.cfg.cost)
         return total
 
+    def _placement(self, op: Op, factors: tuple, passthrough) -> tuple:
+        """What a strategy means for ops of this signature: (the strategy, shared by
+        all ops with an equal one; the layout each operand needs, None for a literal;
+        the compute time; each result's layout)."""
+        mesh, rule = self.mesh, self.rules[op]
+        strategies = self.cfg.strategies
+        key = (id(rule), factors, passthrough)
+        st = strategies.get(key)
+        if st is None:
+            st = strategies[key] = OpStrategy(rule, factors, passthrough)
+            problems = st.problems(mesh)
+            if problems:
+                raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
+        return (st,
+                tuple(None if v.literal is not None else st.operand_layout(n, v.type.rank, mesh)
+                      for n, v in enumerate(op.inputs)),
+                self._compute_time(op, rule, factors),
+                tuple(st.result_layout(n, mesh) for n in range(len(op.outputs))))
+
     def write_plan(self) -> None:
         """Every op's strategy and origin, every value's layout, into the graph;
         on the way, what must be redistributed and the compute time."""
@@ -561,30 +581,25 @@ class Propagation(ChoiceMixin):
             if not layout.fits(v.type.shape, mesh):
                 layout = Layout.replicated(v.type.rank)
             v.layout = layout
-        strategies = self.cfg.strategies   # ops with equal strategies share one (it caches its layouts)
-        rules, factors, passthrough, origin = self.rules, self.factors, self.passthrough, self.origin
+        placements = self.cfg.placements
+        signature, factors, passthrough, origin = self.signature, self.factors, self.passthrough, self.origin
         needs, compute = set(), 0.0
         for op in self.g.ops:
-            rule = rules[op]
-            key = (id(rule), tuple(factors[op]), passthrough.get(op))
-            st = strategies.get(key)
-            if st is None:
-                st = strategies[key] = OpStrategy(rule, key[1], key[2])
-                problems = st.problems(mesh)
-                if problems:
-                    raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
+            key = (signature[op], tuple(factors[op]), passthrough.get(op))
+            placed = placements.get(key)
+            if placed is None:
+                placed = placements[key] = self._placement(op, key[1], key[2])
+            st, operand_layouts, op_compute, result_layouts = placed
             op.strategy = st
             op.origin = self._origin_words(origin.get(op) or "default")
             # in program order every operand's layout is written already: what must be
             # redistributed, and the compute, are read off on the way
-            for n, v in enumerate(op.inputs):
-                if v.literal is None:
-                    need = st.operand_layout(n, v.type.rank, mesh)
-                    if need is not v.layout and need != v.layout:
-                        needs.add((v, need))
-            compute += self._compute_time(op, rule, st.factors)
-            for n, v in enumerate(op.outputs):
-                v.layout = st.result_layout(n, mesh)
+            for v, need in zip(op.inputs, operand_layouts):
+                if need is not None and need is not v.layout and need != v.layout:
+                    needs.add((v, need))
+            compute += op_compute
+            for v, layout in zip(op.outputs, result_layouts):
+                v.layout = layout
         for v in self.g.outputs:
             if v.layout is not None and v.layout.partial:
                 needs.add((v, v.layout.without_partial()))
