@@ -3,7 +3,11 @@
 For every case in ``bench/zoo.py`` the same marks go to (a) shardprop and (b)
 ``jax.jit`` with the marked operators' inputs constrained by
 ``with_sharding_constraint`` and everything else left to XLA (free inputs arrive
-replicated, as a user's params usually do). Read from each compiled program:
+replicated, as a user's params usually do). A training step's state (params,
+optimizer state) is the exception: it arrives in the layouts shardprop keeps it
+in, both programs must return it in those layouts, and the timed runs are a
+training loop that feeds it back, so both solve the same problem between steps.
+Read from each compiled program:
 collectives by kind and the bytes each device moves per step (ring formulas,
 see bench/hlo.py), peak memory per device (argument + output + temp - alias from
 ``memory_analysis``), compile times, and the median step time over interleaved
@@ -62,6 +66,19 @@ def median_interleaved(fa, fb, reps: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
+def feedback(step, inputs: list, ties: dict):
+    """A training loop: each call runs ``step`` on the live inputs, then the state
+    outputs replace the inputs they stand for (output index -> input index)."""
+    live = list(inputs)
+
+    def run():
+        outs = step(*live)
+        for o, i in ties.items():
+            live[i] = outs[o]
+        return outs
+    return run
+
+
 def close(got, want, train: bool) -> bool:
     # After an Adam step, parameters whose gradient is ~0 amplify rounding (any reduction
     # order, XLA's too) to ~1e-4; the loss itself agrees to 1e-5.
@@ -83,10 +100,11 @@ def run_case(case: zoo.Case, reps: int) -> dict:
     reference = jax.jit(case.fn)(*args)          # one device, no marks
     zoo.annotate.mesh = mesh
 
-    # (a) shardprop
+    # (a) shardprop; a training step's state comes back in the layout it went in (and
+    # both systems' timings run a training loop that feeds it back)
     zoo.annotate.mode = "shardprop"
     try:
-        pf = parallelize(case.fn, mesh=mesh)
+        pf = parallelize(case.fn, mesh=mesh, donate_argnums=case.state_argnums)
         plan = pf.plan(*args)
     except ShardingError as e:
         row["unsupported"] = str(e).splitlines()[0]
@@ -97,21 +115,33 @@ def run_case(case: zoo.Case, reps: int) -> dict:
     comp_a = lowered.compile()
     row["xla_compile_a_s"] = time.perf_counter() - t
     compiled = pf._compile(args, {})
-    flat_a = pf._flat_inputs(compiled, args, {})
-    out_a = jax.tree_util.tree_unflatten(compiled.out_tree, list(comp_a(*flat_a)))
+    step_a = feedback(comp_a, pf._flat_inputs(compiled, args, {}), plan.graph.tied_outputs)
+    out_a = jax.tree_util.tree_unflatten(compiled.out_tree, list(step_a()))
 
     # (b) XLA with the same marks as constraints
     zoo.annotate.mode = "xla"
     replicated = NamedSharding(mesh, P())
     flat_b, tree = jax.tree_util.tree_flatten(args)
-    flat_b = [jax.device_put(x, replicated) for x in flat_b]
+    ties = plan.graph.tied_outputs
+    if case.train:
+        # the training state arrives in the layouts shardprop keeps it in, and both must
+        # return it so (what stays on the devices between steps is the same problem)
+        in_b = compiled.in_shardings[:len(flat_b)]
+        outs = [in_b[ties[o]] if o in ties else replicated for o in range(len(jax.tree_util.tree_leaves(out_a)))]
+        out_shardings = jax.tree_util.tree_unflatten(compiled.out_tree, outs)
+    else:
+        in_b = [replicated] * len(flat_b)
+    flat_b = [jax.device_put(x, s) for x, s in zip(flat_b, in_b)]
     args_b = jax.tree_util.tree_unflatten(tree, flat_b)
     with jax.set_mesh(mesh):
-        lowered_b = jax.jit(case.fn).lower(*args_b)
+        jitted = jax.jit(case.fn, out_shardings=out_shardings, donate_argnums=case.state_argnums) if case.train \
+            else jax.jit(case.fn)
+        lowered_b = jitted.lower(*args_b)
         t = time.perf_counter()
         comp_b = lowered_b.compile()
         row["xla_compile_b_s"] = time.perf_counter() - t
-        out_b = comp_b(*args_b)
+        step_b = feedback(comp_b, list(args_b), {o: i for o, i in enumerate(case.state_argnums)})
+        out_b = step_b()
 
     row["correct_a"] = close(out_a, reference, case.train)
     row["correct_b"] = close(out_b, reference, case.train)
@@ -121,7 +151,7 @@ def run_case(case: zoo.Case, reps: int) -> dict:
                floor_bytes=case.floor_bytes() if case.floor_bytes else None,
                memory_a=peak_memory(comp_a), memory_b=peak_memory(comp_b))
     with jax.set_mesh(mesh):
-        ta, tb = median_interleaved(lambda: comp_a(*flat_a), lambda: comp_b(*args_b), reps)
+        ta, tb = median_interleaved(step_a, step_b, reps)
     row.update(step_a_ms=ta * 1e3, step_b_ms=tb * 1e3, step_ratio=ta / tb)
     return row
 

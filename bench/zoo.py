@@ -50,7 +50,8 @@ class Case:
     args: Callable[[], tuple]
     floor_bytes: Optional[Callable[[], float]] = None   # analytic minimum bytes per device, where known
     note: str = ""
-    train: bool = False                 # a training step: args (params, state, ...) are fed back
+    train: bool = False                 # a training step: returns the new state first, then the loss
+    state_argnums: tuple = ()           # (train) the arguments its outputs replace, in order
 
 
 def _rand(rng, *shape, scale=1.0):
@@ -112,7 +113,7 @@ def gpt_case(layers: int, dp: int):
         return params, opt.init(params), tokens, targets
     mesh = ((8,), ("mp",)) if dp == 1 else ((2, 4), ("dp", "mp"))
     return Case(f"gpt{layers}_train_{'mp8' if dp == 1 else 'dp2xmp4'}", mesh, fn, args, train=True,
-                note="forward, backward, Adam")
+                state_argnums=(0, 1), note="forward, backward, Adam")
 
 
 # -- a small CNN, data parallel ----------------------------------------------------------------
@@ -154,5 +155,5 @@ def cases() -> list[Case]:
         Case("cnn_data_parallel", ((8,), ("d",)), cnn_train,
              lambda: ((_rand(rng, 3, 3, 3, 16, scale=.2), _rand(rng, 3, 3, 16, 16, scale=.1), _rand(rng, 16, 10, scale=.1)),
                       _rand(rng, 32, 16, 16, 3), _rand(rng, 32, 10)),
-             note="first conv batch split; SGD step", train=True),
+             note="first conv batch split; SGD step", train=True, state_argnums=(0,)),
     ]
