@@ -98,15 +98,25 @@ class ChoiceMixin:
                 used.update(axes)
         return cand
 
+    def _made_for_others(self, v: Value, op: Op) -> Optional[frozenset]:
+        """The layouts of ``v`` that some op other than ``op`` makes anyway (what ``op``
+        itself asked for in the last round is no gift to it)."""
+        made = self.reduced.get(v)
+        if not made:
+            return None
+        return frozenset(layout for layout, ops in made.items() if any(o is not op for o in ops)) or None
+
     def _situation(self, op: Op, cur: list) -> tuple:
         """Everything settling this op reads: its rule and what is decided of it, and
         the known dims, consumers' hints, pending partial and layouts reduced anyway
         of every operand and result."""
-        dims, partial, reduced, hints = self.dims, self.partial, self.reduced, self.hints
+        dims, partial, hints, reduced, made = self.dims, self.partial, self.hints, self.reduced, self._made_for_others
         # the signature names the rule, the types and which operands are literals
         return (self.signature[op], tuple(cur), self.passthrough.get(op, "open"),
-                tuple([(dims.get(v), hints.get(v), partial.get(v), reduced.get(v)) for v in op.inputs]),
-                tuple([(dims.get(v), hints.get(v), partial.get(v), reduced.get(v)) for v in op.outputs]))
+                tuple([(dims.get(v), hints.get(v), partial.get(v), made(v, op) if v in reduced else None)
+                       for v in op.inputs]),
+                tuple([(dims.get(v), hints.get(v), partial.get(v), made(v, op) if v in reduced else None)
+                       for v in op.outputs]))
 
     def _best_candidate(self, op, rule, cur, sources, partial_operands):
         mesh = self.mesh
@@ -202,8 +212,8 @@ class ChoiceMixin:
             want = Layout(tuple(w if w is not None else () for w in want_dims), want_partial[0], want_partial[1])
         return have, want
 
-    def _redistribution(self, v: Value, have: Layout, want: Layout) -> float:
-        if want in self.reduced.get(v, ()):
+    def _redistribution(self, op: Op, v: Value, have: Layout, want: Layout) -> float:
+        if v in self.reduced and want in (self._made_for_others(v, op) or ()):
             return 0.0
         if not set(want.partial) <= set(have.partial):
             return IMPOSSIBLE
@@ -253,7 +263,7 @@ class ChoiceMixin:
             have = self.dims.get(v) or [None] * v.type.rank
             have_partial = self.partial.get(v, ((), "sum"))
             h, w = self._layout_pair(have, have_partial, want, want_partial)
-            total += self._redistribution(v, h, w)
+            total += self._redistribution(op, v, h, w)
         red_axes = [a for f in rule.reduction if cand[f] for a in cand[f]]
         res_partial = (mesh.sort_axes(red_axes + list(pt_axes)),
                        pt_op if pt else (rule.reduce_op or "sum"))
@@ -263,7 +273,7 @@ class ChoiceMixin:
                 continue
             mine = [dim_axes(d, cand, rule, mesh) for d in rule.results[n]]
             h, w = self._layout_pair(mine, res_partial, hint, ((), "sum"))
-            total += self._redistribution(v, h, w)
+            total += self._redistribution(op, v, h, w)
         if pt:
             total += self._growth_charge(op, rule, cand, pt_group, pt_axes)
         total += self._compute_time(op, rule, cand)

@@ -51,8 +51,8 @@ class Propagation(ChoiceMixin):
         """``start``: carry on from that propagation's state (copied, unless ``copy``
         is False and ``start`` is not used again)."""
         self.g = graph
-        # value -> layouts a reshard of it makes anyway
-        self.reduced = {v: frozenset(ls) for v, ls in (reduced or {}).items()}
+        # value -> {layout a reshard of it makes anyway: the ops that need it}
+        self.reduced = {v: {layout: frozenset(ops) for layout, ops in ls.items()} for v, ls in (reduced or {}).items()}
         self.seeds = seeds or {}       # loop op -> factors its body's shard() calls imply
         self.mesh = graph.mesh
         self.cfg = cfg
@@ -520,8 +520,8 @@ class Propagation(ChoiceMixin):
             return None
 
     def needs(self):
-        """(value, layout an op needs it in) for every operand that must be
-        redistributed (found while the plan was written)."""
+        """{(value, layout an op needs it in): the ops that need it} for every operand
+        that must be redistributed (found while the plan was written)."""
         return self._needs
 
     def carried_elsewhere(self, reduced: dict) -> bool:
@@ -536,11 +536,15 @@ class Propagation(ChoiceMixin):
         return False
 
     def reduced_values(self, needs) -> dict:
-        """Partial values some op all-reduces in place (same dims, sum completed)."""
+        """Values some op reduces in place (a partial sum completed, dims kept) or
+        gathers (dims made whole, nothing else changed): {value: {layout: the ops
+        that need it}}."""
         out: dict = {}
-        for v, need in needs:
-            if v.layout.partial and need == v.layout.without_partial():
-                out.setdefault(v, set()).add(need)
+        for (v, need), ops in needs.items():
+            have = v.layout
+            if have.partial and need == have.without_partial() or not have.partial and not need.partial and all(
+                    h[:len(w)] == w for h, w in zip(have.dims, need.dims)):
+                out.setdefault(v, {}).setdefault(need, set()).update(ops)
         return out
 
     def plan_cost(self, needs) -> float:
@@ -583,7 +587,7 @@ class Propagation(ChoiceMixin):
             v.layout = layout
         placements = self.cfg.placements
         signature, factors, passthrough, origin = self.signature, self.factors, self.passthrough, self.origin
-        needs, compute = set(), 0.0
+        needs, compute = {}, 0.0
         for op in self.g.ops:
             key = (signature[op], tuple(factors[op]), passthrough.get(op))
             placed = placements.get(key)
@@ -596,11 +600,11 @@ class Propagation(ChoiceMixin):
             # redistributed, and the compute, are read off on the way
             for v, need in zip(op.inputs, operand_layouts):
                 if need is not None and need is not v.layout and need != v.layout:
-                    needs.add((v, need))
+                    needs.setdefault((v, need), []).append(op)
             compute += op_compute
             for v, layout in zip(op.outputs, result_layouts):
                 v.layout = layout
         for v in self.g.outputs:
             if v.layout is not None and v.layout.partial:
-                needs.add((v, v.layout.without_partial()))
+                needs.setdefault((v, v.layout.without_partial()), []).append(None)   # the caller
         self._needs, self._compute = needs, compute

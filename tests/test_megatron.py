@@ -82,6 +82,19 @@ def test_sequence_parallel_forward_gathers_and_scatters():
     assert_trees_close(pf(PARAMS, TOKENS), jax.jit(lambda p, t: M.forward(p, t, par, CFG))(PARAMS, TOKENS))
 
 
+def test_sequence_parallel_backward_is_the_conjugate():
+    """Backward, each block gathers its incoming gradient once (the weight gradient
+    and the input gradient both read the gathered copy) and reduce-scatters the
+    input gradient: no weight is gathered, nothing changes layout by all_to_all."""
+    step, opt = M.make_train_step(M.Parallelism.sequence(8), CFG)
+    plan = parallelize(step, mesh=8).plan(PARAMS, opt.init(PARAMS), TOKENS, TARGETS)
+    local_seq = (CFG.batch, CFG.seq // 8, CFG.embed)
+    activations = [(c.kind, c.in_shape) for c in plan.collectives if c.in_shape in (local_seq, ACTIVATION)]
+    assert activations == [("all_gather", local_seq), ("reduce_scatter", ACTIVATION)] * (4 * CFG.layers)
+    kinds = [c.kind for c in plan.collectives]
+    assert "all_to_all" not in kinds and kinds.count("all_gather") == 4 * CFG.layers
+
+
 def test_sequence_parallel_training_step_equals_single_device():
     step, opt = M.make_train_step(M.Parallelism.sequence(8), CFG)
     state = opt.init(PARAMS)
