@@ -52,6 +52,7 @@ class PropagateSharding:
         # for a literal, compute time, result layouts): what writing the plan reads per op
         self.placements: dict = {}
         self.axes_memo: dict = {}  # (rule, factors) -> per-dim axes of its operands and results
+        self.hints_memo: dict = {}  # (rule, result, hints) -> the hints that makes for its operands
         self._rules: dict = {}  # graph id -> {op: rule}, built once for all rounds
         self._interned: dict = {}  # rule -> the one equal rule object every op shares
         self._by_signature: dict = {}  # (primitive, types, params) -> its rule

@@ -145,7 +145,68 @@ class Propagation(ChoiceMixin):
                     self._decide(op, self._data_parallel_default(op), None, "default (data parallel)")
         self.wishing = True
         self._drain()
+        if self._tie_free_state():
+            self._drain()
         self.wishing = False
+
+    def _tie_free_state(self) -> bool:
+        """State outputs that replace an input nobody pinned come back in the layout
+        that input arrives in, which is known only now, as wishes: say so at the
+        output, so the update (an optimizer's) plans for it, instead of scattering
+        a gradient that must then be gathered back at the very end."""
+        g, told = self.g, []
+        for i, j in g.tied_outputs.items():
+            v, out = g.inputs[j], g.outputs[i]
+            wished = self.dims.get(v)
+            if j in g.pinned_inputs or i in g.pinned_outputs or out.is_literal or wished is None:
+                continue
+            old_dims, old_hints = self.dims.get(out), self.hints.get(out)
+            dims = wished if old_dims is None else _fill_open(old_dims, wished)
+            # a dim nobody has said anything about arrives whole (see write_plan)
+            arrives = tuple(() if a is None else a for a in wished)
+            hints = arrives if old_hints is None else _fill_open(old_hints, arrives)
+            if (dims, hints) != (old_dims, old_hints):
+                self.dims[out], self.hints[out] = dims, hints
+                name = g.input_names[j] if j < len(g.input_names) else f"#{j}"
+                self.setter[out] = ("consumer", f"output {i}, which comes back as input {name} arrives")
+                self._enqueue(self.producer.get(out))
+                told.append(out)
+        self._hints_back(told)
+        return bool(told)
+
+    def _hints_back(self, values: list) -> None:
+        """Carry what the consumers of ``values`` ask for back to their producers'
+        operands, and on, where nobody has asked yet (hints only: wishes stop at values
+        whose dims are known, and a gradient's dims are known long before the
+        optimizer's). Each value is passed on once, and again only when its hints
+        grow (they only fill in), so the walk is linear in the graph."""
+        stack, seen = list(values), set(values)
+        memo = self.cfg.hints_memo   # (rule, result, its hints) -> what that asks of the operands
+        while stack:
+            v = stack.pop()
+            op = self.producer.get(v)
+            if op is None or None not in self.factors[op]:
+                continue   # a graph input, or an op decided already (it said what it needs)
+            rule = self.rules[op]
+            key = (id(rule), op.outputs.index(v), self.hints[v])
+            operand_axes = memo.get(key, _OPEN)
+            if operand_axes is _OPEN:
+                said = project(rule.results[key[1]], key[2], rule, self.mesh)
+                operand_axes = memo[key] = self._tensor_axes(
+                    rule, [said.get(f) for f in range(rule.num_factors)])[0] if said else None
+            if operand_axes is None:
+                continue
+            for u, axes in zip(op.inputs, operand_axes):
+                if axes is None or u.is_literal or u.type.rank == 0 or all(a is None for a in axes):
+                    continue
+                old = self.hints.get(u)
+                new = axes if old is None else _fill_open(old, axes)
+                # on even where nothing changed here: an earlier wish may have stopped
+                # at this value, leaving its producers' operands unhinted
+                if new != old or u not in seen:
+                    self.hints[u] = new
+                    seen.add(u)
+                    stack.append(u)
 
     def settle(self) -> None:
         """Phase two: decide every op in program order, then write strategies and layouts."""
