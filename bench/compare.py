@@ -18,7 +18,8 @@ device (float32, 1e-4 relative: whole training steps).
     python bench/compare.py --quick          # fewer timing repetitions
     python bench/compare.py --cases seed_network megatron_mlp
 
-Writes bench/results/compare.json and prints the table. On forced CPU devices
+Prints the table; a run of every case also writes it to bench/results/compare.txt
+(and the rows to compare.json). On forced CPU devices
 collectives are memcpys and timings are noisy: read ratios, not milliseconds.
 """
 from __future__ import annotations
@@ -215,19 +216,20 @@ def main():
             continue
         print(f"... {case.name}", file=sys.stderr, flush=True)
         rows.append(run_case(case, reps))
-    text = table(rows)
-    print(text)
-    print()
-    print("bytes: per device per step (ring formulas); mem A/B: peak per-device memory, shardprop / XLA; "
-          "passes: shardprop's trace + passes; XLA cA / cB: XLA's compile of shardprop's program / of the "
-          f"constrained program; step A/B: median of {reps} interleaved runs, shardprop / XLA.")
+    lines = [table(rows), "",
+             "bytes: per device per step (ring formulas); mem A/B: peak per-device memory, shardprop / XLA; "
+             "passes: shardprop's trace + passes; XLA cA / cB: XLA's compile of shardprop's program / of the "
+             f"constrained program; step A/B: median of {reps} interleaved runs, shardprop / XLA."]
     losses = verdicts(rows)
-    print("\nwhere shardprop loses:" if losses else "\nshardprop loses nowhere on these cases.")
-    for v in losses:
-        print("  " + v)
-    print(f"\ntotal {time.perf_counter() - start:.0f}s")
+    lines.append("\nwhere shardprop loses:" if losses else "\nshardprop loses nowhere on these cases.")
+    lines += ["  " + v for v in losses]
+    lines.append(f"\ntotal {time.perf_counter() - start:.0f}s")
+    report = "\n".join(lines)
+    print(report)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "compare.json").write_text(json.dumps(rows, indent=1, default=str))
+    if not args.cases:   # the stored results are always a whole run
+        (RESULTS / "compare.txt").write_text(report + "\n")
+        (RESULTS / "compare.json").write_text(json.dumps(rows, indent=1, default=str))
 
 
 if __name__ == "__main__":
