@@ -17,35 +17,16 @@ from ir.graph import CONSTRAINT, Graph, Op, Value
 from ir.layout import Layout
 
 from .propagation_choice import ChoiceMixin, Source
-from .redistribute import redistribution_cost
+from .propagation_plan import PlanMixin
+from .propagation_wishes import WishMixin, fill_open
 from .rules.base import FactorRule
-from .sharding import OpStrategy, dim_axes, factors_from_operands, project, result_partial
+from .sharding import dim_axes, factors_from_operands, project, result_partial
 
 
 _OPEN = object()   # a passthrough not decided yet
 
 
-_WHOLE: dict = {}   # per-dim axes -> the dims they make whole
-
-
-def _whole_dims(axes: tuple) -> frozenset:
-    out = _WHOLE.get(axes)
-    if out is None:
-        out = _WHOLE[axes] = frozenset(d for d, a in enumerate(axes) if a == ())
-    return out
-
-
-def _open_soft(old: tuple, axes: tuple, soft: frozenset) -> tuple:
-    """``old`` with the soft dims that ``axes`` splits open again."""
-    return tuple(None if d in soft and a else o for d, (o, a) in enumerate(zip(old, axes)))
-
-
-def _fill_open(old: tuple, axes: tuple) -> tuple:
-    """``old`` with its unknown (None) dims taken from ``axes``."""
-    return tuple(a if o is None else o for o, a in zip(old, axes))
-
-
-class Propagation(ChoiceMixin):
+class Propagation(WishMixin, ChoiceMixin, PlanMixin):
     def __init__(self, graph: Graph, cfg, reduced: Optional[dict] = None,
                  seeds: Optional[dict] = None, start: Optional["Propagation"] = None, copy: bool = True):
         """``start``: carry on from that propagation's state (copied, unless ``copy``
@@ -149,65 +130,6 @@ class Propagation(ChoiceMixin):
             self._drain()
         self.wishing = False
 
-    def _tie_free_state(self) -> bool:
-        """State outputs that replace an input nobody pinned come back in the layout
-        that input arrives in, which is known only now, as wishes: say so at the
-        output, so the update (an optimizer's) plans for it, instead of scattering
-        a gradient that must then be gathered back at the very end."""
-        g, told = self.g, []
-        for i, j in g.tied_outputs.items():
-            v, out = g.inputs[j], g.outputs[i]
-            wished = self.dims.get(v)
-            if j in g.pinned_inputs or i in g.pinned_outputs or out.is_literal or wished is None:
-                continue
-            old_dims, old_hints = self.dims.get(out), self.hints.get(out)
-            dims = wished if old_dims is None else _fill_open(old_dims, wished)
-            # a dim nobody has said anything about arrives whole (see write_plan)
-            arrives = tuple(() if a is None else a for a in wished)
-            hints = arrives if old_hints is None else _fill_open(old_hints, arrives)
-            if (dims, hints) != (old_dims, old_hints):
-                self.dims[out], self.hints[out] = dims, hints
-                name = g.input_names[j] if j < len(g.input_names) else f"#{j}"
-                self.setter[out] = ("consumer", f"output {i}, which comes back as input {name} arrives")
-                self._enqueue(self.producer.get(out))
-                told.append(out)
-        self._hints_back(told)
-        return bool(told)
-
-    def _hints_back(self, values: list) -> None:
-        """Carry what the consumers of ``values`` ask for back to their producers'
-        operands, and on, where nobody has asked yet (hints only: wishes stop at values
-        whose dims are known, and a gradient's dims are known long before the
-        optimizer's). Each value is passed on once, and again only when its hints
-        grow (they only fill in), so the walk is linear in the graph."""
-        stack, seen = list(values), set(values)
-        memo = self.cfg.hints_memo   # (rule, result, its hints) -> what that asks of the operands
-        while stack:
-            v = stack.pop()
-            op = self.producer.get(v)
-            if op is None or None not in self.factors[op]:
-                continue   # a graph input, or an op decided already (it said what it needs)
-            rule = self.rules[op]
-            key = (id(rule), op.outputs.index(v), self.hints[v])
-            operand_axes = memo.get(key, _OPEN)
-            if operand_axes is _OPEN:
-                said = project(rule.results[key[1]], key[2], rule, self.mesh)
-                operand_axes = memo[key] = self._tensor_axes(
-                    rule, [said.get(f) for f in range(rule.num_factors)])[0] if said else None
-            if operand_axes is None:
-                continue
-            for u, axes in zip(op.inputs, operand_axes):
-                if axes is None or u.is_literal or u.type.rank == 0 or all(a is None for a in axes):
-                    continue
-                old = self.hints.get(u)
-                new = axes if old is None else _fill_open(old, axes)
-                # on even where nothing changed here: an earlier wish may have stopped
-                # at this value, leaving its producers' operands unhinted
-                if new != old or u not in seen:
-                    self.hints[u] = new
-                    seen.add(u)
-                    stack.append(u)
-
     def settle(self) -> None:
         """Phase two: decide every op in program order, then write strategies and layouts."""
         g = self.g
@@ -278,9 +200,9 @@ class Propagation(ChoiceMixin):
                 to_operands.append(None)
                 continue
             old_hints = hints.get(v, self.hints.get(v))
-            new_hints = axes if old_hints is None else _fill_open(old_hints, axes)
+            new_hints = axes if old_hints is None else fill_open(old_hints, axes)
             old = dims.get(v, self.dims.get(v))
-            new = axes if old is None else _fill_open(old, axes)
+            new = axes if old is None else fill_open(old, axes)
             changed = new != old and (old is not None or any(a is not None for a in new))
             hints[v], dims[v] = new_hints, new
             to_operands.append((new, new_hints, changed, axes))
@@ -373,48 +295,6 @@ class Propagation(ChoiceMixin):
                 out.append(Source("result", n, v, prop))
         return out
 
-    def _said(self, v: Value) -> tuple:
-        """The dims of ``v`` less those only a wish made whole."""
-        dims = self.dims[v]
-        soft = self.soft.get(v)
-        return tuple(None if d in soft else a for d, a in enumerate(dims)) if soft else dims
-
-    def _visit(self, op: Op) -> None:
-        """Pass on what this op's neighbours agree about its open factors (nothing
-        is decided here; contested factors wait for settling)."""
-        cur = self.factors[op]
-        if None not in cur and op in self.passthrough:
-            return
-        rule = self.rules[op]
-        memo = self.cfg.wish_memo
-        if memo is None:
-            wishes = self._wishes(op, rule, cur)
-        else:
-            # what the neighbours agree on depends only on what they say: work it out
-            # once per situation (repeated layers meet the same ones again and again)
-            dims, hints, partial = self.dims, self.hints, self.partial
-            soft = self.soft if self.wishing else {}
-            key = (id(rule), tuple(cur), op in self.passthrough,
-                   tuple([(v.literal is not None, dims.get(v), hints.get(v), partial.get(v), soft.get(v))
-                          for v in op.inputs]),
-                   tuple([(dims.get(v), soft.get(v)) for v in op.outputs]))
-            wishes = memo.get(key)
-            if wishes is None:
-                wishes = memo[key] = self._wishes(op, rule, cur)
-        for to_operand, n, axes in wishes:
-            self._fill((op.inputs if to_operand else op.outputs)[n], axes, op, to_operand)
-
-    def _wishes(self, op: Op, rule: FactorRule, cur: list) -> tuple:
-        """What this op passes on, as (to an operand?, index, per-dim axes): the
-        neighbours' agreement on its open factors; nothing if they disagree."""
-        sources, useful, partial_operands = self._neighbours(op, rule, cur)
-        if sources is not None and self.wishing and self.soft and self._contested(cur, useful):
-            # a wish to split beats one for whole that only wishes carried here
-            sources, useful, partial_operands = self._neighbours(op, rule, cur, hush_soft=True)
-        if sources is None or self._contested(cur, useful):
-            return ()
-        return tuple(self._agreed(op, rule, cur, useful))
-
     def _neighbours(self, op: Op, rule: FactorRule, cur: list, hush_soft: bool = False) -> tuple:
         """(every neighbour's proposal, those about an open factor, operands with a
         pending partial); sources None when nothing is said that this op could act on."""
@@ -455,33 +335,6 @@ class Propagation(ChoiceMixin):
         passthrough = (group, axes) if axes and group is not None else None
         self._decide(op, factors, passthrough, self._origin_from(op, ("operand", 0)))
 
-    def _agreed(self, op: Op, rule: FactorRule, cur: list, sources: list[Source]):
-        """For the unknown dims of this op's operands and results: what its
-        neighbours agree on. What goes to one neighbour is made from the others
-        only, so a value never hears its own wish echoed back."""
-        for side, tensors, fss in (("operand", op.inputs, rule.operands), ("result", op.outputs, rule.results)):
-            for n, (v, fs) in enumerate(zip(tensors, fss)):
-                if fs is None or v.type.rank == 0 or v.is_literal or self._settled(v, side == "operand"):
-                    continue
-                others = [s for s in sources if not (s.kind == side and s.index == n)]
-                if others:
-                    operand_axes, result_axes = self._tensor_axes(rule, self._complete(rule, cur, others))
-                    axes = (operand_axes if side == "operand" else result_axes)[n]
-                    if self._settled(v, side == "operand", soft=False) and not any(axes[d] for d in self.soft[v]):
-                        continue   # known but for soft wholes, and this wish splits none of them
-                    yield (side == "operand", n, axes)
-
-    def _settled(self, v: Value, from_consumer: bool, soft: bool = True) -> bool:
-        """Nothing left to fill: every dim known (and, for a consumer's wish, hinted);
-        while wishing, a soft whole may still be split (unless ``soft`` is False)."""
-        dims = self.dims.get(v)
-        if dims is None or None in dims or soft and self.wishing and v in self.soft:
-            return False
-        if from_consumer:
-            hints = self.hints.get(v)
-            return hints is not None and None not in hints
-        return True
-
     def _tensor_axes(self, rule: FactorRule, factors: list) -> tuple:
         """Per operand and per result, per dim: the axes these factors give it (None
         where a factor is open or the combination is invalid; None for an operand
@@ -505,61 +358,6 @@ class Propagation(ChoiceMixin):
             out = self.cfg.partial_memo[key] = result_partial(rule, factors, passthrough, self.mesh)
         return out
 
-    def _fill(self, v: Value, axes: tuple, op: Op, from_consumer: bool) -> None:
-        """Write per-dim ``axes`` into the dims of ``v`` nobody has said yet (and, for
-        a consumer's wish, into its hints)."""
-        soft = self.soft.get(v) if self.wishing else None
-        opens = soft is not None and any(axes[d] for d in soft)   # splits a soft whole
-        if from_consumer:
-            hints = self.hints.get(v)
-            if opens and hints is not None:
-                hints = _open_soft(hints, axes, soft)
-            if hints is None:
-                self.hints[v] = axes
-            elif None in hints:
-                self.hints[v] = _fill_open(hints, axes)
-        dims = old = self.dims.get(v)
-        if opens:
-            dims = _open_soft(dims, axes, soft)
-        if self.wishing:
-            self._soften(v, old, axes, soft)
-        if dims is None:
-            if all(a is None for a in axes):
-                self.dims[v] = axes
-                return
-            new = axes
-        elif None not in dims:
-            return
-        else:
-            new = _fill_open(dims, axes)
-            if new == old:
-                return
-        self.dims[v] = new
-        if dims is not old:   # a split replaced a soft whole: this op speaks for v now
-            self.setter[v] = ("consumer" if from_consumer else "producer", op)
-        else:
-            self.setter.setdefault(v, ("consumer" if from_consumer else "producer", op))
-        self._enqueue(self.producer.get(v), op)
-        for u in self.users.get(v, ()):
-            self._enqueue(u, op)
-
-    def _soften(self, v: Value, old: Optional[tuple], axes: tuple, soft: Optional[frozenset]) -> None:
-        """Note which dims of ``v`` this wish makes whole (those nobody had said yet),
-        and which soft ones it splits."""
-        whole = _whole_dims(axes)
-        if old is None:
-            now = whole
-        elif soft is None:
-            now = frozenset(d for d in whole if old[d] is None)
-        else:
-            now = frozenset([d for d in whole if old[d] is None or d in soft]
-                            + [d for d in soft if not axes[d]])
-        if now != (soft or frozenset()):
-            if now:
-                self.soft[v] = now
-            else:
-                self.soft.pop(v, None)
-
     # -- committing a decision --------------------------------------------------
     def _decide(self, op: Op, factors: list, passthrough, origin: str) -> None:
         """Fix what ``factors`` says (None: still open) at this op, for good."""
@@ -579,93 +377,3 @@ class Propagation(ChoiceMixin):
             return dim_axes(fs, cur, rule, self.mesh)
         except ValueError:
             return None
-
-    def needs(self):
-        """{(value, layout an op needs it in): the ops that need it} for every operand
-        that must be redistributed (found while the plan was written)."""
-        return self._needs
-
-    def carried_elsewhere(self, reduced: dict) -> bool:
-        """Does some value that gets reduced reach another op in a different layout
-        (still partial, or reduced differently)? Only then can a second round save
-        a redistribution, by letting that op take the reduced value."""
-        for v in reduced:
-            wanted = {u.strategy.operand_layout(n, v.type.rank, self.mesh)
-                      for u in self.users.get(v, []) for n, x in enumerate(u.inputs) if x is v}
-            if len(wanted) > 1:
-                return True
-        return False
-
-    def reduced_values(self, needs) -> dict:
-        """Values some op reduces in place (a partial sum completed, dims kept) or
-        gathers (dims made whole, nothing else changed): {value: {layout: the ops
-        that need it}}."""
-        out: dict = {}
-        for (v, need), ops in needs.items():
-            have = v.layout
-            if have.partial and need == have.without_partial() or not have.partial and not need.partial and all(
-                    h[:len(w)] == w for h, w in zip(have.dims, need.dims)):
-                out.setdefault(v, {}).setdefault(need, set()).update(ops)
-        return out
-
-    def plan_cost(self, needs) -> float:
-        """Estimated time of the whole plan: every redistribution once, plus compute."""
-        total = self._compute
-        for v, need in needs:
-            total += redistribution_cost(v.type.shape, v.type.itemsize, v.layout, need, self.mesh,
-                                         self.cfg.allow_reduce_scatter, self.cfg.cost)
-        return total
-
-    def _placement(self, op: Op, factors: tuple, passthrough) -> tuple:
-        """What a strategy means for ops of this signature: (the strategy, shared by
-        all ops with an equal one; the layout each operand needs, None for a literal;
-        the compute time; each result's layout)."""
-        mesh, rule = self.mesh, self.rules[op]
-        strategies = self.cfg.strategies
-        key = (id(rule), factors, passthrough)
-        st = strategies.get(key)
-        if st is None:
-            st = strategies[key] = OpStrategy(rule, factors, passthrough)
-            problems = st.problems(mesh)
-            if problems:
-                raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
-        return (st,
-                tuple(None if v.literal is not None else st.operand_layout(n, v.type.rank, mesh)
-                      for n, v in enumerate(op.inputs)),
-                self._compute_time(op, rule, factors),
-                tuple(st.result_layout(n, mesh) for n in range(len(op.outputs))))
-
-    def write_plan(self) -> None:
-        """Every op's strategy and origin, every value's layout, into the graph;
-        on the way, what must be redistributed and the compute time."""
-        mesh = self.mesh
-        for i, v in enumerate(self.g.inputs):
-            # an input arrives as its first deciding consumer takes it (wishes are only wishes)
-            dims = self._dims(v) if i in self.g.pinned_inputs else self.taken.get(v, self._dims(v))
-            layout = Layout(tuple(a if a is not None else () for a in dims))
-            if not layout.fits(v.type.shape, mesh):
-                layout = Layout.replicated(v.type.rank)
-            v.layout = layout
-        placements = self.cfg.placements
-        signature, factors, passthrough, origin = self.signature, self.factors, self.passthrough, self.origin
-        needs, compute = {}, 0.0
-        for op in self.g.ops:
-            key = (signature[op], tuple(factors[op]), passthrough.get(op))
-            placed = placements.get(key)
-            if placed is None:
-                placed = placements[key] = self._placement(op, key[1], key[2])
-            st, operand_layouts, op_compute, result_layouts = placed
-            op.strategy = st
-            op.origin = self._origin_words(origin.get(op) or "default")
-            # in program order every operand's layout is written already: what must be
-            # redistributed, and the compute, are read off on the way
-            for v, need in zip(op.inputs, operand_layouts):
-                if need is not None and need is not v.layout and need != v.layout:
-                    needs.setdefault((v, need), []).append(op)
-            compute += op_compute
-            for v, layout in zip(op.outputs, result_layouts):
-                v.layout = layout
-        for v in self.g.outputs:
-            if v.layout is not None and v.layout.partial:
-                needs.setdefault((v, v.layout.without_partial()), []).append(None)   # the caller
-        self._needs, self._compute = needs, compute

@@ -1,0 +1,106 @@
+"""Writing a propagation's plan into the graph, and what the plan costs.
+
+Every op gets its strategy and origin, every value the layout its producer makes;
+on the way, which operands must be redistributed (and for which ops) and the
+compute time are read off, so that rounds can be compared and a second round can
+learn which values some other op reduces or gathers anyway.
+"""
+from __future__ import annotations
+
+from ir.graph import Op
+from ir.layout import Layout
+
+from .redistribute import redistribution_cost
+from .sharding import OpStrategy
+
+
+class PlanMixin:
+    def needs(self):
+        """{(value, layout an op needs it in): the ops that need it} for every operand
+        that must be redistributed (found while the plan was written)."""
+        return self._needs
+
+    def carried_elsewhere(self, reduced: dict) -> bool:
+        """Does some value that gets reduced reach another op in a different layout
+        (still partial, or reduced differently)? Only then can a second round save
+        a redistribution, by letting that op take the reduced value."""
+        for v in reduced:
+            wanted = {u.strategy.operand_layout(n, v.type.rank, self.mesh)
+                      for u in self.users.get(v, []) for n, x in enumerate(u.inputs) if x is v}
+            if len(wanted) > 1:
+                return True
+        return False
+
+    def reduced_values(self, needs) -> dict:
+        """Values some op reduces in place (a partial sum completed, dims kept) or
+        gathers (dims made whole, nothing else changed): {value: {layout: the ops
+        that need it}}."""
+        out: dict = {}
+        for (v, need), ops in needs.items():
+            have = v.layout
+            if have.partial and need == have.without_partial() or not have.partial and not need.partial and all(
+                    h[:len(w)] == w for h, w in zip(have.dims, need.dims)):
+                out.setdefault(v, {}).setdefault(need, set()).update(ops)
+        return out
+
+    def plan_cost(self, needs) -> float:
+        """Estimated time of the whole plan: every redistribution once, plus compute."""
+        total = self._compute
+        for v, need in needs:
+            total += redistribution_cost(v.type.shape, v.type.itemsize, v.layout, need, self.mesh,
+                                         self.cfg.allow_reduce_scatter, self.cfg.cost)
+        return total
+
+    def _placement(self, op: Op, factors: tuple, passthrough) -> tuple:
+        """What a strategy means for ops of this signature: (the strategy, shared by
+        all ops with an equal one; the layout each operand needs, None for a literal;
+        the compute time; each result's layout)."""
+        mesh, rule = self.mesh, self.rules[op]
+        strategies = self.cfg.strategies
+        key = (id(rule), factors, passthrough)
+        st = strategies.get(key)
+        if st is None:
+            st = strategies[key] = OpStrategy(rule, factors, passthrough)
+            problems = st.problems(mesh)
+            if problems:
+                raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
+        return (st,
+                tuple(None if v.literal is not None else st.operand_layout(n, v.type.rank, mesh)
+                      for n, v in enumerate(op.inputs)),
+                self._compute_time(op, rule, factors),
+                tuple(st.result_layout(n, mesh) for n in range(len(op.outputs))))
+
+    def write_plan(self) -> None:
+        """Every op's strategy and origin, every value's layout, into the graph;
+        on the way, what must be redistributed and the compute time."""
+        mesh = self.mesh
+        for i, v in enumerate(self.g.inputs):
+            # an input arrives as its first deciding consumer takes it (wishes are only wishes)
+            dims = self._dims(v) if i in self.g.pinned_inputs else self.taken.get(v, self._dims(v))
+            layout = Layout(tuple(a if a is not None else () for a in dims))
+            if not layout.fits(v.type.shape, mesh):
+                layout = Layout.replicated(v.type.rank)
+            v.layout = layout
+        placements = self.cfg.placements
+        signature, factors, passthrough, origin = self.signature, self.factors, self.passthrough, self.origin
+        needs, compute = {}, 0.0
+        for op in self.g.ops:
+            key = (signature[op], tuple(factors[op]), passthrough.get(op))
+            placed = placements.get(key)
+            if placed is None:
+                placed = placements[key] = self._placement(op, key[1], key[2])
+            st, operand_layouts, op_compute, result_layouts = placed
+            op.strategy = st
+            op.origin = self._origin_words(origin.get(op) or "default")
+            # in program order every operand's layout is written already: what must be
+            # redistributed, and the compute, are read off on the way
+            for v, need in zip(op.inputs, operand_layouts):
+                if need is not None and need is not v.layout and need != v.layout:
+                    needs.setdefault((v, need), []).append(op)
+            compute += op_compute
+            for v, layout in zip(op.outputs, result_layouts):
+                v.layout = layout
+        for v in self.g.outputs:
+            if v.layout is not None and v.layout.partial:
+                needs.setdefault((v, v.layout.without_partial()), []).append(None)   # the caller
+        self._needs, self._compute = needs, compute
