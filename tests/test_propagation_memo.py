@@ -18,11 +18,11 @@ import resnet  # noqa: E402
 CFG = M.Config(layers=3)
 
 
-def _gpt(par, mesh):
+def _gpt(par, mesh, donate=()):
     params = M.init_params(CFG)
     tokens, targets = M.make_batch(CFG)
     step, opt = M.make_train_step(par, CFG)
-    return parallelize(step, mesh=mesh), (params, opt.init(params), tokens, targets)
+    return parallelize(step, mesh=mesh, donate_argnums=donate), (params, opt.init(params), tokens, targets)
 
 
 def _resnet():
@@ -38,6 +38,9 @@ CASES = {
     "gpt_tensor": lambda: _gpt(M.Parallelism.tensor(8), 8),
     "gpt_dp_x_mp": lambda: _gpt(M.Parallelism.data_and_tensor(), ((2, 4), ("dp", "mp"))),
     "gpt_sequence": lambda: _gpt(M.Parallelism.sequence(8), 8),
+    # donated state comes back as it went in: ties carried back as hints
+    "gpt_dp_x_mp_donated": lambda: _gpt(M.Parallelism.data_and_tensor(), ((2, 4), ("dp", "mp")), (0, 1)),
+    "gpt_sequence_donated": lambda: _gpt(M.Parallelism.sequence(8), 8, (0, 1)),
     "resnet": _resnet,
 }
 
