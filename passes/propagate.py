@@ -137,25 +137,26 @@ class PropagateSharding:
         return factors if found else None
 
     def _plan(self, graph: Graph, seeds: dict) -> None:
-        # A second round knows which partial values the first round reduces anyway
-        # (for some consumer); their other consumers can then take the reduced value
-        # for free instead of carrying the partial further (which would need a second
-        # reduction later). The cheaper of the two plans is kept.
+        # A second round knows which values the first round reduces (a partial sum
+        # completed) or gathers anyway, for some consumer; the value's other consumers
+        # can then take that copy for free instead of carrying the partial further
+        # (a second reduction later) or gathering something else. The cheaper of the
+        # two plans is kept.
         wished = Propagation(graph, self, {}, seeds)
         wished.wish()                  # wishes do not depend on the round: travel once
-        best, reduced, rounds = None, {}, 2
+        best, made, rounds = None, {}, 2
         for r in range(rounds):
             # the last round may take the wished state itself; earlier ones work on a copy
-            prop = Propagation(graph, self, reduced, seeds, start=wished, copy=r < rounds - 1)
+            prop = Propagation(graph, self, made, seeds, start=wished, copy=r < rounds - 1)
             prop.settle()   # writes its plan into the graph
             needs = prop.needs()
             cost = prop.plan_cost(needs)
             if best is None or cost < best[0] - 1e-12:
                 best = (cost, prop)
-            now = prop.reduced_values(needs)
-            if now == reduced or not prop.carried_elsewhere(now):
+            now = prop.made_anyway(needs)
+            if now == made or not prop.carried_elsewhere(now):
                 break
-            reduced = now
+            made = now
         if best[1] is not prop:
             best[1].write_plan()   # an earlier round was cheaper: its plan goes back in
 

@@ -101,21 +101,21 @@ class ChoiceMixin:
     def _made_for_others(self, v: Value, op: Op) -> Optional[frozenset]:
         """The layouts of ``v`` that some op other than ``op`` makes anyway (what ``op``
         itself asked for in the last round is no gift to it)."""
-        made = self.reduced.get(v)
+        made = self.made.get(v)
         if not made:
             return None
         return frozenset(layout for layout, ops in made.items() if any(o is not op for o in ops)) or None
 
     def _situation(self, op: Op, cur: list) -> tuple:
         """Everything settling this op reads: its rule and what is decided of it, and
-        the known dims, consumers' hints, pending partial and layouts reduced anyway
+        the known dims, consumers' hints, pending partial and layouts other ops make anyway
         of every operand and result."""
-        dims, partial, hints, reduced, made = self.dims, self.partial, self.hints, self.reduced, self._made_for_others
+        dims, partial, hints, anyway, made = self.dims, self.partial, self.hints, self.made, self._made_for_others
         # the signature names the rule, the types and which operands are literals
         return (self.signature[op], tuple(cur), self.passthrough.get(op, "open"),
-                tuple([(dims.get(v), hints.get(v), partial.get(v), made(v, op) if v in reduced else None)
+                tuple([(dims.get(v), hints.get(v), partial.get(v), made(v, op) if v in anyway else None)
                        for v in op.inputs]),
-                tuple([(dims.get(v), hints.get(v), partial.get(v), made(v, op) if v in reduced else None)
+                tuple([(dims.get(v), hints.get(v), partial.get(v), made(v, op) if v in anyway else None)
                        for v in op.outputs]))
 
     def _best_candidate(self, op, rule, cur, sources, partial_operands):
@@ -213,7 +213,7 @@ class ChoiceMixin:
         return have, want
 
     def _redistribution(self, op: Op, v: Value, have: Layout, want: Layout) -> float:
-        if v in self.reduced and want in (self._made_for_others(v, op) or ()):
+        if v in self.made and want in (self._made_for_others(v, op) or ()):
             return 0.0
         if not set(want.partial) <= set(have.partial):
             return IMPOSSIBLE

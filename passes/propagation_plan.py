@@ -20,18 +20,18 @@ class PlanMixin:
         that must be redistributed (found while the plan was written)."""
         return self._needs
 
-    def carried_elsewhere(self, reduced: dict) -> bool:
-        """Does some value that gets reduced reach another op in a different layout
-        (still partial, or reduced differently)? Only then can a second round save
-        a redistribution, by letting that op take the reduced value."""
-        for v in reduced:
+    def carried_elsewhere(self, made: dict) -> bool:
+        """Does some value that gets reduced or gathered reach another op in a
+        different layout? Only then can a second round save a redistribution, by
+        letting that op take the copy made anyway."""
+        for v in made:
             wanted = {u.strategy.operand_layout(n, v.type.rank, self.mesh)
                       for u in self.users.get(v, []) for n, x in enumerate(u.inputs) if x is v}
             if len(wanted) > 1:
                 return True
         return False
 
-    def reduced_values(self, needs) -> dict:
+    def made_anyway(self, needs) -> dict:
         """Values some op reduces in place (a partial sum completed, dims kept) or
         gathers (dims made whole, nothing else changed): {value: {layout: the ops
         that need it}}."""

@@ -27,13 +27,13 @@ _OPEN = object()   # a passthrough not decided yet
 
 
 class Propagation(WishMixin, ChoiceMixin, PlanMixin):
-    def __init__(self, graph: Graph, cfg, reduced: Optional[dict] = None,
+    def __init__(self, graph: Graph, cfg, made: Optional[dict] = None,
                  seeds: Optional[dict] = None, start: Optional["Propagation"] = None, copy: bool = True):
         """``start``: carry on from that propagation's state (copied, unless ``copy``
         is False and ``start`` is not used again)."""
         self.g = graph
-        # value -> {layout a reshard of it makes anyway: the ops that need it}
-        self.reduced = {v: {layout: frozenset(ops) for layout, ops in ls.items()} for v, ls in (reduced or {}).items()}
+        # value -> {layout the last round reduced or gathered it to anyway: the ops that needed it}
+        self.made = {v: {layout: frozenset(ops) for layout, ops in ls.items()} for v, ls in (made or {}).items()}
         self.seeds = seeds or {}       # loop op -> factors its body's shard() calls imply
         self.mesh = graph.mesh
         self.cfg = cfg
