@@ -49,6 +49,7 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
                 if copy:   # lists are changed in place; everything else is replaced whole
                     d = {k: list(v) for k, v in d.items()} if name in self._LISTS else dict(d)
                 setattr(self, name, d)
+            self.soft = start.soft   # read only while wishing, and wishing is over
             return
         self.factors: dict[Op, list] = {op: [None] * r.num_factors for op, r in self.rules.items()}
         self.passthrough: dict[Op, Optional[tuple]] = {}
@@ -65,7 +66,7 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
         self.soft: dict[Value, frozenset] = {}
         self.origin: dict[Op, object] = {op: op.origin for op in graph.ops if op.origin}
 
-    _STATE = ("factors", "passthrough", "dims", "hints", "taken", "setter", "partial", "soft", "origin")
+    _STATE = ("factors", "passthrough", "dims", "hints", "taken", "setter", "partial", "origin")
     _LISTS = ("factors", "taken")
 
     # -- helpers ----------------------------------------------------------------
