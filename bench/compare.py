@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from bench import zoo  # noqa: E402
 from bench.hlo import collectives  # noqa: E402
-from compiler import ShardingError, parallelize  # noqa: E402
+import shardprop as sp  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -105,9 +105,9 @@ def run_case(case: zoo.Case, reps: int) -> dict:
     # both systems' timings run a training loop that feeds it back)
     zoo.annotate.mode = "shardprop"
     try:
-        pf = parallelize(case.fn, mesh=mesh, donate_argnums=case.state_argnums)
+        pf = sp.parallelize(case.fn, mesh=mesh, donate_argnums=case.state_argnums)
         plan = pf.plan(*args)
-    except ShardingError as e:
+    except sp.ShardingError as e:
         row["unsupported"] = str(e).splitlines()[0]
         return row
     row["ours_passes_s"] = plan.trace_seconds + sum(plan.pass_seconds.values())

@@ -1,5 +1,5 @@
 """A smoke run on whatever accelerators jax sees (one GPU is enough): the GPT
-training step and the data-parallel MLP through parallelize, checked against
+training step and the data-parallel MLP through sp.parallelize, checked against
 jax.jit on one device. Run it directly, or under the launcher:
 
     python bench/gpu_smoke.py
@@ -14,10 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import compiler  # noqa: E402,F401  (joins the launcher's run, if any)
+import shardprop  # noqa: E402,F401  (joins the launcher's run, if any)
 import data_parallel  # noqa: E402
 import gpt_megatron as G  # noqa: E402
-from compiler import parallelize  # noqa: E402
+import shardprop as sp  # noqa: E402
 
 
 def main():
@@ -28,12 +28,12 @@ def main():
     params = G.init_params(cfg)
     tokens, targets = G.make_batch(cfg)
     state = opt.init(params)
-    got = parallelize(step, mesh=n)(params, state, tokens, targets)
+    got = sp.parallelize(step, mesh=n)(params, state, tokens, targets)
     want = jax.jit(step)(params, state, tokens, targets)
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
     print(f"gpt train step: loss {float(got[2]):.6f} vs {float(want[2]):.6f}, max |diff| {diff:.2e}")
-    step_dp = parallelize(data_parallel.train_step, mesh=n, mode="data_parallel")
+    step_dp = sp.parallelize(data_parallel.train_step, mesh=n, mode="data_parallel")
     p, s = data_parallel.init(), data_parallel.optimizer.init(data_parallel.init())
     images, labels = data_parallel.synthetic_data()
     batch = (images[:64], labels[:64])

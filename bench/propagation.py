@@ -29,10 +29,10 @@ import jax  # noqa: E402
 import jax.extend  # noqa: E402
 
 import gpt_megatron as M  # noqa: E402
-from compiler.pipeline import Options, gc_paused, run_pipeline  # noqa: E402
-from compiler.state import state_ties  # noqa: E402
-from compiler.trace import import_jaxpr, input_names  # noqa: E402
-from runtime.mesh import resolve_mesh  # noqa: E402
+from shardprop.compiler.pipeline import Options, gc_paused, run_pipeline  # noqa: E402
+from shardprop.compiler.state import state_ties  # noqa: E402
+from shardprop.compiler.trace import import_jaxpr, input_names  # noqa: E402
+from shardprop.runtime.mesh import resolve_mesh  # noqa: E402
 
 
 def count_eqns(jaxpr) -> int:

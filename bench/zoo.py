@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from compiler import shard
+import shardprop as sp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -30,7 +30,7 @@ class Annotator:
         if self.mode == "plain":          # the single-device reference
             return fn
         if self.mode == "shardprop":
-            return shard(fn, specs)
+            return sp.shard(fn, specs)
         mesh = self.mesh
 
         def constrained(*args):

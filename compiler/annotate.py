@@ -22,7 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
 
-from ir.errors import sharding_error
+from ..ir.errors import sharding_error
 
 mark_p = Primitive("shardprop_mark")
 mark_p.def_impl(lambda x, **_: x)

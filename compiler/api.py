@@ -9,12 +9,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ir.errors import ShardingError, sharding_error
-from passes.cost import DEFAULT_COST, CostModel
-from runtime.lower import lower, partition_spec
-from runtime.mesh import resolve_mesh
-from runtime.distributed import initialize as initialize_distributed
-from runtime.placement import owned_ranks, place, writes_global_files
+from ..ir.errors import ShardingError, sharding_error
+from ..passes.cost import DEFAULT_COST, CostModel
+from ..runtime.lower import lower, partition_spec
+from ..runtime.mesh import resolve_mesh
+from ..runtime.distributed import initialize as initialize_distributed
+from ..runtime.placement import owned_ranks, place, writes_global_files
 
 from .annotate import caller_source, normalize_tensor_strategy
 from .pipeline import Options, gc_paused, run_pipeline

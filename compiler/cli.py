@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     if argv[0] != "launch":
         print(f"shardprop: unknown command {argv[0]!r}; the command is 'launch'", file=sys.stderr)
         return 2
-    from runtime.launch import main as launch
+    from ..runtime.launch import main as launch
     return launch(argv[1:])
 
 

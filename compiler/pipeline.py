@@ -8,16 +8,16 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from ir.graph import Graph
-from ir.printer import print_graph
-from ir.verifier import verify
-from passes.bind_strategies import BindUserStrategies
-from passes.cost import DEFAULT_COST, CostModel
-from passes.insert_reshards import InsertReshards
-from passes.localize import Localize
-from passes.propagate import PropagateSharding
-from passes.reshard_to_collectives import ReshardToCollectives
-from passes.sink_reductions import SinkReductions
+from ..ir.graph import Graph
+from ..ir.printer import print_graph
+from ..ir.verifier import verify
+from ..passes.bind_strategies import BindUserStrategies
+from ..passes.cost import DEFAULT_COST, CostModel
+from ..passes.insert_reshards import InsertReshards
+from ..passes.localize import Localize
+from ..passes.propagate import PropagateSharding
+from ..passes.reshard_to_collectives import ReshardToCollectives
+from ..passes.sink_reductions import SinkReductions
 
 
 @contextmanager

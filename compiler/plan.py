@@ -12,9 +12,9 @@ import functools
 from collections import Counter
 from dataclasses import dataclass
 
-from ir.graph import Graph, is_collective
-from ir.mesh import Mesh
-from runtime.dump import summary_text, write_dumps
+from ..ir.graph import Graph, is_collective
+from ..ir.mesh import Mesh
+from ..runtime.dump import summary_text, write_dumps
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import jax
 
-from ir.graph import Value
+from ..ir.graph import Value
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class RegionFactors:
 
 
 def factor_classes(fn, args, kwargs, array_positions) -> RegionFactors:
-    from passes.rules.dim_classes import DimClasses
+    from ..passes.rules.dim_classes import DimClasses
 
     from .trace import _Importer, tensor_type
 

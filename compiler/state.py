@@ -13,7 +13,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from ir.errors import sharding_error
+from ..ir.errors import sharding_error
 
 
 def _leaf_ranges(args) -> list[range]:

@@ -15,9 +15,9 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from ir.errors import sharding_error
-from ir.graph import CONSTRAINT, Graph, Op, TensorType, Value
-from ir.mesh import Mesh
+from ..ir.errors import sharding_error
+from ..ir.graph import CONSTRAINT, Graph, Op, TensorType, Value
+from ..ir.mesh import Mesh
 
 from .annotate import REGIONS, _is_library_frame
 

@@ -4,7 +4,7 @@ A single-device training script (an MLP classifier with Adam) becomes data
 parallel over 8 devices by wrapping its step:
 
     -    step = jax.jit(train_step)
-    +    step = parallelize(train_step, mesh=8, mode="data_parallel")
+    +    step = sp.parallelize(train_step, mesh=8, mode="data_parallel")
 
 The batch (the step's last argument) is split on its first dim over every
 device, parameters and optimizer state are replicated, and the gradient
@@ -18,15 +18,15 @@ all-gathered). The same script runs on one device with ``--single-device``.
 import sys
 
 if __name__ == "__main__" and "--gpu" not in sys.argv:
-    from runtime.distributed import use_cpu_devices
-    use_cpu_devices(8)   # any machine can run it (unless a launcher chose the devices)
+    import shardprop as sp
+    sp.use_cpu_devices(8)   # any machine can run it (unless a launcher chose the devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from compiler import parallelize  # noqa: E402
+import shardprop as sp  # noqa: E402
 
 optimizer = optax.adam(1e-2)
 
@@ -69,7 +69,7 @@ def main(single_device: bool = "--single-device" in sys.argv, epochs: int = 3, b
     if single_device:
         step = jax.jit(train_step)
     else:
-        step = parallelize(train_step, mesh=8, mode="data_parallel")   # the one line
+        step = sp.parallelize(train_step, mesh=8, mode="data_parallel")   # the one line
     images, labels = synthetic_data()
     losses = []
     for epoch in range(epochs):

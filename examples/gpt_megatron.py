@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__" and "--gpu" not in sys.argv:
-    from runtime.distributed import use_cpu_devices
-    use_cpu_devices(8)   # any machine can run it (unless a launcher chose the devices)
+    import shardprop as sp
+    sp.use_cpu_devices(8)   # any machine can run it (unless a launcher chose the devices)
 
 from dataclasses import dataclass  # noqa: E402
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from compiler import parallelize, shard  # noqa: E402
+import shardprop as sp  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -79,17 +79,17 @@ def layer_norm(x, g, b, eps=1e-5):
 
 
 def norm(x, g, b, par: Parallelism):
-    return shard(layer_norm, par.norms)(x, g, b) if par.norms else layer_norm(x, g, b)
+    return sp.shard(layer_norm, par.norms)(x, g, b) if par.norms else layer_norm(x, g, b)
 
 
 def row_parallel(x, w, par: Parallelism):
-    return shard(jnp.matmul, par.rows, par.rows_out)(x, w) if par.rows else x @ w
+    return sp.shard(jnp.matmul, par.rows, par.rows_out)(x, w) if par.rows else x @ w
 
 
 def attention(x, p, par: Parallelism, cfg: Config):
     b, s, e = x.shape
     h = norm(x, p["ln1_g"], p["ln1_b"], par)
-    project = shard(lambda a, w: jnp.einsum("bse,ehd->bshd", a, w), par.heads)   # QKV: heads split
+    project = sp.shard(lambda a, w: jnp.einsum("bse,ehd->bshd", a, w), par.heads)   # QKV: heads split
     q, k, v = project(h, p["wq"]), project(h, p["wk"]), project(h, p["wv"])
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(cfg.head_dim)
     causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
@@ -100,7 +100,7 @@ def attention(x, p, par: Parallelism, cfg: Config):
 
 def mlp(x, p, par: Parallelism):
     h = norm(x, p["ln2_g"], p["ln2_b"], par)
-    h = shard(jnp.matmul, par.columns)(h, p["w1"])                               # columns split
+    h = sp.shard(jnp.matmul, par.columns)(h, p["w1"])                               # columns split
     return x + row_parallel(jax.nn.gelu(h), p["w2"], par)                        # row-parallel: inferred
 
 
@@ -156,7 +156,7 @@ def main():
                               ((2, 4), ("dp", "mp")))]:
         step, opt = make_train_step(par, cfg)
         state = opt.init(params)
-        pstep = parallelize(step, mesh=mesh, donate_argnums=(0, 1))   # params and state come back as they went in
+        pstep = sp.parallelize(step, mesh=mesh, donate_argnums=(0, 1))   # params and state come back as they went in
         plan = pstep.plan(params, state, tokens, targets)
         print(f"== {title}: {len(plan.ops)} operators, collectives {plan.counts()}")
         p1, s1, l1 = pstep(params, state, tokens, targets)

@@ -12,12 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compiler import parallelize, shard
-from runtime.distributed import print0, to_numpy
+import shardprop as sp
 
 
 def net(x, w1, w2):
-    h = shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)
+    h = sp.shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)
     h = jax.nn.relu(h)
     return jnp.matmul(h, w2)
 
@@ -31,9 +30,9 @@ def main():
     x = rng.random((16, 32), dtype=np.float32)
     w1 = rng.standard_normal((32, 16)).astype(np.float32)
     w2 = rng.standard_normal((16, 16)).astype(np.float32)
-    y = parallelize(net, mesh=8, dump_dir=args.dump_dir)(x, w1, w2)
-    result = to_numpy(y)
-    print0(f"process {jax.process_index()} of {jax.process_count()}: {jax.device_count()} devices; "
+    y = sp.parallelize(net, mesh=8, dump_dir=args.dump_dir)(x, w1, w2)
+    result = sp.to_numpy(y)
+    sp.print0(f"process {jax.process_index()} of {jax.process_count()}: {jax.device_count()} devices; "
            f"result checksum {float(result.sum()):.6f}")
     if args.out and jax.process_index() == 0:
         np.save(args.out, result)

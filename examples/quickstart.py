@@ -18,17 +18,17 @@ import os
 import sys
 
 if __name__ == "__main__" and "--gpu" not in sys.argv:
-    from runtime.distributed import use_cpu_devices
-    use_cpu_devices(8)   # any machine can run it (unless a launcher chose the devices)
+    import shardprop as sp
+    sp.use_cpu_devices(8)   # any machine can run it (unless a launcher chose the devices)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from compiler import parallelize, shard  # noqa: E402
+import shardprop as sp  # noqa: E402
 
 
 def net(x, w1, w2):
-    h = shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)  # MindSpore: ops.MatMul().shard(((2, 4), (4, 1)))
+    h = sp.shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)  # MindSpore: ops.MatMul().shard(((2, 4), (4, 1)))
     h = jax.nn.relu(h)                              # inferred: ((2, 4),)
     return jnp.matmul(h, w2)                        # inferred: ((2, 4), (4, 1))
 
@@ -45,7 +45,7 @@ def main():
     w1 = rng.standard_normal((32, 16)).astype(np.float32)
     w2 = rng.standard_normal((16, 16)).astype(np.float32)
 
-    pnet = parallelize(net, mesh=8, dump_dir=args.dump_dir, fuse_reduce_scatter=args.fused)
+    pnet = sp.parallelize(net, mesh=8, dump_dir=args.dump_dir, fuse_reduce_scatter=args.fused)
     y = pnet(x, w1, w2)
     ref = jax.jit(net)(x, w1, w2)
     err = float(np.max(np.abs(np.asarray(y) - np.asarray(ref))))

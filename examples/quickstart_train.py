@@ -15,22 +15,21 @@ import argparse
 import sys
 
 if __name__ == "__main__" and "--gpu" not in sys.argv:
-    from runtime.distributed import use_cpu_devices
-    use_cpu_devices(8)   # any machine can run it (unless a launcher chose the devices)
+    import shardprop as sp
+    sp.use_cpu_devices(8)   # any machine can run it (unless a launcher chose the devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from compiler import shard  # noqa: E402
-from runtime.training import LossMonitor, Model  # noqa: E402
+import shardprop as sp  # noqa: E402
 
 IN_DIM, HIDDEN, OUT_DIM, BATCH, STEPS_PER_EPOCH, EPOCHS = 32, 16, 16, 16, 4, 5
 
 
 def net(params, x):
-    h = shard(jnp.matmul, ((2, 4), (4, 1)))(x, params["w"])   # ops.MatMul().shard(((2, 4), (4, 1)))
+    h = sp.shard(jnp.matmul, ((2, 4), (4, 1)))(x, params["w"])   # ops.MatMul().shard(((2, 4), (4, 1)))
     h = jax.nn.relu(h)
     return jnp.matmul(h, params["w2"])
 
@@ -54,8 +53,8 @@ def init_params(seed=0):
 
 
 def train(single_device: bool = False, file=None) -> list:
-    model = Model(net, mse, optax.sgd(0.2, momentum=0.1), init_params(), mesh=None if single_device else 8)
-    return model.train(EPOCHS, dataset(), callbacks=[LossMonitor(file=file)])
+    model = sp.Model(net, mse, optax.sgd(0.2, momentum=0.1), init_params(), mesh=None if single_device else 8)
+    return model.train(EPOCHS, dataset(), callbacks=[sp.LossMonitor(file=file)])
 
 
 def main():

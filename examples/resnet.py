@@ -14,15 +14,15 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__" and "--gpu" not in sys.argv:
-    from runtime.distributed import use_cpu_devices
-    use_cpu_devices(8)   # any machine can run it (unless a launcher chose the devices)
+    import shardprop as sp
+    sp.use_cpu_devices(8)   # any machine can run it (unless a launcher chose the devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from compiler import parallelize, shard  # noqa: E402
+import shardprop as sp  # noqa: E402
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 DEVICES = 8
@@ -46,13 +46,13 @@ def block(x, p):
 
 
 def resnet(params, images):
-    stem = shard(conv, ((DEVICES, 1, 1, 1), (1, 1, 1, 1)))          # data parallel: batch split
+    stem = sp.shard(conv, ((DEVICES, 1, 1, 1), (1, 1, 1, 1)))          # data parallel: batch split
     x = jax.nn.relu(batch_norm(stem(images, params["stem"]), params["g0"], params["b0"]))
     for p in params["blocks"]:
         x = block(x, p)
     x = jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4.0
     x = x.mean(axis=(1, 2))                                          # global average pool
-    classifier = shard(jnp.matmul, ((1, 1), (1, DEVICES)))           # model parallel: classes split
+    classifier = sp.shard(jnp.matmul, ((1, 1), (1, DEVICES)))           # model parallel: classes split
     return classifier(x, params["fc"]) + params["fc_b"]
 
 
@@ -89,7 +89,7 @@ def main(steps: int = 3):
     labels = rng.integers(0, 16, (16,)).astype(np.int32)
     params = init_params()
     step, opt = make_train_step()
-    pstep = parallelize(step, mesh=DEVICES, donate_argnums=(0, 1))
+    pstep = sp.parallelize(step, mesh=DEVICES, donate_argnums=(0, 1))
     plan = pstep.plan(params, opt.init(params), images, labels)
     print(f"{len(plan.ops)} operators; collectives: {plan.counts()}")
     fc = [o for o in plan.ops if o.primitive == "dot_general" and o.origin == "user"][0]

@@ -19,10 +19,10 @@ import itertools
 import math
 from typing import Optional
 
-from ir.errors import sharding_error
-from ir.graph import CONSTRAINT, Graph, Op
-from ir.layout import Layout
-from ir.mesh import Mesh, prime_factors
+from ..ir.errors import sharding_error
+from ..ir.graph import CONSTRAINT, Graph, Op
+from ..ir.layout import Layout
+from ..ir.mesh import Mesh, prime_factors
 
 from .rules import rule_for
 from .sharding import OpStrategy, factors_from_operands

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ir.graph import CONSTRAINT, RESHARD, Graph, Op, Value
-from ir.layout import Layout
+from ..ir.graph import CONSTRAINT, RESHARD, Graph, Op, Value
+from ..ir.layout import Layout
 
 from .cost import DEFAULT_COST, CostModel
 from .redistribute import redistribution_cost

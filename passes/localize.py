@@ -9,7 +9,7 @@ depend on the rank, and those the printer and the lowering compute per rank.
 """
 from __future__ import annotations
 
-from ir.graph import Graph, TensorType, is_collective
+from ..ir.graph import Graph, TensorType, is_collective
 
 from .rules import LOCALIZERS
 

@@ -3,8 +3,8 @@ operands/results each body input/output is, and the layouts the op's strategy
 gives them (``propagate-sharding`` pins a body's boundary with these)."""
 from __future__ import annotations
 
-from ir.graph import Op
-from ir.layout import Layout
+from ..ir.graph import Op
+from ..ir.layout import Layout
 
 
 def boundary_pairs(op: Op):

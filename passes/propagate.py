@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ir.graph import CONSTRAINT, Graph, Op
+from ..ir.graph import CONSTRAINT, Graph, Op
 
 from .cost import DEFAULT_COST, CostModel
 from .loop_boundaries import boundary_layouts, boundary_pairs

@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ir.graph import CONSTRAINT, Op, Value
-from ir.layout import Layout
+from ..ir.graph import CONSTRAINT, Op, Value
+from ..ir.layout import Layout
 
 from .cost import wire_bytes
 from .redistribute import redistribution_cost

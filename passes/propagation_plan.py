@@ -7,8 +7,8 @@ learn which values some other op reduces or gathers anyway.
 """
 from __future__ import annotations
 
-from ir.graph import Op
-from ir.layout import Layout
+from ..ir.graph import Op
+from ..ir.layout import Layout
 
 from .redistribute import redistribution_cost
 from .sharding import OpStrategy

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from ir.graph import CONSTRAINT, Graph, Op, Value
-from ir.layout import Layout
+from ..ir.graph import CONSTRAINT, Graph, Op, Value
+from ..ir.layout import Layout
 
 from .propagation_choice import ChoiceMixin, Source
 from .propagation_plan import PlanMixin

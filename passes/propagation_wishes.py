@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ir.graph import Op, Value
+from ..ir.graph import Op, Value
 
 from .propagation_choice import Source
 from .rules.base import FactorRule

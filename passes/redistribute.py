@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from ir.layout import Layout
-from ir.mesh import Mesh
+from ..ir.layout import Layout
+from ..ir.mesh import Mesh
 
 from .cost import DEFAULT_COST, CostModel, wire_bytes
 

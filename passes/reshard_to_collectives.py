@@ -10,7 +10,7 @@ are those the planner's step goes between.
 """
 from __future__ import annotations
 
-from ir.graph import RESHARD, Graph, Op, Value
+from ..ir.graph import RESHARD, Graph, Op, Value
 
 from .cost import DEFAULT_COST, CostModel
 from .redistribute import permute_pairs, plan_redistribution

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional, Sequence
 
-from ir.layout import Layout
-from ir.mesh import Mesh
+from ..ir.layout import Layout
+from ..ir.mesh import Mesh
 
 from .rules.base import DimFactors, FactorRule
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ir.graph import CONSTRAINT, Graph
+from ..ir.graph import CONSTRAINT, Graph
 
 from .sharding import OpStrategy
 

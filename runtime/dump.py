@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-from ir.graph import COLLECTIVE_KINDS, Graph, is_collective
-from ir.printer import print_graph
+from ..ir.graph import COLLECTIVE_KINDS, Graph, is_collective
+from ..ir.printer import print_graph
 
 
 def summary_text(graph: Graph) -> str:

@@ -16,8 +16,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ir.graph import Graph, Op, Value, is_collective
-from ir.layout import Layout
+from ..ir.graph import Graph, Op, Value, is_collective
+from ..ir.layout import Layout
 
 
 def partition_spec(layout: Layout) -> PartitionSpec:

@@ -12,8 +12,8 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import Mesh as JaxMesh
 
-from ir.errors import ShardingError
-from ir.mesh import Mesh, prime_factors
+from ..ir.errors import ShardingError
+from ..ir.mesh import Mesh, prime_factors
 
 
 @dataclass(frozen=True)

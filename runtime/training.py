@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import optax
 
-from compiler import parallelize
+from ..compiler import parallelize
 
 
 def scalar(x) -> float:

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compiler import shard
+import shardprop as sp
 
 
 def seed_net(x, w1, w2):
-    h = shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)
+    h = sp.shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)
     h = jax.nn.relu(h)
     return jnp.matmul(h, w2)
 
@@ -28,13 +28,13 @@ def transformer_layer(x, p):
         return (t - m) * jax.lax.rsqrt(v + 1e-5) * g + b
     b, s, e = x.shape
     h = norm(x, p["ln1_g"], p["ln1_b"])
-    heads = shard(lambda a, w: jnp.einsum("bse,ehd->bshd", a, w), ((1, 1, 1), (1, 8, 1)))
+    heads = sp.shard(lambda a, w: jnp.einsum("bse,ehd->bshd", a, w), ((1, 1, 1), (1, 8, 1)))
     q, k, v = heads(h, p["wq"]), heads(h, p["wk"]), heads(h, p["wv"])
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.5
     causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
     attn = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
     x = x + jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, s, e) @ p["wo"]
-    h = shard(jnp.matmul, ((1, 1, 1), (1, 8)))(norm(x, p["ln2_g"], p["ln2_b"]), p["w1"])
+    h = sp.shard(jnp.matmul, ((1, 1, 1), (1, 8)))(norm(x, p["ln2_g"], p["ln2_b"]), p["w1"])
     return x + jax.nn.gelu(h) @ p["w2"]
 
 

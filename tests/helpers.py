@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compiler import parallelize
+import shardprop as sp
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -39,13 +39,13 @@ def scalarize(fn, args, seed=0):
 def check_parallel(fn, args, *, mesh=8, grads=True, argnums=None, **kwargs):
     """Run fn through parallelize (forward, and gradients w.r.t. float args) and
     compare with jax.jit(fn) on one device. Returns the forward ParallelFunction."""
-    pf = parallelize(fn, mesh=mesh, verify=True, **kwargs)
+    pf = sp.parallelize(fn, mesh=mesh, verify=True, **kwargs)
     assert_trees_close(pf(*args), jax.jit(fn)(*args))
     if grads:
         if argnums is None:
             argnums = tuple(i for i, a in enumerate(args) if jnp.issubdtype(np.asarray(a).dtype, jnp.floating))
         g = jax.grad(scalarize(fn, args), argnums=argnums)
-        pg = parallelize(g, mesh=mesh, verify=True, **kwargs)
+        pg = sp.parallelize(g, mesh=mesh, verify=True, **kwargs)
         assert_trees_close(pg(*args), jax.jit(g)(*args))
     return pf
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir.layout import Layout
-from ir.mesh import Mesh
+from shardprop.ir.layout import Layout
+from shardprop.ir.mesh import Mesh
 
 
 def block(x: np.ndarray, layout: Layout, rank: int, mesh: Mesh) -> np.ndarray:

@@ -12,11 +12,11 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from runtime.training import Callback, ModelCheckpoint  # noqa: E402
+import shardprop as sp  # noqa: E402
 from tests.training_setup import make_model, batches  # noqa: E402
 
 
-class DieAfter(Callback):
+class DieAfter(sp.Callback):
     def __init__(self, step):
         self.step = step
 
@@ -28,4 +28,4 @@ class DieAfter(Callback):
 if __name__ == "__main__":
     ckpt, kill_after, mesh = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     model = make_model(mesh)
-    model.train(3, batches(), callbacks=[ModelCheckpoint(ckpt, save_steps=1, max_to_keep=None), DieAfter(kill_after)])
+    model.train(3, batches(), callbacks=[sp.ModelCheckpoint(ckpt, save_steps=1, max_to_keep=None), DieAfter(kill_after)])

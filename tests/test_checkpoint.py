@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.checkpoint import Checkpointer
+import shardprop as sp
 from tests import training_setup as T
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ def uninterrupted(mesh=8):
 def resume_and_finish(ckpt_dir, mesh):
     model = T.make_model(mesh)
     x, y = T.batches()[0]
-    model.restore(Checkpointer(str(ckpt_dir)), x, y)
+    model.restore(sp.Checkpointer(str(ckpt_dir)), x, y)
     return model.position, model.train(EPOCHS, T.batches())
 
 
@@ -31,7 +31,7 @@ def test_kill_mid_run_then_resume_gives_the_same_losses(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tests.resume_worker", str(ckpt), "6", "8"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]          # it really was killed (SIGKILL)
-    assert Checkpointer(str(ckpt)).latest_step() == 6
+    assert sp.Checkpointer(str(ckpt)).latest_step() == 6
     position, rest = resume_and_finish(ckpt, 8)
     assert position == (2, 2)                                    # epoch 2, step 2 of 4
     full = uninterrupted()
@@ -41,8 +41,8 @@ def test_kill_mid_run_then_resume_gives_the_same_losses(tmp_path):
 def test_resume_on_a_different_mesh(tmp_path):
     ckpt = tmp_path / "ckpt"
     model = T.make_model(8)
-    from runtime.training import ModelCheckpoint
-    model.train(1, T.batches(), callbacks=[ModelCheckpoint(str(ckpt), save_steps=4)])
+    import shardprop as sp
+    model.train(1, T.batches(), callbacks=[sp.ModelCheckpoint(str(ckpt), save_steps=4)])
     position, rest = resume_and_finish(ckpt, 4)                   # 8 devices -> 4 devices
     assert position == (1, 4)
     np.testing.assert_allclose(rest, uninterrupted()[4:], rtol=1e-5, atol=1e-6)
@@ -51,13 +51,13 @@ def test_resume_on_a_different_mesh(tmp_path):
 def test_cut_off_write_is_never_taken(tmp_path):
     ckpt = tmp_path / "ckpt"
     model = T.make_model(8)
-    c = Checkpointer(str(ckpt))
+    c = sp.Checkpointer(str(ckpt))
     c.save(1, model.state(1, 1))
     # a save cut off midway leaves orbax's temporary folder behind
     (ckpt / "2.orbax-checkpoint-tmp-123").mkdir()
     (ckpt / "2.orbax-checkpoint-tmp-123" / "partial").write_text("half")
-    assert Checkpointer(str(ckpt)).latest_step() == 1
+    assert sp.Checkpointer(str(ckpt)).latest_step() == 1
     x, y = T.batches()[0]
     fresh = T.make_model(8)
-    fresh.restore(Checkpointer(str(ckpt)), x, y)
+    fresh.restore(sp.Checkpointer(str(ckpt)), x, y)
     assert fresh.position == (1, 1)

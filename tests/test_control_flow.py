@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compiler import parallelize, shard
+import shardprop as sp
 from tests.helpers import check_parallel
 
 rng = np.random.default_rng(0)
@@ -17,7 +17,7 @@ W2S = (rng.standard_normal((3, 64, 32)) * 0.1).astype(np.float32)
 def stacked_mlp(x, w1s, w2s):
     def layer(h, ws):
         w1, w2 = ws
-        a = shard(jnp.matmul, ((1, 1), (1, 8)))(h, w1)   # column split, inside the scanned layer
+        a = sp.shard(jnp.matmul, ((1, 1), (1, 8)))(h, w1)   # column split, inside the scanned layer
         return h + jax.nn.gelu(a) @ w2, jnp.sum(a)
     return jax.lax.scan(layer, x, (w1s, w2s))
 
@@ -38,7 +38,7 @@ def test_scan_of_megatron_layers():
 
 def test_while_loop():
     def f(x, w):
-        h = shard(jnp.matmul, ((8, 1), (1, 1)))(x, w)
+        h = sp.shard(jnp.matmul, ((8, 1), (1, 1)))(x, w)
         return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, h))[1]
     pf = check_parallel(f, (X, W), grads=False)
     assert pf.plan(X, W).ops[-1].in_strategy[-1] == (8, 1)   # the carry stays split by rows
@@ -46,7 +46,7 @@ def test_while_loop():
 
 def test_cond_both_branches():
     def f(x, w, p):
-        h = shard(jnp.matmul, ((2, 4), (4, 1)))(x, w)
+        h = sp.shard(jnp.matmul, ((2, 4), (4, 1)))(x, w)
         return jax.lax.cond(p > 0, lambda a: jnp.sin(a) @ w, lambda a: a * 2.0, h)
     for p in (np.float32(1.0), np.float32(-1.0)):
         check_parallel(f, (X, W, p), argnums=(0, 1))
@@ -54,12 +54,12 @@ def test_cond_both_branches():
 
 def test_fori_loop_with_contraction_split_inside():
     def f(x, w):
-        return jax.lax.fori_loop(0, 4, lambda i, h: jnp.tanh(shard(jnp.matmul, ((1, 8), (8, 1)))(h, w)), x)
+        return jax.lax.fori_loop(0, 4, lambda i, h: jnp.tanh(sp.shard(jnp.matmul, ((1, 8), (8, 1)))(h, w)), x)
     check_parallel(f, (X, W))
 
 
 def test_loop_body_in_dumps(tmp_path):
-    parallelize(stacked_mlp, mesh=8, dump_dir=str(tmp_path))(X, W1S, W2S)
+    sp.parallelize(stacked_mlp, mesh=8, dump_dir=str(tmp_path))(X, W1S, W2S)
     text = (tmp_path / "rank_3" / "execute.ir").read_text()
     assert "scan(" in text and "body 0 {" in text and "yield" in text
     assert "all_reduce(" in text.split("body 0 {")[1]

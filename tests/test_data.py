@@ -4,12 +4,11 @@ import jax
 import numpy as np
 import pytest
 
-from compiler import parallelize
-from runtime.data import DataLoader, DistributedSampler
+import shardprop as sp
 
 
 def test_shares_cover_each_global_batch_exactly():
-    samplers = [DistributedSampler(64, 16, num_replicas=4, rank=r, seed=7) for r in range(4)]
+    samplers = [sp.DistributedSampler(64, 16, num_replicas=4, rank=r, seed=7) for r in range(4)]
     for s in samplers:
         s.set_epoch(2)
     shares = [list(s) for s in samplers]
@@ -20,14 +19,14 @@ def test_shares_cover_each_global_batch_exactly():
 
 
 def test_same_global_batches_whatever_the_process_count():
-    one = DistributedSampler(64, 16, num_replicas=1, rank=0, seed=7)
-    two = [DistributedSampler(64, 16, num_replicas=2, rank=r, seed=7) for r in range(2)]
+    one = sp.DistributedSampler(64, 16, num_replicas=1, rank=0, seed=7)
+    two = [sp.DistributedSampler(64, 16, num_replicas=2, rank=r, seed=7) for r in range(2)]
     for b, batch in enumerate(one):
         assert np.array_equal(np.concatenate([list(s)[b] for s in two]), batch)
 
 
 def test_reshuffled_per_epoch_and_reproducible():
-    s = DistributedSampler(64, 16, num_replicas=1, rank=0, seed=7)
+    s = sp.DistributedSampler(64, 16, num_replicas=1, rank=0, seed=7)
     s.set_epoch(0)
     e0 = list(s)
     s.set_epoch(1)
@@ -39,15 +38,15 @@ def test_reshuffled_per_epoch_and_reproducible():
 
 def test_uneven_global_batch_is_an_error():
     with pytest.raises(ValueError, match="does not divide over 3 processes"):
-        DistributedSampler(60, 16, num_replicas=3, rank=0)
+        sp.DistributedSampler(60, 16, num_replicas=3, rank=0)
 
 
 def test_loader_assembles_global_arrays_in_the_steps_layout():
     x = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
     y = np.arange(64, dtype=np.int32)
-    step = parallelize(lambda a, b: (a * 2.0).sum() + b.sum(), mesh=8, mode="data_parallel", batch_argnums=(0, 1))
+    step = sp.parallelize(lambda a, b: (a * 2.0).sum() + b.sum(), mesh=8, mode="data_parallel", batch_argnums=(0, 1))
     shardings = step.input_shardings(x[:16], y[:16])
-    loader = DataLoader([x, y], DistributedSampler(64, 16, num_replicas=1, rank=0, seed=3), shardings)
+    loader = sp.DataLoader([x, y], sp.DistributedSampler(64, 16, num_replicas=1, rank=0, seed=3), shardings)
     batches = list(loader)
     assert len(batches) == 4
     order = list(loader.sampler.global_batches())

@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from compiler import ShardingError, parallelize, shard
+import shardprop as sp
 
 X, W1, W2 = np.ones((16, 32), np.float32), np.ones((32, 16), np.float32), np.ones((16, 16), np.float32)
 
 
 def plan_with(in_strategy, out_strategy=None, mesh=8):
     def net(x, w1, w2):
-        h = shard(jnp.matmul, in_strategy, out_strategy)(x, w1)  # the line errors must name
+        h = sp.shard(jnp.matmul, in_strategy, out_strategy)(x, w1)  # the line errors must name
         return jnp.matmul(jax.nn.relu(h), w2)
     line = net.__code__.co_firstlineno + 1
-    with pytest.raises(ShardingError) as info:
-        parallelize(net, mesh=mesh).plan(X, W1, W2)
+    with pytest.raises(sp.ShardingError) as info:
+        sp.parallelize(net, mesh=mesh).plan(X, W1, W2)
     msg = str(info.value)
     assert f"test_errors.py:{line}" in msg, msg
     assert "shard(matmul)" in msg, msg
@@ -48,9 +48,9 @@ def test_product_exceeds_devices():
 
 def test_split_product_not_dividing_device_count():
     def net(x, w1):
-        return shard(jnp.matmul, ((4, 1), (1, 1)))(x, w1)
-    with pytest.raises(ShardingError, match=r"multiply to 4, which does not divide the 6 devices"):
-        parallelize(net, mesh=6).plan(X, W1)
+        return sp.shard(jnp.matmul, ((4, 1), (1, 1)))(x, w1)
+    with pytest.raises(sp.ShardingError, match=r"multiply to 4, which does not divide the 6 devices"):
+        sp.parallelize(net, mesh=6).plan(X, W1)
 
 
 def test_wrong_number_of_inputs():
@@ -97,8 +97,8 @@ def test_primitive_without_rule_names_it_and_its_line():
     def f(x):
         return jax.lax.linalg.cholesky(x @ x.T + 32.0) * 2.0
     line = f.__code__.co_firstlineno + 1
-    with pytest.raises(ShardingError) as info:
-        parallelize(f, mesh=8).plan(X)
+    with pytest.raises(sp.ShardingError) as info:
+        sp.parallelize(f, mesh=8).plan(X)
     msg = str(info.value)
     assert "primitive 'cholesky' has no sharding rule" in msg
     assert f"test_errors.py:{line}" in msg and "(16, 16)" in msg
@@ -106,15 +106,15 @@ def test_primitive_without_rule_names_it_and_its_line():
 
 
 def test_mesh_larger_than_devices():
-    with pytest.raises(ShardingError, match=r"needs 64 devices but jax sees 8"):
-        parallelize(lambda x: x, mesh=64)
+    with pytest.raises(sp.ShardingError, match=r"needs 64 devices but jax sees 8"):
+        sp.parallelize(lambda x: x, mesh=64)
 
 
 def test_parallelize_in_strategy_bad_split():
-    with pytest.raises(ShardingError, match=re.escape("splits dim 1 (size 32) into 3 parts")):
-        parallelize(lambda x: x * 2, mesh=8, in_strategy=((1, 3),)).plan(X)
+    with pytest.raises(sp.ShardingError, match=re.escape("splits dim 1 (size 32) into 3 parts")):
+        sp.parallelize(lambda x: x * 2, mesh=8, in_strategy=((1, 3),)).plan(X)
 
 
 def test_unknown_mode():
-    with pytest.raises(ShardingError, match="mode='auto_magic'"):
-        parallelize(lambda x: x, mesh=8, mode="auto_magic")
+    with pytest.raises(sp.ShardingError, match="mode='auto_magic'"):
+        sp.parallelize(lambda x: x, mesh=8, mode="auto_magic")

@@ -5,7 +5,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from compiler import parallelize
+import shardprop as sp
 from tests.helpers import assert_trees_close
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -19,7 +19,7 @@ def test_resnet_data_parallel_with_model_parallel_classifier():
     labels = rng.integers(0, 16, (16,)).astype(np.int32)
     params = resnet.init_params()
     step, opt = resnet.make_train_step()
-    pstep = parallelize(step, mesh=8, donate_argnums=(0, 1))
+    pstep = sp.parallelize(step, mesh=8, donate_argnums=(0, 1))
     plan = pstep.plan(params, opt.init(params), images, labels)
     user = [o for o in plan.ops if o.origin == "user"]
     assert user[0].primitive == "conv_general_dilated" and user[0].in_strategy[0] == (8, 1, 1, 1)
@@ -48,6 +48,6 @@ def test_quickstart_network_matches(tmp_path):
     x = np.random.default_rng(1).random((16, 32), dtype=np.float32)
     w1 = np.ones((32, 16), np.float32) * 0.1
     w2 = np.ones((16, 16), np.float32) * 0.1
-    pf = parallelize(quickstart.net, mesh=8, dump_dir=str(tmp_path))
+    pf = sp.parallelize(quickstart.net, mesh=8, dump_dir=str(tmp_path))
     assert_trees_close(pf(x, w1, w2), jax.jit(quickstart.net)(x, w1, w2))
     assert (tmp_path / "rank_7" / "execute.ir").exists()

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from compiler import parallelize
+import shardprop as sp
 from tests import golden_nets
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -19,7 +19,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_dumps_match_golden(case, tmp_path, request):
     fn, args, options = CASES[case]
-    parallelize(fn, mesh=8, dump_dir=str(tmp_path), **options).plan(*args())
+    sp.parallelize(fn, mesh=8, dump_dir=str(tmp_path), **options).plan(*args())
     produced = {p.relative_to(tmp_path).as_posix(): p.read_text() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
     target = GOLDEN / case
     if request.config.getoption("--regen-golden"):

@@ -21,7 +21,7 @@ QUICKSTART = ROOT / "examples" / "multiprocess_quickstart.py"
 def launch(args, cwd, timeout=120, **kw):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)   # the launcher decides the workers' device count
-    return subprocess.run([sys.executable, "-m", "runtime.launch"] + [str(a) for a in args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "shardprop.runtime.launch"] + [str(a) for a in args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout, **kw)
 
 
@@ -41,12 +41,12 @@ def test_two_processes_equal_one_process(tmp_path):
     # the same network in this (single) process
     sys.path.insert(0, str(ROOT / "examples"))
     import multiprocess_quickstart as mq
-    from compiler import parallelize
+    import shardprop as sp
     rng = np.random.default_rng(1)
     x = rng.random((16, 32), dtype=np.float32)
     w1 = rng.standard_normal((32, 16)).astype(np.float32)
     w2 = rng.standard_normal((16, 16)).astype(np.float32)
-    single = parallelize(mq.net, mesh=8, dump_dir=str(tmp_path / "single"))(x, w1, w2)
+    single = sp.parallelize(mq.net, mesh=8, dump_dir=str(tmp_path / "single"))(x, w1, w2)
     np.testing.assert_allclose(np.load(tmp_path / "y.npy"), np.asarray(single), rtol=1e-6, atol=1e-6)
     multi = {p.relative_to(tmp_path / "multi"): p.read_text() for p in (tmp_path / "multi").rglob("*") if p.is_file()}
     one = {p.relative_to(tmp_path / "single"): p.read_text() for p in (tmp_path / "single").rglob("*") if p.is_file()}
@@ -76,7 +76,7 @@ def test_rank_failing_at_startup(tmp_path):
 def test_sigterm_to_launcher_stops_all_ranks(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
-    p = subprocess.Popen([sys.executable, "-m", "runtime.launch", "--nproc", "2", "--devices-per-proc", "2",
+    p = subprocess.Popen([sys.executable, "-m", "shardprop.runtime.launch", "--nproc", "2", "--devices-per-proc", "2",
                           str(WORKER), str(tmp_path), "sleep"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -131,7 +131,7 @@ def test_unreachable_coordinator_fails_in_bounded_time(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), SHARDPROP_INIT_TIMEOUT="5")
     env.pop("XLA_FLAGS", None)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "runtime.launch", "--ips", "127.0.0.1,127.0.0.2", "--node-rank", "1",
+    proc = subprocess.run([sys.executable, "-m", "shardprop.runtime.launch", "--ips", "127.0.0.1,127.0.0.2", "--node-rank", "1",
                            "--port", "1", str(WORKER), str(tmp_path), "ok"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "rank 1 failed" in proc.stderr
@@ -140,7 +140,7 @@ def test_unreachable_coordinator_fails_in_bounded_time(tmp_path):
 
 
 def test_cli_entry_point(tmp_path):
-    from compiler.cli import main
+    from shardprop.compiler.cli import main
     assert main(["frobnicate"]) == 2
     assert jax.process_count() == 1
 
@@ -172,7 +172,7 @@ def test_two_hosts_with_ips(tmp_path):
         host_dir = tmp_path / f"host{node}"
         host_dir.mkdir()
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "runtime.launch", "--ips", "127.0.0.1,127.0.0.1", "--node-rank", str(node),
+            [sys.executable, "-m", "shardprop.runtime.launch", "--ips", "127.0.0.1,127.0.0.1", "--node-rank", str(node),
              "--port", str(port), "--nproc", "1", "--devices-per-proc", "4", str(QUICKSTART),
              "--out", str(tmp_path / "y.npy"), "--dump-dir", str(tmp_path / "dumps")],
             cwd=host_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

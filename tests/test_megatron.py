@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jax
 
-from compiler import parallelize
+import shardprop as sp
 from tests.helpers import assert_trees_close
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -21,7 +21,7 @@ ACTIVATION = (CFG.batch, CFG.seq, CFG.embed)
 
 def test_forward_one_all_reduce_per_block():
     par = M.Parallelism.tensor(8)
-    plan = parallelize(lambda p, t: M.forward(p, t, par, CFG), mesh=8).plan(PARAMS, TOKENS)
+    plan = sp.parallelize(lambda p, t: M.forward(p, t, par, CFG), mesh=8).plan(PARAMS, TOKENS)
     kinds = [(c.kind, c.in_shape) for c in plan.collectives]
     assert kinds == [("all_reduce", ACTIVATION)] * (2 * CFG.layers)
 
@@ -29,7 +29,7 @@ def test_forward_one_all_reduce_per_block():
 def test_training_step_is_megatron():
     step, opt = M.make_train_step(M.Parallelism.tensor(8), CFG)
     state = opt.init(PARAMS)
-    pstep = parallelize(step, mesh=8)
+    pstep = sp.parallelize(step, mesh=8)
     plan = pstep.plan(PARAMS, state, TOKENS, TARGETS)
     # 2 forward + 2 backward all_reduces per layer, of the activation, and nothing else
     assert [(c.kind, c.in_shape) for c in plan.collectives] == [("all_reduce", ACTIVATION)] * (4 * CFG.layers)
@@ -48,7 +48,7 @@ def test_training_step_is_megatron():
 def test_data_and_tensor_parallel_2x4():
     step, opt = M.make_train_step(M.Parallelism.data_and_tensor(), CFG)
     state = opt.init(PARAMS)
-    pstep = parallelize(step, mesh=((2, 4), ("dp", "mp")), donate_argnums=(0, 1))
+    pstep = sp.parallelize(step, mesh=((2, 4), ("dp", "mp")), donate_argnums=(0, 1))
     plan = pstep.plan(PARAMS, state, TOKENS, TARGETS)
     mp_groups, dp_groups = ((0, 1, 2, 3), (4, 5, 6, 7)), ((0, 4), (1, 5), (2, 6), (3, 7))
     tp = [c for c in plan.collectives if c.groups == mp_groups]
@@ -74,7 +74,7 @@ def test_sequence_parallel_forward_gathers_and_scatters():
     """Marking the layer norms (sequence split) and the row-parallel matmuls' outputs turns
     each block's all_reduce into an all_gather before it and a reduce_scatter after it."""
     par = M.Parallelism.sequence(8)
-    pf = parallelize(lambda p, t: M.forward(p, t, par, CFG), mesh=8)
+    pf = sp.parallelize(lambda p, t: M.forward(p, t, par, CFG), mesh=8)
     plan = pf.plan(PARAMS, TOKENS)
     local_seq = (CFG.batch, CFG.seq // 8, CFG.embed)
     assert [(c.kind, c.in_shape) for c in plan.collectives] == [
@@ -87,7 +87,7 @@ def test_sequence_parallel_backward_is_the_conjugate():
     and the input gradient both read the gathered copy) and reduce-scatters the
     input gradient: no weight is gathered, nothing changes layout by all_to_all."""
     step, opt = M.make_train_step(M.Parallelism.sequence(8), CFG)
-    plan = parallelize(step, mesh=8).plan(PARAMS, opt.init(PARAMS), TOKENS, TARGETS)
+    plan = sp.parallelize(step, mesh=8).plan(PARAMS, opt.init(PARAMS), TOKENS, TARGETS)
     local_seq = (CFG.batch, CFG.seq // 8, CFG.embed)
     activations = [(c.kind, c.in_shape) for c in plan.collectives if c.in_shape in (local_seq, ACTIVATION)]
     assert activations == [("all_gather", local_seq), ("reduce_scatter", ACTIVATION)] * (4 * CFG.layers)
@@ -98,6 +98,6 @@ def test_sequence_parallel_backward_is_the_conjugate():
 def test_sequence_parallel_training_step_equals_single_device():
     step, opt = M.make_train_step(M.Parallelism.sequence(8), CFG)
     state = opt.init(PARAMS)
-    pstep = parallelize(step, mesh=8, donate_argnums=(0, 1))
+    pstep = sp.parallelize(step, mesh=8, donate_argnums=(0, 1))
     want = jax.jit(step)(PARAMS, state, TOKENS, TARGETS)
     assert_trees_close(pstep(PARAMS, state, TOKENS, TARGETS), want)

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from compiler import parallelize
-from passes.bind_strategies import BindUserStrategies
-from passes.propagate import PropagateSharding
+import shardprop as sp
+from shardprop.passes.bind_strategies import BindUserStrategies
+from shardprop.passes.propagate import PropagateSharding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt_megatron as M  # noqa: E402
@@ -22,7 +22,7 @@ def _gpt(par, mesh, donate=()):
     params = M.init_params(CFG)
     tokens, targets = M.make_batch(CFG)
     step, opt = M.make_train_step(par, CFG)
-    return parallelize(step, mesh=mesh, donate_argnums=donate), (params, opt.init(params), tokens, targets)
+    return sp.parallelize(step, mesh=mesh, donate_argnums=donate), (params, opt.init(params), tokens, targets)
 
 
 def _resnet():
@@ -31,7 +31,7 @@ def _resnet():
     step, opt = resnet.make_train_step()
     images = rng.standard_normal((16, 8, 8, 3)).astype(np.float32)
     labels = rng.integers(0, 16, (16,)).astype(np.int32)
-    return parallelize(step, mesh=8), (params, opt.init(params), images, labels)
+    return sp.parallelize(step, mesh=8), (params, opt.init(params), images, labels)
 
 
 CASES = {

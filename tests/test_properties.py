@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compiler import parallelize, shard
+import shardprop as sp
 from tests.helpers import assert_trees_close
 
 DIMS = (8, 16)
@@ -80,7 +80,7 @@ def build(prog):
         for kind, operands, strategy in prog:
             op = OPS[kind]
             if strategy is not None:
-                op = shard(op, strategy)
+                op = sp.shard(op, strategy)
             pool.append(op(*(pool[o] for o in operands)))
         results = tuple(pool[len(inputs):])   # every result is used: nothing is dead code
         return results, sum(jnp.sum(r ** 2) for r in results)
@@ -94,7 +94,7 @@ def test_random_programs_equal_single_device(program, seed):
     rng = np.random.default_rng(seed)
     inputs = [rng.standard_normal(s).astype(np.float32) * 0.5 for s in shapes]
     fn = build(prog)
-    pf = parallelize(fn, mesh=8, verify=True)
+    pf = sp.parallelize(fn, mesh=8, verify=True)
     assert_trees_close(pf(*inputs), jax.jit(fn)(*inputs), rtol=1e-4, atol=1e-4)
     plan = pf.plan(*inputs)
     user = [o.in_strategy for o in plan.ops if o.origin == "user"]
@@ -104,5 +104,5 @@ def test_random_programs_equal_single_device(program, seed):
     for s in given_strategies:
         assert any(u[:len(s)] == s or u == s for u in user), (s, user)
     grad = jax.grad(lambda *a: fn(*a)[1], argnums=tuple(range(len(inputs))))
-    assert_trees_close(parallelize(grad, mesh=8, verify=True)(*inputs), jax.jit(grad)(*inputs), rtol=1e-4,
+    assert_trees_close(sp.parallelize(grad, mesh=8, verify=True)(*inputs), jax.jit(grad)(*inputs), rtol=1e-4,
                        atol=1e-4)

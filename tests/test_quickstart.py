@@ -6,18 +6,18 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from compiler import parallelize, shard
+import shardprop as sp
 from tests.helpers import assert_trees_close, check_parallel
 
 
 def seed_net(x, w1, w2):
-    h = shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)
+    h = sp.shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)
     h = jax.nn.relu(h)
     return jnp.matmul(h, w2)
 
 
 def named_net(x, w1, w2):
-    h = shard(jnp.matmul, (P("dp", "mp"), P("mp", None)))(x, w1)
+    h = sp.shard(jnp.matmul, (P("dp", "mp"), P("mp", None)))(x, w1)
     h = jax.nn.relu(h)
     return jnp.matmul(h, w2)
 
@@ -40,7 +40,7 @@ def _program(plan, rank):
 
 @pytest.mark.parametrize("net,mesh", [(seed_net, 8), (named_net, ((2, 4), ("dp", "mp")))], ids=["splits", "named"])
 def test_propagated_strategies(net, mesh, seed_args):
-    plan = parallelize(net, mesh=mesh).plan(*seed_args)
+    plan = sp.parallelize(net, mesh=mesh).plan(*seed_args)
     prims = [(o.primitive, o.in_strategy, o.origin) for o in plan.ops]
     assert prims[0][:2] == ("dot_general", ((2, 4), (4, 1))) and prims[0][2] == "user"
     assert prims[1][0] == "max" and prims[1][1][0] == (2, 4)          # relu, inferred
@@ -51,7 +51,7 @@ def test_propagated_strategies(net, mesh, seed_args):
 
 
 def test_rank0_program_mindspore_form(seed_args):
-    plan = parallelize(seed_net, mesh=8, fuse_reduce_scatter=False).plan(*seed_args)
+    plan = sp.parallelize(seed_net, mesh=8, fuse_reduce_scatter=False).plan(*seed_args)
     prog = _program(plan, 0)
     assert prog[:5] == [
         ("dot_general", ((8, 8), (8, 16)), (8, 16)),
@@ -66,8 +66,8 @@ def test_rank0_program_mindspore_form(seed_args):
 
 
 def test_rank0_program_default_form_uses_reduce_scatter(seed_args):
-    fused = parallelize(seed_net, mesh=8).plan(*seed_args)
-    literal = parallelize(seed_net, mesh=8, fuse_reduce_scatter=False).plan(*seed_args)
+    fused = sp.parallelize(seed_net, mesh=8).plan(*seed_args)
+    literal = sp.parallelize(seed_net, mesh=8, fuse_reduce_scatter=False).plan(*seed_args)
     prog = _program(fused, 0)
     assert prog[1] == ("reduce_scatter", ((8, 16),), (8, 4))
     assert fused.collectives[0].groups == ((0, 1, 2, 3), (4, 5, 6, 7))
@@ -84,13 +84,13 @@ def test_equals_single_device(net, mesh, fuse, seed_args):
 def test_named_mesh_from_jax_mesh(seed_args):
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
     mesh = jax.sharding.Mesh(devices, ("dp", "mp"))
-    pf = parallelize(named_net, mesh=mesh)
+    pf = sp.parallelize(named_net, mesh=mesh)
     assert_trees_close(pf(*seed_args), jax.jit(named_net)(*seed_args))
     assert pf.plan(*seed_args).collectives[0].groups == ((0, 1, 2, 3), (4, 5, 6, 7))
 
 
 def test_dump_files(tmp_path, seed_args):
-    pf = parallelize(seed_net, mesh=8, dump_dir=str(tmp_path), fuse_reduce_scatter=False)
+    pf = sp.parallelize(seed_net, mesh=8, dump_dir=str(tmp_path), fuse_reduce_scatter=False)
     pf(*seed_args)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names[:7] == ["00_import.ir", "01_bind-user-strategies.ir", "02_propagate-sharding.ir",
@@ -106,6 +106,6 @@ def test_dump_files(tmp_path, seed_args):
     assert " 0x" not in r0  # no addresses
     # a second compile writes byte-identical files
     other = tmp_path / "again"
-    parallelize(seed_net, mesh=8, dump_dir=str(other), fuse_reduce_scatter=False)(*seed_args)
+    sp.parallelize(seed_net, mesh=8, dump_dir=str(other), fuse_reduce_scatter=False)(*seed_args)
     for f in ["02_propagate-sharding.ir", "rank_0/execute.ir", "summary.txt"]:
         assert (tmp_path / f).read_text() == (other / f).read_text()

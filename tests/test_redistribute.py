@@ -6,9 +6,9 @@ import itertools
 import numpy as np
 import pytest
 
-from ir.layout import Layout
-from ir.mesh import Mesh
-from passes.redistribute import permute_pairs, plan_redistribution
+from shardprop.ir.layout import Layout
+from shardprop.ir.mesh import Mesh
+from shardprop.passes.redistribute import permute_pairs, plan_redistribution
 from tests import rank_sim
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from compiler import parallelize, shard
+import shardprop as sp
 from tests.helpers import check_parallel, rand
 
 rng = np.random.default_rng(0)
@@ -21,7 +21,7 @@ T3B = rand(rng, 8, 32, 24)
 
 def mark(x, s):
     """Pin x's layout by marking an identity op (the way a user marks any op)."""
-    return shard(lambda t: t * 1.0, (s,))(x)
+    return sp.shard(lambda t: t * 1.0, (s,))(x)
 
 
 CASES = {
@@ -37,11 +37,11 @@ CASES = {
                 (A,)),
     "stop_gradient": (lambda a: jax.lax.stop_gradient(mark(a, (2, 4))) * a, (A,)),
     # contractions
-    "matmul_row_split": (lambda a, b: shard(jnp.matmul, ((8, 1), (1, 1)))(a, b), (A, B)),
-    "matmul_col_split": (lambda a, b: shard(jnp.matmul, ((1, 1), (1, 8)))(a, b), (A, B)),
-    "matmul_contract_split": (lambda a, b: jnp.tanh(shard(jnp.matmul, ((1, 8), (8, 1)))(a, b)), (A, B)),
-    "matmul_transposed": (lambda a, b: shard(lambda x, y: x.T @ y.T, ((4, 2), (1, 4)))(b, a), (A, B)),
-    "batched_dot": (lambda x, y: shard(jnp.matmul, ((2, 2, 2), (2, 2, 1)))(x, y), (T3, T3B)),
+    "matmul_row_split": (lambda a, b: sp.shard(jnp.matmul, ((8, 1), (1, 1)))(a, b), (A, B)),
+    "matmul_col_split": (lambda a, b: sp.shard(jnp.matmul, ((1, 1), (1, 8)))(a, b), (A, B)),
+    "matmul_contract_split": (lambda a, b: jnp.tanh(sp.shard(jnp.matmul, ((1, 8), (8, 1)))(a, b)), (A, B)),
+    "matmul_transposed": (lambda a, b: sp.shard(lambda x, y: x.T @ y.T, ((4, 2), (1, 4)))(b, a), (A, B)),
+    "batched_dot": (lambda x, y: sp.shard(jnp.matmul, ((2, 2, 2), (2, 2, 1)))(x, y), (T3, T3B)),
     "einsum_batch_last": (lambda x, y: jnp.einsum("bij,bjk->kib", mark(x, (2, 4, 1)), y), (T3, T3B)),
     # shapes
     "reshape_merge_split": (lambda x: jnp.sin(mark(x, (2, 4, 1)).reshape(8, 16 * 32).reshape(8, 16, 4, 8)), (T3,)),
@@ -87,10 +87,10 @@ def test_rule_matches_single_device(name):
 
 def test_user_strategies_are_never_changed():
     def f(a, b):
-        h = shard(jnp.matmul, ((1, 8), (8, 1)))(a, b)         # contraction split
-        g = shard(jnp.tanh, ((8, 1),))(h)                      # wants rows
-        return shard(jnp.matmul, ((2, 4), (4, 1)))(g, b.T)     # and something else again
-    plan = parallelize(f, mesh=8).plan(A, B)
+        h = sp.shard(jnp.matmul, ((1, 8), (8, 1)))(a, b)         # contraction split
+        g = sp.shard(jnp.tanh, ((8, 1),))(h)                      # wants rows
+        return sp.shard(jnp.matmul, ((2, 4), (4, 1)))(g, b.T)     # and something else again
+    plan = sp.parallelize(f, mesh=8).plan(A, B)
     user = [o for o in plan.ops if o.origin == "user"]
     assert [o.in_strategy for o in user] == [((1, 8), (8, 1)), ((8, 1),), ((2, 4), (4, 1))]
 
@@ -100,9 +100,9 @@ def test_backward_propagation_reaches_producers():
     def f(x, w):
         h = jnp.exp(x) * 2.0
         h = h.reshape(16, 32)
-        return shard(jnp.matmul, ((8, 1), (1, 1)))(h, w)
+        return sp.shard(jnp.matmul, ((8, 1), (1, 1)))(h, w)
     x = rand(rng, 16, 4, 8)
-    plan = parallelize(f, mesh=8).plan(x, B)
+    plan = sp.parallelize(f, mesh=8).plan(x, B)
     by_prim = {o.primitive: o for o in plan.ops}
     assert by_prim["exp"].in_strategy == ((8, 1, 1),)
     assert by_prim["exp"].origin.startswith("backward from")
@@ -112,16 +112,16 @@ def test_backward_propagation_reaches_producers():
 
 def test_unconstrained_ops_get_the_default_and_say_so():
     def f(a, b, c):
-        h = shard(jnp.matmul, ((8, 1), (1, 1)))(a, b)
+        h = sp.shard(jnp.matmul, ((8, 1), (1, 1)))(a, b)
         return h, jnp.sin(c)  # c's chain has no neighbour with a strategy
-    plan = parallelize(f, mesh=8).plan(A, B, V)
+    plan = sp.parallelize(f, mesh=8).plan(A, B, V)
     sin = next(o for o in plan.ops if o.primitive == "sin")
     assert sin.origin == "default" and sin.in_strategy == ((1,),)
 
 
 def test_semi_auto_gives_data_parallel_default():
     def f(a, b):
-        h = shard(jnp.matmul, ((2, 4), (4, 1)))(a, b)
+        h = sp.shard(jnp.matmul, ((2, 4), (4, 1)))(a, b)
         return jnp.matmul(jnp.tanh(h), b.T)
     pf = check_parallel(f, (A, B), mode="semi_auto")
     ops = pf.plan(A, B).ops
@@ -136,10 +136,10 @@ def test_disagreement_resolved_by_fewest_bytes():
     small = rand(rng, 16, 32)
 
     def f(a, b):
-        x = shard(jnp.tanh, ((8, 1),))(a)
-        y = shard(jnp.tanh, ((1, 8),))(b)
+        x = sp.shard(jnp.tanh, ((8, 1),))(a)
+        y = sp.shard(jnp.tanh, ((1, 8),))(b)
         return x + y
-    plan = parallelize(f, mesh=8).plan(small, small)
+    plan = sp.parallelize(f, mesh=8).plan(small, small)
     add = next(o for o in plan.ops if o.primitive == "add")
     # either choice moves one all_to_all of the same size; the plan must use exactly one collective
     assert [c.kind for c in plan.collectives if c.kind != "slice"] == ["all_to_all"]
@@ -148,7 +148,7 @@ def test_disagreement_resolved_by_fewest_bytes():
 
 def test_named_mesh_partition_spec_rules():
     def f(x, y):
-        h = shard(jnp.matmul, (P("dp", None, "mp"), P("dp", "mp", None)))(x, y)
+        h = sp.shard(jnp.matmul, (P("dp", None, "mp"), P("dp", "mp", None)))(x, y)
         return jax.nn.softmax(h, axis=-1).sum(1)
     check_parallel(f, (T3, T3B), mesh=((2, 4), ("dp", "mp")))
 
@@ -159,7 +159,7 @@ def test_with_sharding_constraint_is_honoured():
         h = jax.lax.with_sharding_constraint(x @ w, P("dp", "mp"))
         return jnp.tanh(h) @ w.T
     w = rand(rng, 32, 32)
-    pf = parallelize(f, mesh=((2, 4), ("dp", "mp")))
+    pf = sp.parallelize(f, mesh=((2, 4), ("dp", "mp")))
     tanh = next(o for o in pf.plan(A, w).ops if o.primitive == "tanh")
     assert tanh.in_strategy == ((2, 4),)
     from tests.helpers import assert_trees_close
@@ -167,7 +167,7 @@ def test_with_sharding_constraint_is_honoured():
 
 
 def test_parallelize_out_strategy_pins_output_layouts():
-    pf = parallelize(lambda x: (jnp.tanh(x), x * 2.0), mesh=8, out_strategy=((8, 1), (1, 8)))
+    pf = sp.parallelize(lambda x: (jnp.tanh(x), x * 2.0), mesh=8, out_strategy=((8, 1), (1, 8)))
     plan = pf.plan(A)
     assert [v.layout.splits(plan.mesh) for v in plan.graph.outputs] == [(8, 1), (1, 8)]
     from tests.helpers import assert_trees_close

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from compiler import ShardingError, parallelize, shard
+import shardprop as sp
 from tests.helpers import check_parallel, rand
 
 rng = np.random.default_rng(0)
@@ -20,7 +20,7 @@ NHWC = ("NHWC", "HWIO", "NHWC")
 
 
 def mark(x, s):
-    return shard(lambda t: t * 1.0, (s,))(x)
+    return sp.shard(lambda t: t * 1.0, (s,))(x)
 
 
 CASES = {
@@ -68,14 +68,14 @@ def test_operator_matches_single_device(name):
     argnums = tuple(i for i, a in enumerate(args) if np.asarray(a).dtype == np.float32)
     if name in LOOSE:
         from tests.helpers import assert_trees_close
-        assert_trees_close(parallelize(fn, mesh=8)(*args), jax.jit(fn)(*args), rtol=2e-2, atol=2e-2)
+        assert_trees_close(sp.parallelize(fn, mesh=8)(*args), jax.jit(fn)(*args), rtol=2e-2, atol=2e-2)
         return
     check_parallel(fn, args, grads=float_out, argnums=argnums)
 
 
 def test_embedding_table_rows_stay_whole():
     """Looking up rows of a table split by rows would need masking: the plan gathers instead."""
-    plan = parallelize(lambda e, t: e[t], mesh=8, in_strategy=((8, 1), None)).plan(TABLE, TOKENS)
+    plan = sp.parallelize(lambda e, t: e[t], mesh=8, in_strategy=((8, 1), None)).plan(TABLE, TOKENS)
     gather = next(o for o in plan.ops if o.primitive == "gather")
     assert gather.in_strategy[0][0] == 1
     assert any(c.kind == "all_gather" for c in plan.collectives)
@@ -84,8 +84,8 @@ def test_embedding_table_rows_stay_whole():
 def test_prng_keys_inside_are_reported_clearly():
     def dropout(t, key):
         return jnp.where(jax.random.bernoulli(key, 0.9, t.shape), t / 0.9, 0.0)
-    with pytest.raises(ShardingError, match="PRNG key"):
-        parallelize(dropout, mesh=8).plan(A, jax.random.key(0))
+    with pytest.raises(sp.ShardingError, match="PRNG key"):
+        sp.parallelize(dropout, mesh=8).plan(A, jax.random.key(0))
 
 
 flax = pytest.importorskip("flax", reason="flax is in the test extra; install it with pip install -e '.[test]'")

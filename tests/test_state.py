@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from compiler import ShardingError, parallelize
+import shardprop as sp
 from tests.helpers import assert_trees_close
 
 OPT = optax.adam(1e-2)
@@ -42,7 +42,7 @@ def run_steps(fn, p, st, batch, n=3):
 
 def test_data_parallel_mode_derives_gradient_all_reduce(setup):
     p, st, batch = setup
-    pf = parallelize(step, mesh=8, mode="data_parallel", verify=True)
+    pf = sp.parallelize(step, mesh=8, mode="data_parallel", verify=True)
     plan = pf.plan(p, st, batch)
     # one all_reduce per gradient (3 params) and one for the loss; nothing else
     assert plan.counts() == {"all_reduce": 4}
@@ -57,7 +57,7 @@ def test_data_parallel_mode_derives_gradient_all_reduce(setup):
 
 def test_optimizer_state_sharding_is_zero1(setup):
     p, st, batch = setup
-    pf = parallelize(step, mesh=8, mode="data_parallel", shard_optimizer_state=True, verify=True)
+    pf = sp.parallelize(step, mesh=8, mode="data_parallel", shard_optimizer_state=True, verify=True)
     plan = pf.plan(p, st, batch)
     counts = plan.counts()
     # gradients reduce-scattered, updated parameters all-gathered, once per parameter
@@ -76,7 +76,7 @@ def test_donated_state_comes_back_in_its_layout(setup):
 
     def shard_rows(p, st, batch):   # let the compiler choose: nothing pinned
         return step(p, st, batch)
-    pf = parallelize(shard_rows, mesh=8, donate_argnums=(0, 1))
+    pf = sp.parallelize(shard_rows, mesh=8, donate_argnums=(0, 1))
     g = pf.plan(p, st, batch).graph
     assert len(g.tied_outputs) == len(jax.tree_util.tree_leaves((p, st)))
     for out_index, in_index in g.tied_outputs.items():
@@ -87,6 +87,6 @@ def test_donated_state_comes_back_in_its_layout(setup):
 def test_data_parallel_batch_must_divide():
     p = {"w1": np.ones((32, 64), np.float32), "b1": np.zeros(64, np.float32), "w2": np.ones((64, 16), np.float32)}
     batch = (np.ones((12, 32), np.float32), np.ones((12, 16), np.float32))
-    with pytest.raises(ShardingError, match=r"splits batch input batch\[0\] on dim 0 over 8 devices, but its "
+    with pytest.raises(sp.ShardingError, match=r"splits batch input batch\[0\] on dim 0 over 8 devices, but its "
                                             r"shape is \(12, 32\)"):
-        parallelize(step, mesh=8, mode="data_parallel").plan(p, OPT.init(p), batch)
+        sp.parallelize(step, mesh=8, mode="data_parallel").plan(p, OPT.init(p), batch)

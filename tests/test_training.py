@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import optax
 
-from compiler import parallelize
+import shardprop as sp
 from tests import training_setup as T
 from tests.helpers import assert_trees_close
 
@@ -40,7 +40,7 @@ def test_gradients_per_parameter_equal_single_device():
     x, y = T.batches(1)[0]
     grad = jax.grad(lambda p: T.cross_entropy(T.net(p, x), y))
     params = T.init_params()
-    got = parallelize(grad, mesh=8, in_strategy=(None,)).__call__(params)
+    got = sp.parallelize(grad, mesh=8, in_strategy=(None,)).__call__(params)
     assert_trees_close(got, jax.jit(grad)(params))
 
 
@@ -55,7 +55,7 @@ def test_small_transformer_adamw_tensor_parallel():
         updates, state = opt.update(g, state, params)
         return optax.apply_updates(params, updates), state, loss
     params = G.init_params(cfg)
-    pstep = parallelize(step, mesh=8, donate_argnums=(0, 1))
+    pstep = sp.parallelize(step, mesh=8, donate_argnums=(0, 1))
     par_run, single_run = (params, opt.init(params)), (params, opt.init(params))
     for _ in range(3):
         *par_run, loss = pstep(*par_run, tokens, targets)
@@ -92,7 +92,7 @@ def test_mixed_precision_bf16_compute_f32_master_weights():
     params = {"w1": (rng.standard_normal((16, 32)) * 0.3).astype(np.float32),
               "w2": (rng.standard_normal((32, 4)) * 0.3).astype(np.float32)}
     x, y = rng.standard_normal((32, 16)).astype(np.float32), rng.standard_normal((32, 4)).astype(np.float32)
-    pstep = parallelize(step, mesh=8, mode="data_parallel", batch_argnums=(2, 3))
+    pstep = sp.parallelize(step, mesh=8, mode="data_parallel", batch_argnums=(2, 3))
     plan = pstep.plan(params, opt.init(params), x, y)
     assert any(o.primitive == "convert_element_type" for o in plan.ops)
     a, b = (params, opt.init(params)), (params, opt.init(params))

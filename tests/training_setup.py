@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from runtime.training import Model
+import shardprop as sp
 
 
 def net(params, x):
@@ -31,4 +31,4 @@ def batches(n_steps=4, batch=16, seed=3):
 
 def make_model(mesh, **options):
     mode = {} if mesh is None else {"mode": "data_parallel"}
-    return Model(net, cross_entropy, optax.adam(0.05), init_params(), mesh=mesh, **mode, **options)
+    return sp.Model(net, cross_entropy, optax.adam(0.05), init_params(), mesh=mesh, **mode, **options)

@@ -3,8 +3,8 @@ from .base import LOCALIZERS, RULES, FactorRule, register, register_localizer  #
 from . import (constants, contraction, control_flow, elementwise, indexing, reductions,  # noqa: F401
                shape_ops, structural, windows)  # (registration)
 
-from ir.errors import sharding_error
-from ir.graph import CONSTRAINT
+from ...ir.errors import sharding_error
+from ...ir.graph import CONSTRAINT
 
 from .elementwise import elementwise_rule
 
@@ -22,5 +22,5 @@ def rule_for(op) -> FactorRule:
                              "split it", operator=op.kind, source=op.source,
                              shapes=tuple(v.type.shape for v in op.inputs),
                              fix=f"compute it outside the parallelized function, or register a rule with "
-                                 f"@passes.rules.register('{op.kind}')")
+                                 f"@shardprop.passes.rules.register('{op.kind}')")
     return fn(op)

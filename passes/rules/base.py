@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ir.graph import Op
+from ...ir.graph import Op
 
 DimFactors = tuple[int, ...]          # factors of one dim, major to minor (empty: size-1 / broadcast)
 TensorFactors = tuple[DimFactors, ...]

@@ -9,7 +9,7 @@ to the layouts chosen here (``propagate-sharding`` recurses into it).
 """
 from __future__ import annotations
 
-from ir.graph import Value
+from ...ir.graph import Value
 
 from .base import FactorBuilder, FactorRule, register
 from .dim_classes import DimClasses

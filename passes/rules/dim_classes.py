@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ir.graph import Op, Value
+from ...ir.graph import Op, Value
 
 
 class DimClasses:

@@ -19,9 +19,9 @@ if mode == "fail_at_start" and rank == bad_rank:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from compiler import parallelize  # noqa: E402
+import shardprop as sp  # noqa: E402
 
-step = parallelize(lambda x: jnp.sum(x * 2.0), mesh=jax.device_count() if mode != "mesh8" else 8,
+step = sp.parallelize(lambda x: jnp.sum(x * 2.0), mesh=jax.device_count() if mode != "mesh8" else 8,
                    mode="data_parallel", batch_argnums=(0,))
 print(f"rank {rank}: {float(step(jnp.ones((8, 4))))}", flush=True)
 if mode == "die_after_init" and rank == bad_rank:
