@@ -69,7 +69,8 @@ class Region:
 
     def operator(self) -> str:
         prims = self.factors.operators if self.factors is not None else ()
-        return self.describe() + (f" ({', '.join(prims)})" if prims and len(prims) <= 3 else "")
+        shown = prims and len(prims) <= 3 and tuple(prims) != (self.name,)
+        return self.describe() + (f" ({', '.join(prims)})" if shown else "")
 
 
 REGIONS: dict[int, Region] = {}

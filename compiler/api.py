@@ -32,14 +32,19 @@ def _is_tensor_strategy(x) -> bool:
         and len(x) > 0
 
 
-def _per_leaf(prefix, tree_value, what: str) -> list:
-    """Broadcast a strategy prefix (like jit's in_shardings) over the leaves of ``tree_value``."""
+def _per_leaf(prefix, tree_value, what: str, *, whose: str, operator: str, source) -> list:
+    """Broadcast a strategy prefix (like jit's in_shardings) over the leaves of ``tree_value``
+    (the function's arguments or outputs, as ``whose`` says)."""
     leaves, treedef = jax.tree_util.tree_flatten(prefix, is_leaf=_is_tensor_strategy)
     try:
         subtrees = treedef.flatten_up_to(tree_value)
-    except (ValueError, TypeError) as e:
-        raise ShardingError(f"parallelize {what} does not match the structure of the arguments: {e}. Give one "
-                            "entry per argument (None leaves an argument to the compiler).") from None
+    except (ValueError, TypeError):
+        shape_of = lambda x: tuple(np.shape(x)) if hasattr(x, "shape") else type(x).__name__  # noqa: E731
+        expected = jax.tree_util.tree_map(shape_of, tree_value)
+        raise sharding_error(f"{what} does not match the structure of the {whose}: the {whose} are {expected}",
+                             operator=operator, source=source, strategy=prefix,
+                             fix=f"give {what} the structure of the {whose} (or a prefix of it), one strategy per "
+                                 f"array; None leaves that one to the compiler") from None
     out = []
     for leaf, sub in zip(leaves, subtrees):
         out += [leaf] * len(jax.tree_util.tree_leaves(sub))
@@ -53,6 +58,7 @@ class Compiled:
     out_tree: Any
     consts: list
     in_shardings: list
+    mesh: Any = None      # the jax mesh it runs on (its own, whatever mesh the caller has set)
     donated: tuple = ()
 
 
@@ -114,7 +120,8 @@ class ParallelFunction:
                                      "positional arguments", operator=f"parallelize({graph.name})", source=where,
                                      strategy=self.in_strategy, fix="give one entry per positional argument, "
                                      "None for those the compiler should choose")
-            for i, s in enumerate(_per_leaf(tuple(prefix), tuple(args), "in_strategy")):
+            for i, s in enumerate(_per_leaf(tuple(prefix), tuple(args), "in_strategy", whose="arguments",
+                                         operator=f"parallelize({graph.name})", source=where)):
                 if s is not None:
                     graph.pinned_inputs[i] = normalize_tensor_strategy(
                         s, operator=f"parallelize({graph.name})", source=where,
@@ -125,7 +132,9 @@ class ParallelFunction:
             if _is_tensor_strategy(outs) and outs is not None:
                 per = [outs] * n_out
             else:
-                per = _per_leaf(outs, jax.tree_util.tree_unflatten(out_tree, [0] * n_out), "out_strategy")
+                outputs = jax.tree_util.tree_unflatten(out_tree, [v.type for v in graph.outputs])
+                per = _per_leaf(outs, outputs, "out_strategy", whose="outputs", operator=f"parallelize({graph.name})",
+                                source=where)
             for i, s in enumerate(per):
                 if s is not None:
                     graph.pinned_outputs[i] = normalize_tensor_strategy(
@@ -151,7 +160,7 @@ class ParallelFunction:
         fn = lower(graph, jmesh, donate=donate)
         consts = [v.const for v in graph.inputs[n_user:]]
         in_shardings = [NamedSharding(jmesh, partition_spec(v.layout)) for v in graph.inputs]
-        compiled = Compiled(fn, plan, out_tree, consts, in_shardings, donate)
+        compiled = Compiled(fn, plan, out_tree, consts, in_shardings, jmesh, donate)
         self._cache[key] = compiled
         if self.dump_dir and not self._dumped:
             plan.dump(self.dump_dir, ranks=owned_ranks(graph.mesh.size, self.mesh_spec.devices),
@@ -160,7 +169,7 @@ class ParallelFunction:
         return compiled
 
     def _trace(self, args, kwargs):
-        context = self.mesh_spec.jax_mesh() if self.mesh_spec.named else None
+        context = self.mesh_spec.trace_mesh() if self.mesh_spec.named else None
         graph, out_tree, out_shape = trace(self.fn, args, kwargs, self.mesh_spec.ir_mesh, context)
         graph.count_mesh = not self.mesh_spec.named
         self._state_pins(args, graph, out_shape)
@@ -200,11 +209,15 @@ class ParallelFunction:
         """jax's ``Lowered`` for these arguments (``.compile()``, ``.as_text()``,
         ``.compile().memory_analysis()``): what XLA is given to run."""
         c = self._compile(args, kwargs)
-        return c.fn.lower(*self._flat_inputs(c, args, kwargs))
+        with jax.set_mesh(c.mesh):
+            return c.fn.lower(*self._flat_inputs(c, args, kwargs))
 
     def __call__(self, *args, **kwargs):
         c = self._compile(args, kwargs)
-        outs = c.fn(*self._flat_inputs(c, args, kwargs))
+        # under the program's own mesh: a caller's mesh with Explicit axes set around the
+        # call would otherwise clash with the one the program was lowered for
+        with jax.set_mesh(c.mesh):
+            outs = c.fn(*self._flat_inputs(c, args, kwargs))
         return jax.tree_util.tree_unflatten(c.out_tree, list(outs))
 
 

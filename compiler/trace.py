@@ -97,9 +97,11 @@ def _tensor_type(aval) -> TensorType:
 
 
 class _Importer:
-    def __init__(self):
+    def __init__(self, marked_regions: Optional[set] = None):
         self.ops: list[Op] = []
         self.consts: list[Value] = []
+        # every shard() call met, also those whose result is unused: their strategies are checked too
+        self.marked_regions: set = marked_regions if marked_regions is not None else set()
 
     def const(self, val) -> Value:
         arr = np.asarray(val) if not isinstance(val, jax.Array) else val
@@ -107,6 +109,13 @@ class _Importer:
         if arr.ndim == 0:
             return Value(t, literal=np.asarray(val))
         v = Value(t, const=arr, name_hint="const")
+        self.consts.append(v)
+        return v
+
+    def const_input(self, val, type: TensorType) -> Value:
+        """A constant fed to the program as an input (even a scalar, which ``const`` would bake in)."""
+        v = Value(type, const=np.asarray(val, dtype=type.dtype if type.dtype != "bfloat16" else None),
+                  name_hint="const")
         self.consts.append(v)
         return v
 
@@ -149,8 +158,11 @@ class _Importer:
         if name in CONTROL_FLOW:
             self.ops.append(CONTROL_FLOW[name](self, eqn, ins, outs, source))
         elif name == "shardprop_mark":
+            self.marked_regions.add(eqn.params["region"])
             self.ops.append(Op(CONSTRAINT, ins, outs, dict(eqn.params), source))
-        elif name == "sharding_constraint":
+        elif name in IDENTITIES:
+            return ins   # only a type-level annotation (shard_map's varying axes): nothing to compute
+        elif name in LAYOUT_REQUESTS:
             # jax.lax.with_sharding_constraint: a layout the user asked for, kept as such
             self.ops.append(Op(CONSTRAINT, ins, outs, {"role": "with_sharding_constraint",
                                                        "user_spec": _spec_dims(eqn.params, ins[0].type.rank)},
@@ -163,7 +175,7 @@ class _Importer:
         """A loop or branch body as a Graph. Arrays the body closes over become
         explicit leading inputs (and operands of the loop op, returned here), so
         that they are laid out and sliced like any other operand."""
-        sub = _Importer()
+        sub = _Importer(self.marked_regions)
         jaxpr = closed.jaxpr
         const_in = [Value(tensor_type(np.asarray(c) if not isinstance(c, jax.Array) else c)) for c in closed.consts]
         args = [Value(tensor_type(v.aval)) for v in jaxpr.invars]
@@ -221,11 +233,15 @@ def _cond(imp: _Importer, eqn, ins, outs, source) -> Op:
 
 
 CONTROL_FLOW = {"scan": _scan, "while": _while, "cond": _cond}
+# jax's own layout requests: with_sharding_constraint, and what jax inserts or the user
+# calls on a mesh with Explicit axes (``jax.sharding.reshard``, ``mesh_cast``)
+LAYOUT_REQUESTS = ("sharding_constraint", "reshard", "mesh_cast")
+IDENTITIES = ("pvary", "pcast")
 
 
 def _spec_dims(params, rank: int) -> tuple:
     """The mesh axes per dim that a with_sharding_constraint's PartitionSpec names."""
-    spec = getattr(params.get("sharding"), "spec", None) or ()
+    spec = getattr(params.get("sharding", params.get("dst_sharding")), "spec", None) or ()
     dims = []
     for entry in tuple(spec) + (None,) * (rank - len(tuple(spec))):
         dims.append(() if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry)))
@@ -290,10 +306,20 @@ def input_names(fn, args, kwargs) -> list[str]:
     return names
 
 
+def _abstract(x):
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+    return x
+
+
 def trace(fn, args, kwargs, mesh: Mesh, context_mesh=None):
     """Trace ``fn(*args, **kwargs)`` into a Graph; also return the output pytree
     structure and the outputs' shapes. Tracing happens with ``context_mesh`` set, so
     ``with_sharding_constraint(x, PartitionSpec(...))`` inside ``fn`` names its axes."""
+    # Trace shapes and dtypes only: arrays the caller placed on an Explicit-axes mesh
+    # carry shardings in their types, which would clash with the tracing mesh and make
+    # jax insert its own reshards. Layouts are this compiler's job.
+    args, kwargs = jax.tree_util.tree_map(_abstract, (args, kwargs))
     if context_mesh is not None:
         with jax.set_mesh(context_mesh):
             closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
@@ -317,10 +343,8 @@ def import_jaxpr(closed, mesh: Mesh, names: list[str], name: str = "main") -> Gr
     for v, n in zip(inputs, names):
         v.name_hint = n
     outputs = imp.walk(closed.jaxpr, consts, inputs)
-    for v in outputs:
-        if v.is_literal:
-            raise sharding_error("the function returns a Python constant", operator=name,
-                                 fix="return arrays computed from the inputs")
+    # a returned constant (``return x, 0.``) is fed in like a closed-over array
+    outputs = [imp.const_input(v.literal, v.type) if v.is_literal else v for v in outputs]
     ops = _dead_code_elimination(imp.ops, outputs)
     _tag_regions(ops)
     live_consts = {v.id for op in ops for v in op.inputs} | {v.id for v in outputs}
@@ -328,8 +352,7 @@ def import_jaxpr(closed, mesh: Mesh, names: list[str], name: str = "main") -> Gr
     graph = Graph(mesh, inputs + const_inputs, outputs, ops, name=name,
                   input_names=list(names) + ["const"] * len(const_inputs), num_user_inputs=len(inputs))
     graph.set_mesh(mesh)
-    graph.regions = {rid: REGIONS[rid] for rid in sorted({op.region for _, op in graph.walk_ops()
-                                                          if op.region is not None})}
+    graph.regions = {rid: REGIONS[rid] for rid in sorted(imp.marked_regions)}
     for _, op in graph.walk_ops():
         for body in op.subgraphs:
             body.regions = graph.regions

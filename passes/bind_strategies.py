@@ -87,7 +87,7 @@ class BindUserStrategies:
             plans[rid] = dict(region=region, ins=ins, outs=outs, body=body, matrix=None)
             strategies = [self._expand_batch(region.in_strategy[m.params["index"]], m) for m in ins]
             plans[rid]["strategies"] = strategies
-            if any(kind == "splits" for kind, _ in strategies):
+            if any(kind == "splits" for kind, _ in region.in_strategy):
                 plans[rid]["matrix"] = self._device_matrix(graph, plans[rid])
         return plans
 
@@ -116,12 +116,13 @@ class BindUserStrategies:
         inputs' dims) that is split, then the repeat count."""
         region = plan["region"]
         split_of: dict[int, int] = {}
-        for mark, (kind, body) in zip(plan["ins"], plan["strategies"]):
+        # read off the region itself (dims vmap added are unsplit), so that a shard() call whose
+        # result is unused, and so has no marks left, is checked all the same
+        for (kind, body), classes in zip(region.in_strategy, region.factors.classes):
             if kind != "splits":
                 continue
-            for c, s in zip(self._classes_row(region, mark), body):
-                if c is not None:
-                    split_of.setdefault(c, s)
+            for c, s in zip(classes, body):
+                split_of.setdefault(c, s)
         order = sorted(split_of)
         splits = [split_of[c] for c in order]
         plan["class_axes_order"] = [c for c in order if split_of[c] > 1]
@@ -159,8 +160,19 @@ class BindUserStrategies:
                              operator="parallelize", fix="use strategies whose split counts nest, or a named mesh "
                              "with PartitionSpec strategies")
 
+    def _check_axes_entries(self, plan, mesh: Mesh) -> None:
+        """Every PartitionSpec the user gave this call fits the mesh and its tensor, whether
+        or not the call's result is used (unused calls have no marks left to bind)."""
+        region = plan["region"]
+        for what, strategies, shapes in (("in_strategy", region.in_strategy, region.in_shapes),
+                                         ("out_strategy", region.out_strategy or (), region.out_shapes)):
+            for k, ((kind, body), shape) in enumerate(zip(strategies, shapes)):
+                if kind == "axes":
+                    self._axes_layout(body, shape, mesh, plan, f"{what} entry {k}")
+
     def _bind_region(self, graph: Graph, rid: int, plan, mesh: Mesh) -> None:
         region = plan["region"]
+        self._check_axes_entries(plan, mesh)
         layouts: list[Layout] = []
         if plan["matrix"] is not None:
             runs = bind_runs(plan["matrix"], mesh)

@@ -63,6 +63,8 @@ class InsertReshards:
             new_ops.append(op)
         outputs = [alias.get(v, v) for v in graph.outputs]
         for i, v in enumerate(outputs):
+            if v.is_literal:
+                continue   # a constant holds the same on every rank: any layout is a local broadcast (lowering)
             target = graph.pinned_outputs.get(i)
             if target is None and i in graph.tied_outputs:
                 target = graph.inputs[graph.tied_outputs[i]].layout   # state comes back as it went in

@@ -102,7 +102,9 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
                 self._enqueue(self.producer.get(v))
         for op in g.ops:
             if op.kind == CONSTRAINT and op.pinned is not None:
-                self._decide(op, list(op.pinned.dims), None, "user")
+                # read through the rule: a size-1 dim has no factor, so dims and factors differ in number
+                factors, _ = factors_from_operands(self.rules[op], op, [op.pinned], self.mesh)
+                self._decide(op, factors, None, "user")
         for op in g.ops:
             if op.region is not None and op.kind != CONSTRAINT:
                 # the user's strategy is what the shard() marks pin; other operands adapt

@@ -24,12 +24,20 @@ class MeshSpec:
     devices: tuple
     ir_mesh: Mesh
     named: bool
+    axis_types: tuple = ()   # of the user's jax Mesh; () for meshes built here (all Auto)
 
-    def jax_mesh(self, ir_mesh: Mesh | None = None) -> JaxMesh:
+    def jax_mesh(self, ir_mesh: Mesh | None = None, axis_types: tuple = ()) -> JaxMesh:
+        """The mesh the program runs on: Auto axes, the program's shard_map decides."""
         m = ir_mesh or self.ir_mesh
         arr = np.empty(len(self.devices), dtype=object)
         arr[:] = list(self.devices)
-        return JaxMesh(arr.reshape(m.axis_sizes), m.axis_names, axis_types=(AxisType.Auto,) * len(m.axis_names))
+        return JaxMesh(arr.reshape(m.axis_sizes), m.axis_names,
+                       axis_types=axis_types or (AxisType.Auto,) * len(m.axis_names))
+
+    def trace_mesh(self) -> JaxMesh:
+        """The mesh set while tracing: the user's axis types, so code written for a mesh
+        with Explicit axes (``jax.sharding.reshard``) traces as it would under jit."""
+        return self.jax_mesh(axis_types=self.axis_types)
 
 
 def _take_devices(n: int) -> tuple:
@@ -44,7 +52,8 @@ def _take_devices(n: int) -> tuple:
 
 def resolve_mesh(mesh: Any) -> MeshSpec:
     if isinstance(mesh, JaxMesh):
-        return MeshSpec(tuple(mesh.devices.flat), Mesh(tuple(mesh.axis_names), tuple(mesh.devices.shape)), True)
+        return MeshSpec(tuple(mesh.devices.flat), Mesh(tuple(mesh.axis_names), tuple(mesh.devices.shape)), True,
+                        tuple(mesh.axis_types))
     if isinstance(mesh, (int, np.integer)) and not isinstance(mesh, bool):
         n = int(mesh)
         if n < 1:

@@ -1,0 +1,113 @@
+"""Programs nobody hand-picked that once crashed or were accepted wrongly (issue 11),
+each in its smallest form. Every one is checked against one device, or for the
+message a user gets."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardprop as sp
+from tests.helpers import assert_trees_close, check_parallel, rand
+
+MESH_2x4 = ((2, 4), ("dp", "mp"))
+
+
+# -- size-1 dims are legitimate everywhere -----------------------------------------
+def test_mark_on_a_tensor_with_a_size1_dim():
+    x = np.arange(4.0, dtype=np.float32).reshape(4, 1)
+    check_parallel(lambda x: sp.shard(jnp.tanh, ((2, 1),))(x), (x,))
+    check_parallel(lambda x: sp.shard(jnp.tanh, ((1, 1),))(x), (x,))
+
+
+def test_broadcast_operand_marked_like_mindspore():
+    """A (128, 1) multiplier marked ((4, 2), (4, 1)) next to a (128, 96) operand."""
+    rng = np.random.default_rng(0)
+    a, b, bias = rand(rng, 128, 96), rand(rng, 128, 1), rand(rng, 1, 96)
+    check_parallel(lambda a, b: sp.shard(jnp.multiply, ((4, 2), (4, 1)))(a, b), (a, b))
+    check_parallel(lambda a, c: sp.shard(jnp.add, ((4, 2), (1, 2)))(a, c), (a, bias))
+
+
+def test_split_above_one_on_a_size1_dim_is_a_clear_error():
+    with pytest.raises(sp.ShardingError, match=r"dim 1 \(size 1\) into 2 parts"):
+        sp.parallelize(lambda x: sp.shard(jnp.tanh, ((2, 2),))(x), mesh=8)(np.ones((4, 1), np.float32))
+
+
+# -- jax's own layout primitives ----------------------------------------------------
+def test_inputs_placed_on_an_explicit_mesh():
+    """Arrays laid out on a mesh with Explicit axes (jax.make_mesh's default) carry
+    shardings in their types; the compiler plans from shapes and runs on its own mesh,
+    also inside the caller's ``jax.set_mesh``."""
+    rng = np.random.default_rng(1)
+    a, b = rand(rng, 8, 16), rand(rng, 16)
+    mesh = jax.make_mesh((2, 4), ("dp", "mp"))
+    ad = jax.device_put(a, NamedSharding(mesh, P("dp", "mp")))
+    bd = jax.device_put(b, NamedSharding(mesh, P("mp")))
+    f = lambda a, b: jnp.where(b > 0, a, b)  # noqa: E731
+    want = jax.jit(f)(a, b)
+    assert_trees_close(sp.parallelize(f, mesh=mesh)(ad, bd), want)
+    with jax.set_mesh(mesh):
+        assert_trees_close(sp.parallelize(f, mesh=mesh)(ad, bd), want)
+
+
+def test_reshard_primitive_is_a_layout_request():
+    """``jax.sharding.reshard`` (Explicit axes) is honoured like with_sharding_constraint."""
+    mesh = jax.make_mesh((2, 4), ("dp", "mp"))
+    x = np.arange(128.0, dtype=np.float32).reshape(8, 16)
+
+    def f(a):
+        return jax.sharding.reshard(a * 2, P("dp", None)) + 1
+    pf = sp.parallelize(f, mesh=mesh)
+    assert_trees_close(pf(x), x * 2 + 1)
+    add = [op for op in pf.plan(x).ops if op.primitive == "add"][0]
+    assert add.in_strategy[0] == (2, 1) and "sharding_constraint" in add.origin
+
+
+# -- constants ------------------------------------------------------------------------
+def test_scan_whose_per_step_output_is_a_python_float():
+    c0, xs = np.zeros(4, np.float32), np.ones((6, 4), np.float32)
+    f = lambda c, xs: jax.lax.scan(lambda c, x: (c + x, 0.), c, xs)  # noqa: E731
+    assert_trees_close(sp.parallelize(f, mesh=8)(c0, xs), jax.jit(f)(c0, xs))
+
+
+def test_function_returning_python_constants():
+    x = np.ones((6, 4), np.float32)
+    f = lambda x: (x.sum(), 3.0, 2)  # noqa: E731
+    got, want = sp.parallelize(f, mesh=8)(x), jax.jit(f)(x)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert np.asarray(g).dtype == np.asarray(w).dtype
+
+
+# -- strategies are checked where the user wrote them -------------------------------
+def _unused(strategy, shape=(8, 8)):
+    def f(x):
+        sp.shard(jnp.tanh, strategy)(x)      # result unused: its strategy is still the user's word
+        return x * 2
+    return f, np.ones(shape, np.float32)
+
+
+@pytest.mark.parametrize("strategy, mesh, shape, words", [
+    (((4, 4),), 8, (8, 8), "need 16 devices"),
+    ((P("zz", None),), MESH_2x4, (8, 8), "names mesh axis 'zz'"),
+    ((P("dp", "dp"),), MESH_2x4, (8, 8), "'dp' is used twice"),
+    ((P(None, "mp"),), MESH_2x4, (8, 6), "not divisible by its split count 4"),
+])
+def test_invalid_strategy_on_an_unused_result_is_an_error(strategy, mesh, shape, words):
+    f, x = _unused(strategy, shape)
+    with pytest.raises(sp.ShardingError) as e:
+        sp.parallelize(f, mesh=mesh)(x)
+    msg = str(e.value)
+    assert words in msg
+    assert "shard(tanh)" in msg and "test_regressions.py:" in msg       # operator and source line
+    assert f"shapes:   ({shape},)" in msg and "strategy:" in msg and "fix:" in msg
+
+
+def test_out_strategy_that_does_not_match_the_outputs_names_them():
+    with pytest.raises(sp.ShardingError) as e:
+        sp.parallelize(lambda x: (x * 2, x + 1), mesh=8, out_strategy=((8, 1),))(np.ones((8, 8), np.float32))
+    msg = str(e.value)
+    assert "out_strategy does not match the structure of the outputs" in msg
+    assert "the outputs are ((8, 8), (8, 8))" in msg and "arguments" not in msg
+    assert "test_regressions.py:" in msg and "fix:" in msg
