@@ -133,6 +133,8 @@ class ParallelFunction:
                 per = [outs] * n_out
             else:
                 outputs = jax.tree_util.tree_unflatten(out_tree, [v.type for v in graph.outputs])
+                if out_tree.num_nodes == 1 and isinstance(outs, (tuple, list)) and len(outs) == 1:
+                    outs = outs[0]    # one entry per output, MindSpore style, for a function with one
                 per = _per_leaf(outs, outputs, "out_strategy", whose="outputs", operator=f"parallelize({graph.name})",
                                 source=where)
             for i, s in enumerate(per):

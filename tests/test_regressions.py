@@ -111,3 +111,11 @@ def test_out_strategy_that_does_not_match_the_outputs_names_them():
     assert "out_strategy does not match the structure of the outputs" in msg
     assert "the outputs are ((8, 8), (8, 8))" in msg and "arguments" not in msg
     assert "test_regressions.py:" in msg and "fix:" in msg
+
+
+def test_out_strategy_one_entry_for_a_function_with_one_output():
+    """MindSpore style, one entry per output, also when there is only one output."""
+    x = np.arange(128.0, dtype=np.float32).reshape(8, 16)
+    pf = sp.parallelize(lambda x: jnp.cumsum(x, axis=1), mesh=8, out_strategy=((1, 8),))
+    assert_trees_close(pf(x), np.cumsum(x, axis=1))
+    assert pf.plan(x).graph.outputs[0].layout.splits(pf.plan(x).mesh) == (1, 8)
