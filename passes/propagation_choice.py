@@ -21,7 +21,7 @@ from ..ir.layout import Layout
 from .cost import wire_bytes
 from .redistribute import redistribution_cost
 from .rules.base import FactorRule
-from .sharding import Axes, dim_axes, project
+from .sharding import Axes, dim_axes, keep_contiguous, may_shard, nesting, project, regroup
 
 IMPOSSIBLE = 1e6  # seconds: a candidate that needs a redistribution that cannot exist
 
@@ -85,14 +85,23 @@ class ChoiceMixin:
         return functools.partial(origin_words, origin, self.g.regions)
 
     def _complete(self, rule: FactorRule, base: list, ordered: list[Source], reserved=()) -> list:
+        """``base`` with its open factors taken from the sources, in order, where the
+        rule allows: a split must divide its factor, use free axes, and (in a dim of
+        several factors) sit only under fully split major factors, so every tensor's
+        blocks stay contiguous. Majors are taken first so that a minor can follow."""
         cand = list(base)
         used = {a for axes in cand if axes for a in axes} | set(reserved)
+        depth = nesting(rule).depth
+        mesh = self.mesh
         for s in ordered:
-            for f, axes in s.proposal.items():
+            items = s.proposal.items()
+            if depth:
+                items = sorted(items, key=lambda item: depth.get(item[0], 0))
+            for f, axes in items:
                 if cand[f] is not None:
                     continue
-                if axes and (not rule.shardable(f) or rule.sizes[f] % self.mesh.axes_size(axes)
-                             or used.intersection(axes)):
+                if axes and (not rule.shardable(f) or rule.sizes[f] % mesh.axes_size(axes)
+                             or used.intersection(axes) or depth and not may_shard(f, cand, rule, mesh)):
                     continue
                 cand[f] = axes
                 used.update(axes)
@@ -125,6 +134,14 @@ class ChoiceMixin:
         reserved = pt_now[1] if pt_now else ()   # axes a decided passthrough partial already holds
         for i, s in enumerate(sources):
             cands.append((self._complete(rule, cur, [s] + sources[:i] + sources[i + 1:], reserved), None, s))
+        if nesting(rule).places:
+            # a split that cannot cross a merged dim where it is: the same split on the
+            # merged dim, from its major end (the operand is then redistributed)
+            for i, s in enumerate(sources):
+                moved = regroup(rule, s.proposal, mesh)
+                if moved is not None:
+                    s2 = Source(s.kind, s.index, s.value, moved)
+                    cands.append((self._complete(rule, cur, [s2] + sources[:i] + sources[i + 1:], reserved), None, s))
         if not sources:
             cands.append((list(cur), None, None))
         # what to do with pending partial operands
@@ -143,7 +160,7 @@ class ChoiceMixin:
                             for m in range(len(op.inputs)) if m not in group):
                         for c, _, s in cands:
                             cc = [a if a is None or not set(a) & set(axes) else None for a in c]
-                            extra.append((cc, (gi, axes), s))
+                            extra.append((keep_contiguous(rule, cc, mesh), (gi, axes), s))
             # partial -> sharded: a reduce_scatter (or MindSpore's all_reduce + slice),
             # onto a dim some neighbour wants split that way, or that no neighbour but the
             # partial itself has a say on, or when nothing reads the result but the
@@ -169,6 +186,8 @@ class ChoiceMixin:
                                 continue
                             if any(set(a) & set(axes) for g, a in enumerate(c) if g != f and a):
                                 continue
+                            if not may_shard(f, c, rule, mesh):
+                                continue
                             if f in said and (f, new) not in wanted:
                                 continue
                             cc = list(c)
@@ -183,10 +202,7 @@ class ChoiceMixin:
             if key in seen:
                 continue
             seen.add(key)
-            try:
-                cost = self._cost(op, rule, c, pt if pt is not None else self.passthrough.get(op))
-            except ValueError:
-                continue
+            cost = self._cost(op, rule, c, pt if pt is not None else self.passthrough.get(op))
             # ties: more sharding first (less repeated work and memory), then axes spread over dims
             sharded = -sum(len(a) for a in c if a)
             balance = max((len(a) for a in c if a), default=0)

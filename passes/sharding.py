@@ -18,16 +18,124 @@ def dim_axes(fs: DimFactors, factors: Sequence[Optional[Axes]], rule: FactorRule
     """The axes of a dim made of factors ``fs``; None if one of them is still unknown.
 
     A minor factor may only be sharded once every factor major to it is fully
-    sharded, otherwise the dim's blocks would not be contiguous."""
+    sharded, otherwise the dim's blocks would not be contiguous. Strategies are
+    built so that this never happens (``may_shard``); meeting it here is a bug."""
+    if len(fs) == 1:
+        axes = factors[fs[0]]
+        return axes if axes is None or type(axes) is tuple else tuple(axes)
     out: list[str] = []
-    for i, f in enumerate(fs):
+    whole = True   # every factor so far fully sharded
+    for f in fs:
         axes = factors[f]
         if axes is None:
             return None
-        if axes and out and mesh.axes_size(factors[fs[i - 1]]) != rule.sizes[fs[i - 1]]:
-            raise ValueError("minor factor sharded under a partly sharded major factor")
+        if axes and not whole:
+            raise ValueError("minor factor sharded under a major factor that is not fully sharded")
         out.extend(axes)
+        whole = whole and mesh.axes_size(axes) == rule.sizes[f]
     return tuple(out)
+
+
+# -- nesting: factors that share a dim (a reshape's merged dims) ------------------
+
+@dataclass(frozen=True)
+class Nesting:
+    """Which factors sit under which in some dim of a rule (a reshape's merged dims).
+    Most rules have one factor per dim, and an empty nesting."""
+    majors: dict      # factor -> the factors major to it in some dim
+    depth: dict       # factor -> how many factors can sit above it (majors come first)
+    places: tuple     # (side, tensor, dim, factors) of every dim with several factors
+
+
+_NESTING: dict = {}   # id(rule) -> (rule, its nesting): rules are few and shared
+
+
+def nesting(rule: FactorRule) -> Nesting:
+    hit = _NESTING.get(id(rule))
+    if hit is not None and hit[0] is rule:
+        return hit[1]
+    majors: dict = {}
+    places = []
+    for side, tensors in (("operand", rule.operands), ("result", rule.results)):
+        for t, dims in enumerate(tensors):
+            for d, fs in enumerate(dims or ()):
+                if len(fs) > 1:
+                    places.append((side, t, d, fs))
+                for i in range(1, len(fs)):
+                    majors.setdefault(fs[i], set()).update(fs[:i])
+    depth: dict = {}
+
+    def depth_of(f, seen=()):
+        if f not in depth:
+            depth[f] = 1 + max((depth_of(m, seen + (f,)) for m in majors.get(f, ()) if m not in seen), default=-1)
+        return depth[f]
+    for f in majors:
+        depth_of(f)
+    out = Nesting({f: tuple(sorted(m)) for f, m in majors.items()}, depth, tuple(places))
+    if len(_NESTING) > 65536:
+        _NESTING.clear()
+    _NESTING[id(rule)] = (rule, out)
+    return out
+
+
+def may_shard(f: int, factors: Sequence[Optional[Axes]], rule: FactorRule, mesh: Mesh) -> bool:
+    """May factor ``f`` take mesh axes, given the others (None: open)? Only once every
+    factor major to it in some dim is fully sharded: then each rank's block of that
+    dim is one contiguous run (the major part of a merged dim, or whole sub-factors
+    in order); otherwise it would hold strided pieces that nothing redistributes."""
+    for m in nesting(rule).majors.get(f, ()):
+        axes = factors[m]
+        if axes is None or mesh.axes_size(axes) != rule.sizes[m]:
+            return False
+    return True
+
+
+def broken_nesting(rule: FactorRule, factors: Sequence[Optional[Axes]], mesh: Mesh) -> Optional[tuple[int, int]]:
+    """(minor, major) of the first sharded factor whose major is not fully sharded
+    (open factors count as whole), or None if every dim's blocks are contiguous."""
+    for f, ms in nesting(rule).majors.items():
+        if factors[f]:
+            for m in ms:
+                if mesh.axes_size(factors[m] or ()) != rule.sizes[m]:
+                    return f, m
+    return None
+
+
+def keep_contiguous(rule: FactorRule, factors: list, mesh: Mesh) -> list:
+    """``factors`` less every split that a major factor no longer carries (dropped
+    splits become open, None), majors first so that dropping cascades."""
+    nest = nesting(rule)
+    if not nest.majors:
+        return factors
+    out = list(factors)
+    for f in sorted(nest.majors, key=nest.depth.__getitem__):
+        if out[f] and not may_shard(f, out, rule, mesh):
+            out[f] = None
+    return out
+
+
+def regroup(rule: FactorRule, proposal: dict, mesh: Mesh) -> Optional[dict]:
+    """A proposal that splits a minor factor under a major one that is not fully
+    split, read instead through the dim where they meet: that dim keeps the axes
+    the proposal gives it, handed to its factors from the major end. So a reshape
+    whose operand arrives split on the minor part of a merge can still produce a
+    result split as many ways (its operand is then redistributed). None when there
+    is nothing to regroup or the axes cannot be handed out that way."""
+    nest = nesting(rule)
+    out = dict(proposal)
+    changed = False
+    for _, _, _, fs in nest.places:
+        if any(f not in out for f in fs):
+            continue
+        if not any(out[f] and not may_shard(f, [out.get(g) for g in range(rule.num_factors)], rule, mesh)
+                   for f in fs):
+            continue
+        split = split_dim(fs, tuple(a for f in fs for a in out[f]), rule, mesh)
+        if split is None:
+            continue
+        out.update(zip(fs, split))
+        changed = True
+    return out if changed else None
 
 
 def split_dim(fs: DimFactors, axes: Axes, rule: FactorRule, mesh: Mesh) -> Optional[list[Axes]]:
@@ -127,6 +235,10 @@ class OpStrategy:
             used += self.passthrough[1]
         if len(set(used)) != len(used):
             out.append(f"mesh axes used twice: {used}")
+        broken = broken_nesting(self.rule, self.factors, mesh)
+        if broken:
+            out.append(f"factor of size {self.rule.sizes[broken[0]]} split under factor of size "
+                       f"{self.rule.sizes[broken[1]]}, which is not fully split: blocks not contiguous")
         return out
 
 
@@ -193,4 +305,19 @@ def factors_from_operands(rule: FactorRule, op, layouts: Sequence[Optional[Layou
     used = [a for axes in factors if axes for a in axes]
     if len(set(used)) != len(used):
         return factors, f"the operand layouts use a mesh axis twice across the dims of {op.kind}: {used}"
+    broken = broken_nesting(rule, factors, mesh)
+    if broken:
+        return factors, _broken_words(rule, op, broken, said_by)
     return factors, None
+
+
+def _broken_words(rule: FactorRule, op, broken: tuple[int, int], said_by: dict) -> str:
+    """Why a split cannot cross this op: where the minor factor is split, and the dim
+    where it sits under a major factor that is not split as much."""
+    minor, major = broken
+    n, d = said_by[minor]
+    side, t, dm = next((side, t, dm) for side, t, dm, fs in nesting(rule).places if minor in fs and major in fs)
+    return (f"operand {n} dim {d} is split, but {op.kind} makes it the minor (faster-varying) part of {side} {t} "
+            f"dim {dm} while the major part (size {rule.sizes[major]}) is not split as much, so each device's block "
+            f"of that dim would not be contiguous; split the major part of the merged dims instead, or mark the "
+            f"op after the {op.kind} so that the compiler redistributes")
