@@ -123,7 +123,7 @@ class PropagateSharding:
             prop = Propagation(body, self)
             prop.seed()
             prop._drain()
-            for side, n, v, lead in pairs:
+            for side, n, _, v, lead in pairs:
                 dims = prop.dims.get(v)
                 if not dims:
                     continue

@@ -119,3 +119,19 @@ def test_out_strategy_one_entry_for_a_function_with_one_output():
     pf = sp.parallelize(lambda x: jnp.cumsum(x, axis=1), mesh=8, out_strategy=((1, 8),))
     assert_trees_close(pf(x), np.cumsum(x, axis=1))
     assert pf.plan(x).graph.outputs[0].layout.splits(pf.plan(x).mesh) == (1, 8)
+
+
+@pytest.mark.parametrize("mode", ["semi_auto", "sharding_propagation"])
+def test_marked_scan_under_grad_whose_body_returns_one_value_twice(mode):
+    """Under grad the scan body returns its new carry again as a residual for the
+    backward: each of the two outputs gets its own boundary layout (it was the first
+    one's twice, and the per-rank shapes clashed: 'mul got incompatible shapes')."""
+    rng = np.random.default_rng(0)
+    c0, xs = rand(rng, 12, 2), rand(rng, 5, 12, 2)
+
+    def f(c, xs):
+        scan = sp.shard(lambda c, xs: jax.lax.scan(lambda c, x: (jnp.tanh(c * x), c), c, xs),
+                        ((2, 1), (1, 2, 1)))
+        c, ys = scan(c, xs)
+        return (c * c).sum() + jnp.sum(ys)
+    check_parallel(f, (c0, xs), mode=mode)
