@@ -19,6 +19,8 @@ from ..runtime.placement import owned_ranks, place, writes_global_files
 from .annotate import caller_source, normalize_tensor_strategy
 from .pipeline import Options, gc_paused, run_pipeline
 from .plan import Plan
+from .progress import CompileProgress
+from .progress import enabled as progress_enabled
 from .state import data_parallel_pins, optimizer_state_pins, state_ties
 from .trace import trace
 
@@ -66,7 +68,8 @@ class ParallelFunction:
     """The result of ``parallelize``: call it with global arrays, get global arrays."""
 
     def __init__(self, fn, *, mesh, mode, in_strategy, out_strategy, dump_dir, fuse_reduce_scatter, cost_model,
-                 donate_argnums, verify, batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,)):
+                 donate_argnums, verify, batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
+                 progress=None):
         if mode not in MODES:
             raise ShardingError(f"mode={mode!r} is not one of {MODES}")
         initialize_distributed()   # join a multi-process run (launcher, mpirun, SLURM) before looking at devices
@@ -83,6 +86,7 @@ class ParallelFunction:
         self.out_strategy = out_strategy
         self.dump_dir = dump_dir
         self.donate_argnums = tuple(donate_argnums)
+        self.progress = progress
         self._cache: dict = {}
         self._dumped = False
         self.__name__ = getattr(fn, "__name__", "parallel_fn")
@@ -147,15 +151,24 @@ class ParallelFunction:
         key = self._key(args, kwargs)
         if key in self._cache:
             return self._cache[key]
+        with self._progress() as progress:
+            return self._build(key, args, kwargs, progress)
+
+    def _progress(self) -> CompileProgress:
+        return CompileProgress(self.__name__, show=progress_enabled(self.progress))
+
+    def _build(self, key, args, kwargs, progress: CompileProgress) -> Compiled:
         with gc_paused():
             t0 = time.perf_counter()
+            progress.stage("tracing")
             graph, out_tree = self._trace(args, kwargs)
             trace_s = time.perf_counter() - t0
-            res = run_pipeline(graph, self.options, keep_texts=bool(self.dump_dir))
+            res = run_pipeline(graph, self.options, keep_texts=bool(self.dump_dir), on_pass=progress.stage)
         graph = res.graph
         plan = Plan(graph, res.texts, res.seconds, trace_s,
                     regenerate_texts=lambda: run_pipeline(self._trace(args, kwargs)[0], self.options,
                                                           keep_texts=True).texts)
+        progress.stage("lowering")
         jmesh = self.mesh_spec.jax_mesh(graph.mesh)
         n_user = graph.num_user_inputs
         donate = self._donated_leaves(args) if self.donate_argnums else ()
@@ -165,6 +178,7 @@ class ParallelFunction:
         compiled = Compiled(fn, plan, out_tree, consts, in_shardings, jmesh, donate)
         self._cache[key] = compiled
         if self.dump_dir and not self._dumped:
+            progress.stage("writing dumps")
             plan.dump(self.dump_dir, ranks=owned_ranks(graph.mesh.size, self.mesh_spec.devices),
                       write_global=writes_global_files())
             self._dumped = True
@@ -215,7 +229,16 @@ class ParallelFunction:
             return c.fn.lower(*self._flat_inputs(c, args, kwargs))
 
     def __call__(self, *args, **kwargs):
-        c = self._compile(args, kwargs)
+        key = self._key(args, kwargs)
+        c = self._cache.get(key)
+        if c is not None:
+            return self._run(c, args, kwargs)
+        with self._progress() as progress:   # the first call also waits for XLA's compile
+            c = self._build(key, args, kwargs, progress)
+            progress.stage("XLA compile and first run")
+            return self._run(c, args, kwargs)
+
+    def _run(self, c: Compiled, args, kwargs):
         # under the program's own mesh: a caller's mesh with Explicit axes set around the
         # call would otherwise clash with the one the program was lowered for
         with jax.set_mesh(c.mesh):
@@ -226,7 +249,8 @@ class ParallelFunction:
 def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_strategy=None, out_strategy=None,
                 dump_dir: Optional[str] = None, fuse_reduce_scatter: bool = True,
                 cost_model: Optional[CostModel] = None, donate_argnums=(), verify: bool = False,
-                batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,)) -> ParallelFunction:
+                batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
+                progress: Optional[bool] = None) -> ParallelFunction:
     """Make ``fn`` run SPMD on ``mesh``.
 
     mesh: a device count (the first N devices), a ``jax.sharding.Mesh``, or
@@ -248,8 +272,12 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         ``optimizer_argnums`` state is split over the data-parallel axes (True:
         "dp" on a named mesh, else every axis; or name the axes), so gradients are
         reduce-scattered and updated parameters all-gathered.
+    progress: a compile that takes over 2 s shows its stages on stderr (tracing,
+        each pass, lowering, XLA's compile); False (or SHARDPROP_PROGRESS=0) keeps
+        it quiet, True shows them as the default does.
     """
     return ParallelFunction(fn, mesh=mesh, mode=mode, in_strategy=in_strategy, out_strategy=out_strategy,
                             dump_dir=dump_dir, fuse_reduce_scatter=fuse_reduce_scatter, cost_model=cost_model,
                             donate_argnums=donate_argnums, verify=verify, batch_argnums=batch_argnums,
-                            shard_optimizer_state=shard_optimizer_state, optimizer_argnums=optimizer_argnums)
+                            shard_optimizer_state=shard_optimizer_state, optimizer_argnums=optimizer_argnums,
+                            progress=progress)
