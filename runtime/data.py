@@ -1,16 +1,19 @@
-"""Input pipelines: each process loads only its share of every global batch.
+"""Input pipelines on grain: each process loads only its share of every global batch.
 
-``DistributedSampler`` does the job of PyTorch's: a per-epoch shuffle (the same
-on every process, seeded by ``seed + epoch``) cut into global batches, of which
-process ``rank`` takes its contiguous share. The global batches are the same
-whatever the number of processes or devices. ``DataLoader`` turns each process's
-share into one global ``jax.Array`` laid out as the parallel step wants it
-(``jax.make_array_from_process_local_data``), so nothing is gathered on a host.
+``DistributedSampler`` does the job of PyTorch's: a per-epoch shuffle (the same on
+every process, reshuffled every epoch from one seed) cut into global batches, of
+which process ``rank`` takes its contiguous share. The global batches are the same
+whatever the number of processes or devices. The index pipeline is a grain
+``MapDataset`` (shuffle, repeat per epoch, batch), so its shuffles are grain's
+reproducible ones. ``DataLoader`` reads each process's share in grain's prefetch
+threads and turns it into one global ``jax.Array`` laid out as the parallel step
+wants it (``jax.make_array_from_process_local_data``), so nothing is gathered on a host.
 """
 from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
+import grain
 import jax
 import numpy as np
 
@@ -36,33 +39,48 @@ class DistributedSampler:
     def __len__(self) -> int:
         return self.num_samples // self.global_batch_size
 
+    def global_dataset(self) -> grain.MapDataset:
+        """This epoch's global batches of sample indices, as a grain dataset."""
+        n = self.num_samples
+        ds = grain.MapDataset.range(n)
+        if self.shuffle:
+            # shuffle, then repeat: grain draws a new permutation for every epoch
+            ds = ds.shuffle(seed=self.seed).repeat().slice(slice(self.epoch * n, (self.epoch + 1) * n))
+        return ds.batch(self.global_batch_size, drop_remainder=True)
+
+    def dataset(self) -> grain.MapDataset:
+        """This process's share of each global batch."""
+        share = self.global_batch_size // self.num_replicas
+        lo = self.rank * share
+        return self.global_dataset().map(lambda batch: np.asarray(batch)[lo:lo + share])
+
     def global_batches(self) -> Iterator[np.ndarray]:
-        order = (np.random.default_rng(self.seed + self.epoch).permutation(self.num_samples)
-                 if self.shuffle else np.arange(self.num_samples))
-        for b in range(len(self)):
-            yield order[b * self.global_batch_size:(b + 1) * self.global_batch_size]
+        return (np.asarray(b) for b in self.global_dataset())
 
     def __iter__(self) -> Iterator[np.ndarray]:
         """This process's indices of each global batch."""
-        share = self.global_batch_size // self.num_replicas
-        for batch in self.global_batches():
-            yield batch[self.rank * share:(self.rank + 1) * share]
+        return iter(self.dataset())
 
 
 class DataLoader:
     """Global batches of ``arrays`` (each indexed on dim 0), placed with ``shardings``
-    (one per array, e.g. from ``ParallelFunction.input_shardings``)."""
+    (one per array, e.g. from ``ParallelFunction.input_shardings``). Each process
+    reads its share in ``num_threads`` grain threads, ``prefetch`` batches ahead."""
 
-    def __init__(self, arrays: Sequence[np.ndarray], sampler: DistributedSampler, shardings: Sequence):
+    def __init__(self, arrays: Sequence[np.ndarray], sampler: DistributedSampler, shardings: Sequence, *,
+                 num_threads: int = 2, prefetch: int = 2):
         self.arrays, self.sampler, self.shardings = list(arrays), sampler, list(shardings)
         if len(self.shardings) != len(self.arrays):
             raise ValueError(f"{len(self.arrays)} arrays but {len(self.shardings)} shardings")
+        self.read_options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self):
         g = self.sampler.global_batch_size
-        for local in self.sampler:
-            yield tuple(jax.make_array_from_process_local_data(s, a[local], (g,) + a.shape[1:])
-                        for a, s in zip(self.arrays, self.shardings))
+        arrays = self.arrays
+        local = self.sampler.dataset().map(lambda idx: tuple(a[idx] for a in arrays))
+        for share in local.to_iter_dataset(self.read_options):
+            yield tuple(jax.make_array_from_process_local_data(s, x, (g,) + x.shape[1:])
+                        for x, s in zip(share, self.shardings))
