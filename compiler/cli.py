@@ -1,21 +1,66 @@
-"""The ``shardprop`` command: ``shardprop launch ...`` starts a multi-process run."""
+"""The ``shardprop`` command: ``shardprop launch ...`` starts a multi-process run;
+``shardprop report DUMP_DIR -o plan.html`` draws a dump's plan as one HTML page."""
 from __future__ import annotations
 
+import argparse
 import sys
+
+USAGE = ("usage: shardprop launch [--nproc N | --gpus 0,1,...] [--devices-per-proc K] [--ips h1,h2] "
+         "[--port P] [--log-dir log] script.py [args...]\n"
+         "       shardprop report DUMP_DIR [-o plan.html] [--explain OP_OR_LINE]\n\n"
+         "shardprop launch --help, shardprop report --help   for details")
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: shardprop launch [--nproc N | --gpus 0,1,...] [--devices-per-proc K] [--ips h1,h2] "
-              "[--port P] [--log-dir log] script.py [args...]\n\n"
-              "shardprop launch --help   for details")
+        print(USAGE)
         return 0 if argv else 2
-    if argv[0] != "launch":
-        print(f"shardprop: unknown command {argv[0]!r}; the command is 'launch'", file=sys.stderr)
-        return 2
-    from ..runtime.launch import main as launch
-    return launch(argv[1:])
+    if argv[0] == "launch":
+        from ..runtime.launch import main as launch
+        return launch(argv[1:])
+    if argv[0] == "report":
+        return report(argv[1:])
+    print(f"shardprop: unknown command {argv[0]!r}; the commands are 'launch' and 'report'", file=sys.stderr)
+    return 2
+
+
+def report(argv) -> int:
+    ap = argparse.ArgumentParser(
+        prog="shardprop report",
+        description="Draw the plan in a dump folder (written by parallelize(..., dump_dir=DIR) or plan.dump(DIR)) "
+                    "as one self-contained HTML page: it opens from disk in any browser, no server needed.")
+    ap.add_argument("dump_dir", help="the dump folder (it holds plan.json)")
+    ap.add_argument("-o", "--output", default="plan.html", help="the page to write (default: plan.html)")
+    ap.add_argument("--explain", metavar="WHAT",
+                    help="print the panel of an op instead (its number on the page, '#12', or a source line, "
+                         "'net.py:7')")
+    args = ap.parse_args(argv)
+    from ..runtime.plan_data import load_plan_data
+    try:
+        data = load_plan_data(args.dump_dir)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"shardprop report: {e}", file=sys.stderr)
+        return 1
+    if args.explain is not None:
+        from . import explain
+        what = args.explain.lstrip("#")
+        try:
+            if what.isdigit():
+                if int(what) >= len(data["ops"]):
+                    raise ValueError(f"the plan has ops #0 to #{len(data['ops']) - 1}, not #{what}")
+                print(explain.op_text(data, int(what)))
+            else:
+                print(explain.source_text(data, args.explain))
+        except ValueError as e:
+            print(f"shardprop report: {e}", file=sys.stderr)
+            return 1
+        return 0
+    from .report import write_html
+    write_html(data, args.output)
+    print(f"wrote {args.output}: {len(data['plan_ops'])} operators, {len(data['collectives'])} collectives "
+          f"(open it in a browser)")
+    return 0
 
 
 if __name__ == "__main__":

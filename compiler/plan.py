@@ -4,7 +4,10 @@
 (split counts per dim, one tuple per operand), where each strategy came from,
 and the user's source line. ``plan.collectives``: every inserted redistribution
 with its kind, rank groups, per-device shapes and bytes. ``plan.dump(dir)``
-writes the same files as ``parallelize(..., dump_dir=dir)``.
+writes the same files as ``parallelize(..., dump_dir=dir)``. ``plan.to_html(path)``
+writes the plan report (one self-contained page), ``plan.explain(x)`` its panel for
+an op, a source line or a collective, as text; both read ``plan.data``, the plan as
+JSON data (the dump's ``plan.json``).
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 from ..ir.graph import Graph, is_collective
 from ..ir.mesh import Mesh
 from ..runtime.dump import summary_text, write_dumps
+from ..runtime.plan_data import plan_data
+from . import explain as _explain
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,36 @@ class Plan:
                                  op.outputs[0].local_type.shape, op.inputs[0].type.dtype,
                                  int(op.params.get("wire_bytes", 0)), op.note, op.source or "")
 
+    @functools.cached_property
+    def data(self) -> dict:
+        """The plan as JSON-ready data (schema: runtime/plan_data.py): what the report
+        draws and what a dump's ``plan.json`` holds."""
+        return plan_data(self.graph)
+
+    def to_html(self, path=None) -> str:
+        """Write the plan report to ``path`` (one HTML file that opens from disk, no
+        server); without a path, return the page."""
+        from .report import render_html, write_html
+        return render_html(self.data) if path is None else write_html(self.data, str(path))
+
+    def explain(self, x) -> str:
+        """The report's panel as text for ``x``: an op (a ``PlanOp`` of ``plan.ops`` or
+        its index there), a source line (``"net.py:7"``: every op from it), or a
+        collective (a ``PlanCollective`` of ``plan.collectives``)."""
+        data = self.data
+        if isinstance(x, PlanCollective):
+            return _explain.collective_text(data, _position(self.collectives, x, "plan.collectives"))
+        if isinstance(x, PlanOp):
+            return _explain.op_text(data, data["plan_ops"][_position(self.ops, x, "plan.ops")])
+        if isinstance(x, int) and not isinstance(x, bool):
+            if not -len(self.ops) <= x < len(self.ops):
+                raise IndexError(f"plan has {len(self.ops)} operators; op index {x} is out of range")
+            return _explain.op_text(data, data["plan_ops"][x])
+        if isinstance(x, str):
+            return _explain.source_text(data, x)
+        raise TypeError(f"explain takes a PlanOp, an index into plan.ops, a source line such as 'net.py:7' "
+                        f"or a PlanCollective, not {type(x).__name__}")
+
     def count(self, kind: str) -> int:
         return sum(1 for c in self.collectives if c.kind == kind)
 
@@ -119,3 +154,15 @@ class Plan:
         lines.append("collectives:")
         lines += ["  " + str(c) for c in self.collectives] or ["  (none)"]
         return "\n".join(lines)
+
+
+def _position(items: tuple, x, where: str) -> int:
+    """Where ``x`` is in ``items``: that very object (equal ops of two layers compare
+    equal), else the first equal one."""
+    for k, item in enumerate(items):
+        if item is x:
+            return k
+    try:
+        return items.index(x)
+    except ValueError:
+        raise ValueError(f"{x} is not in {where} of this plan") from None

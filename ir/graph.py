@@ -96,6 +96,7 @@ class Op:
     pinned: Optional[Layout] = None        # sharding_constraint: the layout the user fixed
     local_params: Optional[dict] = None    # params rewritten for local shapes (after localize)
     subgraphs: list = field(default_factory=list)  # bodies of scan / while / cond, as Graphs
+    origin_op: Optional["Op"] = None       # the op whose choice ``origin`` names (origin chains)
 
     def describe(self) -> str:
         """Operator, source line and shapes, for error messages."""

@@ -91,7 +91,10 @@ class PlanMixin:
                 placed = placements[key] = self._placement(op, key[1], key[2])
             st, operand_layouts, op_compute, result_layouts = placed
             op.strategy = st
-            op.origin = self._origin_words(origin.get(op) or "default")
+            why = origin.get(op) or "default"
+            op.origin = self._origin_words(why)
+            # the op named there, so a report can follow the chain back to the user's mark
+            op.origin_op = why[2] if type(why) is tuple and isinstance(why[2], Op) else None
             # in program order every operand's layout is written already: what must be
             # redistributed, and the compute, are read off on the way
             for v, need in zip(op.inputs, operand_layouts):

@@ -1,4 +1,5 @@
-"""IR dump files: one global file per pass, one program per rank, a summary."""
+"""IR dump files: one global file per pass, one program per rank, a summary, and
+the plan as data (``plan.json``, what ``shardprop report DIR`` draws)."""
 from __future__ import annotations
 
 import os
@@ -6,6 +7,7 @@ from collections import defaultdict
 
 from ..ir.graph import COLLECTIVE_KINDS, Graph, is_collective
 from ..ir.printer import print_graph
+from .plan_data import write_plan_json
 
 
 def summary_text(graph: Graph) -> str:
@@ -34,7 +36,7 @@ def summary_text(graph: Graph) -> str:
 
 
 def write_dumps(dump_dir: str, graph: Graph, pass_texts: dict, ranks=None, write_global: bool = True) -> None:
-    """Write ``NN_<pass>.ir``, ``rank_<r>/execute.ir`` for each rank and ``summary.txt``.
+    """Write ``NN_<pass>.ir``, ``rank_<r>/execute.ir`` for each rank, ``summary.txt`` and ``plan.json``.
     ``ranks`` limits the per-rank files to the ranks this process owns; ``write_global``
     says whether this process writes the files common to all ranks."""
     os.makedirs(dump_dir, exist_ok=True)
@@ -49,3 +51,4 @@ def write_dumps(dump_dir: str, graph: Graph, pass_texts: dict, ranks=None, write
     if write_global:
         with open(os.path.join(dump_dir, "summary.txt"), "w") as f:
             f.write(summary_text(graph))
+        write_plan_json(dump_dir, graph)
