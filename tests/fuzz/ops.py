@@ -37,6 +37,7 @@ class Family:
     classes: Callable                   # (arg_types, params) -> Classes
     grad_ok: bool = True
     inner: Callable = None              # (params, arg_types) -> [(Strategy, shape)] marks inside a body
+    mark_check: Callable = None         # (arg_types, params, splits of arg 0 per dim) -> why a mark may be refused
 
 
 FAMILIES: dict[str, Family] = {}
@@ -44,7 +45,8 @@ FAMILIES: dict[str, Family] = {}
 
 def family(name, feature, weight, **kw):
     def deco(cls):
-        FAMILIES[name] = Family(name, feature, weight, cls.gen, cls.infer, cls.render, cls.classes, **kw)
+        FAMILIES[name] = Family(name, feature, weight, cls.gen, cls.infer, cls.render, cls.classes,
+                                mark_check=getattr(cls, "mark_check", None), **kw)
         return cls
     return deco
 
@@ -329,7 +331,8 @@ class Reduce:
 
     @staticmethod
     def classes(ts, p):
-        return Classes(own_keys(ts))
+        keys = own_keys(ts)
+        return Classes(keys, {keys[0][p["axes"][0]]} if p["fn"] == "argmax" else set())
 
 
 # -- shape ops --------------------------------------------------------------------------------------
@@ -371,6 +374,55 @@ def _reshape_target(shape, p):
         return shape[:p["dim"]] + shape[p["dim"] + 1:]
     need(math.prod(p["shape"]) == math.prod(shape), "reshape size")
     return tuple(p["shape"])
+
+
+def _reshape_groups(ins, outs):
+    """Runs of input and output dims with equal products (size-1 dims on their own)."""
+    groups, i, j = [], 0, 0
+    while i < len(ins) or j < len(outs):
+        gi, go, pi, po = [], [], 1, 1
+        if i < len(ins):
+            gi.append(i)
+            pi *= ins[i]
+            i += 1
+        if j < len(outs):
+            go.append(j)
+            po *= outs[j]
+            j += 1
+        while pi != po:
+            if pi < po and i < len(ins):
+                gi.append(i)
+                pi *= ins[i]
+                i += 1
+            elif j < len(outs):
+                go.append(j)
+                po *= outs[j]
+                j += 1
+            else:
+                break
+        groups.append((gi, go))
+    return groups
+
+
+def _block_length(sizes, splits):
+    """Elements in one device's block of these row-major dims, if that block is contiguous."""
+    k = next((i for i, (n, s) in enumerate(zip(sizes, splits)) if s != n), len(sizes))
+    if any(s != 1 for s in splits[k + 1:]):
+        return None
+    return math.prod(sizes[k + 1:]) * (sizes[k] // splits[k] if k < len(sizes) else 1)
+
+
+def _splits_major_first(sizes, length) -> bool:
+    """Whether aligned contiguous blocks of ``length`` elements are a major-first split of these dims."""
+    r = length
+    for n in reversed(sizes):
+        if r == 1:
+            return True
+        if r % n == 0:
+            r //= n
+        else:
+            return n % r == 0
+    return r == 1
 
 
 @family("reshape", "reshape", 3.0)
@@ -420,6 +472,22 @@ class Reshape:
     @staticmethod
     def render(p, names, ts, tag):
         return [], f"{names[0]}.reshape({tup(_reshape_target(ts[0].shape, p))})"
+
+    @staticmethod
+    def mark_check(ts, p, splits):
+        """A mark on a reshape's input may be refused where the reshape would need
+        non-contiguous local blocks: within a group of dims that merge or split, the input
+        must be split major-first (every more major dim fully split), and the block that
+        gives must be a major-first split of the output dims too."""
+        shape = ts[0].shape
+        for gi, go in _reshape_groups(shape, _reshape_target(shape, p)):
+            if len(gi) <= 1 and len(go) <= 1:
+                continue
+            length = _block_length([shape[i] for i in gi], [splits[i] for i in gi])
+            out = [_reshape_target(shape, p)[j] for j in go]
+            if length is None or not _splits_major_first(out, length):
+                return "a split the reshape cannot carry without moving data"
+        return None
 
     @staticmethod
     def classes(ts, p):

@@ -11,6 +11,7 @@ Outcome classes:
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 import traceback
@@ -162,10 +163,17 @@ def run_program(program: Program) -> Outcome:
     types = check(program)
     exp = expect(program, types)
     rendered = render(program)
+    quiet = os.environ.get("SHARDPROP_PROGRESS")
+    os.environ["SHARDPROP_PROGRESS"] = "0"          # no compile progress line per program
     try:
         out = _classify(program, rendered, exp)
     finally:
-        jax.clear_caches() if _count_and_maybe_clear() else None
+        if quiet is None:
+            del os.environ["SHARDPROP_PROGRESS"]
+        else:
+            os.environ["SHARDPROP_PROGRESS"] = quiet
+        if _count_and_maybe_clear():
+            jax.clear_caches()
     out.seconds = time.perf_counter() - t0
     out.expected, out.why = exp.status, exp.why
     return out

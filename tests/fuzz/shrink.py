@@ -42,6 +42,8 @@ def _drop_instr(p: Program, i: int, bypass: bool) -> Program | None:
             if q.out_strategy is not None:
                 q.out_strategy = tuple(s for x, s in zip(p.outputs, p.out_strategy) if x != o)
             continue
+        if not users and o in q.outputs:
+            return None                   # the only output: a program returning an input shows nothing
         same = [a for a in ins.args if types[a] == types[o]]
         if bypass and not same:
             return None
@@ -154,6 +156,10 @@ def _smaller_shapes(p: Program) -> Iterator[Program]:
                     yield q
 
 
+def _returns_inputs(p: Program) -> int:
+    return sum(o in p.inputs for o in p.outputs)
+
+
 def size_of(p: Program) -> tuple:
     """What shrinking makes smaller, most important first."""
     marks = sum(i.mark is not None for i in p.instrs)
@@ -175,7 +181,7 @@ def shrink(p: Program, fails: Callable[[Program], bool], budget_s: float = 120.0
                 break
             try:
                 check(q)
-                if expect(q).status != status or size_of(q) >= size_of(p):
+                if expect(q).status != status or size_of(q) >= size_of(p) or _returns_inputs(q) > _returns_inputs(p):
                     continue
             except (Inconsistent, KeyError, ValueError, IndexError):
                 continue

@@ -122,6 +122,14 @@ def _entry_axes(s, d):
     return (body[d],) if isinstance(body[d], str) else tuple(body[d])
 
 
+def _split_count(s, d, mesh) -> int:
+    v = _entry_axes(s, d)
+    if isinstance(v, int):
+        return v
+    axes = mesh_axes(mesh)
+    return math.prod(axes.get(a, 1) for a in v)
+
+
 def mark_problem(instr, types, mesh) -> Optional[tuple]:
     ts = [types[a] for a in instr.args]
     fam = FAMILIES[instr.op]
@@ -170,6 +178,10 @@ def mark_problem(instr, types, mesh) -> Optional[tuple]:
             worst = worst or (MAY_REJECT, "a PRNG key split")
         elif v not in (1, ()) and k in cl.whole:
             worst = worst or (MAY_REJECT, "splits a dim the operator needs whole")
+    if fam.mark_check is not None and ts and len(m.ins[0][1]) <= ts[0].rank:
+        why = fam.mark_check(ts, instr.params, [_split_count(m.ins[0], d, mesh) for d in range(ts[0].rank)])
+        if why:
+            worst = worst or (MAY_REJECT, why)
     if m.outs is not None:
         outs = [types[o] for o in instr.outs]
         if len(m.outs) != len(outs):
