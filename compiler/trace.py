@@ -162,6 +162,10 @@ class _Importer:
             self.ops.append(Op(CONSTRAINT, ins, outs, dict(eqn.params), source))
         elif name in IDENTITIES:
             return ins   # only a type-level annotation (shard_map's varying axes): nothing to compute
+        elif name in LAYOUT_REQUESTS and ins[0].is_literal:
+            # a literal is the same scalar on every device (autodiff reshards its 1.0 seed onto
+            # the mesh of a shard_map's output): nothing to lay out
+            return ins
         elif name in LAYOUT_REQUESTS:
             # jax.lax.with_sharding_constraint: a layout the user asked for, kept as such
             self.ops.append(Op(CONSTRAINT, ins, outs, {"role": "with_sharding_constraint",
@@ -175,7 +179,7 @@ class _Importer:
         """A loop or branch body as a Graph. Arrays the body closes over become
         explicit leading inputs (and operands of the loop op, returned here), so
         that they are laid out and sliced like any other operand."""
-        sub = _Importer(self.marked_regions)
+        sub = type(self)(self.marked_regions)   # a shard_map body's loops are per-device code too
         jaxpr = closed.jaxpr
         const_in = [Value(tensor_type(np.asarray(c) if not isinstance(c, jax.Array) else c)) for c in closed.consts]
         args = [Value(tensor_type(v.aval)) for v in jaxpr.invars]
@@ -232,7 +236,13 @@ def _cond(imp: _Importer, eqn, ins, outs, source) -> Op:
     return Op("cond", [ins[0]] + total + ins[1:], outs, params, source, prim=eqn.primitive, subgraphs=list(graphs))
 
 
-CONTROL_FLOW = {"scan": _scan, "while": _while, "cond": _cond}
+def _shard_map(imp: _Importer, eqn, ins, outs, source) -> Op:
+    """A user's shard_map: an op with fixed boundary layouts around per-device code (compiler/mirrored.py)."""
+    from .mirrored import import_shard_map   # (it builds on this module's importer)
+    return import_shard_map(imp, eqn, ins, outs, source)
+
+
+CONTROL_FLOW = {"scan": _scan, "while": _while, "cond": _cond, "shard_map": _shard_map}
 # jax's own layout requests: with_sharding_constraint, and what jax inserts or the user
 # calls on a mesh with Explicit axes (``jax.sharding.reshard``, ``mesh_cast``)
 LAYOUT_REQUESTS = ("sharding_constraint", "reshard", "mesh_cast")
@@ -320,11 +330,13 @@ def trace(fn, args, kwargs, mesh: Mesh, context_mesh=None):
     # carry shardings in their types, which would clash with the tracing mesh and make
     # jax insert its own reshards. Layouts are this compiler's job.
     args, kwargs = jax.tree_util.tree_map(_abstract, (args, kwargs))
-    if context_mesh is not None:
-        with jax.set_mesh(context_mesh):
+    from .mirrored import shard_map_errors   # (it builds on this module's importer)
+    with shard_map_errors():
+        if context_mesh is not None:
+            with jax.set_mesh(context_mesh):
+                closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+        else:
             closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
-    else:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     graph = import_jaxpr(closed, mesh, input_names(fn, args, kwargs), getattr(fn, "__name__", "main"))
     return graph, jax.tree_util.tree_structure(out_shape), out_shape
 

@@ -48,6 +48,8 @@ def fmt(x) -> str:
         return "{" + ", ".join(f"{fmt(k)}: {fmt(v)}" for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))) + "}"
     if type(x).__name__ in ("ClosedJaxpr", "Jaxpr"):
         return "<jaxpr>"
+    if isinstance(x, Graph):
+        return "<body>"   # a per-device body (a user's shard_map) is printed as code of its own
     if hasattr(x, "name") and isinstance(getattr(x, "name"), str) and type(x).__name__.endswith("DType"):
         return x.name
     if callable(x) and hasattr(x, "__name__"):
@@ -168,7 +170,9 @@ def _typed(v: Value) -> str:
     return f"{v.type} {v.layout}" if v.layout is not None and not v.is_literal else str(v.type)
 
 
-def _print_ops(graph: Graph, rank, namer: Namer, region_no: dict, lines: list, indent: str) -> None:
+def _print_ops(graph: Graph, rank, namer: Namer, region_no: dict, lines: list, indent: str,
+               program_mesh=None) -> None:
+    """``program_mesh``: set inside a per-device body, whose own collectives then show their groups."""
     mesh = graph.mesh
     local = rank is not None
     for op in graph.ops:
@@ -176,6 +180,8 @@ def _print_ops(graph: Graph, rank, namer: Namer, region_no: dict, lines: list, i
         outs = ", ".join(namer.define(v) for v in op.outputs)
         if local:
             params = _collective_params(op, rank, mesh) if is_collective(op) else op.local_params
+            if program_mesh is not None:
+                params = _user_collective_params(params, rank, program_mesh)
             sig = (f"({', '.join(str(v.local_type) for v in op.inputs)}) -> "
                    f"{', '.join(str(v.local_type) for v in op.outputs)}")
         else:
@@ -185,7 +191,7 @@ def _print_ops(graph: Graph, rank, namer: Namer, region_no: dict, lines: list, i
                 params = {**params, "pinned": op.pinned}
             if "region" in params:
                 params = {**params, "region": region_no.get(params["region"], params["region"])}
-        p = fmt_params(params or {}, skip=("wire_bytes",) if local else ())
+        p = fmt_params(params or {}, skip=("wire_bytes", "body") if local else ("body",))
         lines.append(indent + f"{outs} = {op.kind}({ins}) {p} : {sig}".replace(")  :", ") :"))
         c = op_comment(op, mesh, not local)
         if c:
@@ -195,6 +201,26 @@ def _print_ops(graph: Graph, rank, namer: Namer, region_no: dict, lines: list, i
             for k, v in enumerate(body.inputs):
                 t = (f"{v.local_type}" if local else _typed(v))
                 lines.append(indent + f"    {namer.define(v)} = body_input[{k}] : {t}")
-            _print_ops(body, rank, namer, region_no, lines, indent + "    ")
+            _print_ops(body, rank, namer, region_no, lines, indent + "    ", program_mesh)
             lines.append(indent + "    yield " + ", ".join(namer.use(v) for v in body.outputs))
             lines.append(indent + "  }")
+        per_device = op.params.get("body")
+        if isinstance(per_device, Graph):
+            # a user's shard_map: per-device code, the same on every rank, run as written
+            lines.append(indent + "  per-device body {")
+            for k, v in enumerate(per_device.inputs):
+                t = v.local_type if local and v.local_type is not None else v.type
+                lines.append(indent + f"    {namer.define(v)} = body_input[{k}] : {t}")
+            _print_ops(per_device, rank, namer, region_no, lines, indent + "    ", mesh)
+            lines.append(indent + "    yield " + ", ".join(namer.use(v) for v in per_device.outputs))
+            lines.append(indent + "  }")
+
+
+def _user_collective_params(params: Optional[dict], rank: int, mesh) -> Optional[dict]:
+    """A collective the user wrote (``psum(x, "mp")``): the ranks it runs over on this rank."""
+    for key in ("axes", "axis_name"):
+        axes = (params or {}).get(key)
+        axes = (axes,) if isinstance(axes, str) else axes
+        if isinstance(axes, tuple) and axes and all(isinstance(a, str) and a in mesh.axis_names for a in axes):
+            return {**params, "group_ranks": "-".join(map(str, mesh.group(rank, axes)))}
+    return params

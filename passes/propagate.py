@@ -26,7 +26,7 @@ from ..ir.graph import CONSTRAINT, Graph, Op
 from .cost import DEFAULT_COST, CostModel
 from .loop_boundaries import boundary_layouts, boundary_pairs
 from .propagation_state import Propagation
-from .rules import rule_for
+from .rules import FIXED, rule_for
 from .sharding import project
 
 
@@ -103,6 +103,8 @@ class PropagateSharding:
 
     def __call__(self, graph: Graph) -> Graph:
         seeds = {op: self._body_wishes(op, graph) for op in graph.ops if op.subgraphs}
+        # ops whose layouts the program fixes (a user's shard_map) are seeded like a user mark
+        seeds.update((op, FIXED[op.kind](op, graph.mesh)) for op in graph.ops if op.kind in FIXED)
         self._plan(graph, {op: s for op, s in seeds.items() if s})
         for op in graph.ops:
             for body, pins_in, pins_out in boundary_layouts(op, graph.mesh):

@@ -59,6 +59,10 @@ def _reduced_axes(op: Op) -> tuple:
 
 def _run_primitive(op: Op, args: list):
     params = op.local_params
+    if op.strategy is None:
+        # per-device code of a user's shard_map: no layout to adapt it to, bound as written
+        out = op.prim.bind(*args, **params)
+        return list(out) if op.prim.multiple_results else [out]
     axes = _reduced_axes(op) if op.kind in ("scatter-add", "scatter_add") else ()
     if axes:
         # Updates split over some axes: every device adds its share into the table and
@@ -127,7 +131,13 @@ def _run_cond(op: Op, args: list) -> list:
     return list(lax.switch(args[0], branches, *args[1:]))
 
 
-_CONTROL_FLOW = {"scan": _run_scan, "while": _run_while, "cond": _run_cond}
+def _run_shard_map(op: Op, args: list) -> list:
+    """A user's shard_map: the program already runs per device (inside one shard_map over
+    the whole mesh), so its body runs right here on the blocks its in_specs give."""
+    return run_graph(op.params["body"], args)
+
+
+_CONTROL_FLOW = {"scan": _run_scan, "while": _run_while, "cond": _run_cond, "shard_map": _run_shard_map}
 
 
 def build_body(graph: Graph) -> Callable:
