@@ -25,7 +25,7 @@ def origin_steps(data: dict, i: int) -> list[str]:
         if nxt is None:
             return steps
         if nxt in seen:
-            steps.append(f"(op #{nxt} again)")
+            steps.append("(names this op itself)" if nxt == cur else f"(op #{nxt} again)")
             return steps
         seen.add(nxt)
         cur = nxt

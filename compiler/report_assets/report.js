@@ -278,9 +278,11 @@
     if (isColl(o)) {
       return h("span", { class: "kind", style: pad + ";--kc:var(--" + o.kind + ")" }, h("b", { text: o.kind }));
     }
-    return h("span", { class: "kind", style: pad }, h("span", { class: "kindname", text: o.kind }));
+    return h("span", { class: "kind", style: pad, title: o.kind }, h("span", { class: "kindname", text: o.kind }));
   }
-  function collectiveDetail(o) {
+  function collectiveDetail(o) { return fmtBytes(COLL[o.collective].bytes) + " · " + collectiveWhere(o); }
+  // which ranks take part: over which axes and groups (in a rank's view, its own group)
+  function collectiveWhere(o) {
     const c = COLL[o.collective];
     const r = state.rank;
     const p = c.params || {};
@@ -300,7 +302,7 @@
     } else {
       where = "group " + groupOfRank(c, r).join("-");
     }
-    return fmtBytes(c.bytes) + " · " + where;
+    return where;
   }
   function sliceBegin(o, c, r) {
     const out = VAL[o.out[0]];
@@ -336,7 +338,7 @@
       e.append(h("span", { class: "gut" }), h("span", { class: "idx", text: "#" + i }), kindCell(o, row.depth),
         h("span", { class: "type", text: types, title: types }),
         h("span", { class: "strat", text: detail, title: detail }),
-        h("span", { class: "src", text: src(o) }));
+        h("span", { class: "src", text: src(o), title: src(o) }));
       return e;
     }
     if (row.t === "input" || row.t === "output") {
@@ -430,10 +432,12 @@
     const c = COLL[k], o = OPS[c.op];
     const e = h("div", { class: "row op coll" + (state.sel === c.op ? " sel" : ""), "data-op": c.op,
       style: "--kc:var(--" + c.kind + ");--kbg:color-mix(in srgb, var(--" + c.kind + ") 13%, white)" });
+    const where = collectiveWhere(o);
     e.append(h("span", { class: "gut", style: "width:8px" }), h("span", { class: "idx", text: "#" + k }), kindCell(o, 0),
-      h("span", { class: "type", text: c.in_shape.join("x") + " → " + c.out_shape.join("x") + " per device" }),
-      h("span", { class: "strat", text: collectiveDetail(o) + (c.reason ? " · " + c.reason : "") }),
-      h("span", { class: "src", text: c.source }));
+      h("span", { class: "c-shape", text: typeText(VAL[o.in[0]].local) + " → " + typeText(VAL[o.out[0]].local) }),
+      h("span", { class: "c-bytes", text: fmtBytes(c.bytes) }),
+      h("span", { class: "c-where", text: where, title: where }),
+      h("span", { class: "c-why", text: c.reason, title: c.reason }));
     return e;
   }
   const collectivesList = VList($("collectives-view"), collectiveRow, null);
@@ -450,11 +454,12 @@
       via.forEach((s, k) => steps.push({ text: STR[s], names: k === via.length - 1 ? o.from : null }));
       const nxt = o.from;
       if (nxt == null) return steps;
-      if (seen.has(nxt)) { steps.push({ text: "(op #" + nxt + " again)", names: nxt }); return steps; }
+      if (seen.has(nxt)) { steps.push({ text: againText(cur, nxt), names: nxt }); return steps; }
       seen.add(nxt);
       cur = nxt;
     }
   }
+  function againText(cur, nxt) { return cur === nxt ? "(names this op itself)" : "(op #" + nxt + " again)"; }
   function chainLine(texts) {
     if (texts.length && texts[texts.length - 1] === "user") {
       return texts.length > 1 ? texts.slice(0, -1).join(", ") + " (the user's mark)" : "the user's mark";
@@ -753,8 +758,19 @@
     if (tab === "summary" && !$("summary-view").childElementCount) summary();
     redraw();
   }
+  // the type column as wide as the types are (in a sample of ops on a large program)
+  function fitTypeColumn() {
+    let width = 0;
+    const every = Math.max(1, Math.floor(OPS.length / 2000));
+    for (let i = 0; i < OPS.length; i += every) {
+      const o = OPS[i];
+      if (!isColl(o) && o.out.length) width = Math.max(width, valueType(o.out[0]).length);
+    }
+    document.documentElement.style.setProperty("--typew", Math.min(44, Math.max(22, width + 2)) + "ch");
+  }
   function setRank(r) {
     state.rank = r;
+    fitTypeColumn();
     $("view-note").textContent = r == null ? "global program: global shapes and layouts"
       : "program executed by rank " + r + " (" + coordsText(r) + "): local shapes, its collective groups and slice offsets";
     redraw();
