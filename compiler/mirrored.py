@@ -25,7 +25,7 @@ from ..ir.graph import Op, Value
 from ..ir.layout import Layout
 
 from .annotate import _is_library_frame
-from .trace import LAYOUT_REQUESTS, _Importer, tensor_type
+from .trace import CONTROL_FLOW, IDENTITIES, INLINE, LAYOUT_REQUESTS, _Importer, tensor_type
 
 
 class _AxisIndex:
@@ -65,7 +65,12 @@ class _PerDevice(_Importer):
                                  "runs as written and does not partition", operator=name, source=source(),
                                  shapes=tuple(v.type.shape for v in ins),
                                  fix="move it out of the shard_map, around the call")
-        return super()._eqn(eqn, ins, name, source)
+        if name in CONTROL_FLOW or name in IDENTITIES or name in INLINE and INLINE[name] in eqn.params:
+            return super()._eqn(eqn, ins, name, source)
+        # bound with jax's own params: none of the annotations the program's ops get
+        outs = [Value(tensor_type(v.aval)) for v in eqn.outvars]
+        self.ops.append(Op(name, ins, outs, dict(eqn.params), source, prim=eqn.primitive))
+        return outs
 
 
 def import_shard_map(imp: _Importer, eqn, ins: list, outs: list, source) -> Op:
@@ -107,8 +112,9 @@ def shard_map_errors():
         if "shard_map" not in str(e) or line is None:
             raise
         raise sharding_error(_one_line(str(e)), operator="shard_map", source=line,
-                             fix="run the shard_map on the parallelize mesh (omit mesh= inside the function, or "
-                                 "pass the same jax Mesh) and name its axes in the specs") from e
+                             fix="correct the call as jax says; inside parallelize a shard_map runs on the "
+                                 "parallelize mesh (omit mesh=, or pass the same jax Mesh) and its specs name "
+                                 "that mesh's axes") from e
 
 
 def _user_line(tb) -> str | None:
