@@ -3,8 +3,8 @@ plan's data inline; no network, no server: it opens from file://).
 
 The page is drawn in the browser from the plan data (runtime/plan_data.py), so
 ``plan.to_html(path)`` and ``shardprop report DUMP_DIR -o path`` (which reads the
-dump's ``plan.json``) make the same page. The page's own code is in
-``report_assets/`` (report.html, report.css, report.js).
+dump's ``plan.json``) make the same page. The page's own code is beside this
+module: report_page.html (the frame), report_page.css and report_page.js.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import importlib.resources
 
 from ..runtime.plan_data import to_json
 
-_ASSETS = ("report.html", "report.css", "report.js")
+_ASSETS = ("report_page.html", "report_page.css", "report_page.js")
 
 
 def _asset(name: str) -> str:
-    return importlib.resources.files(__package__).joinpath("report_assets", name).read_text(encoding="utf-8")
+    return importlib.resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
 
 
 def render_html(data: dict) -> str:
