@@ -25,8 +25,11 @@ def _leaf_ranges(args) -> list[range]:
     return out
 
 
-def _dtype(x) -> np.dtype:
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
+def _dtype(x):
+    if not hasattr(x, "dtype"):
+        return np.result_type(x)
+    # a PRNG key's dtype (key<fry>) is jax's own, not numpy's
+    return x.dtype if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else np.dtype(x.dtype)
 
 
 def state_ties(args: Sequence, argnums: Sequence[int], out_shape) -> dict[int, int]:
@@ -42,7 +45,7 @@ def state_ties(args: Sequence, argnums: Sequence[int], out_shape) -> dict[int, i
         for k, o in enumerate(outs):
             if k in used:
                 continue
-            osig = jax.tree_util.tree_structure(o), [(tuple(x.shape), np.dtype(x.dtype))
+            osig = jax.tree_util.tree_structure(o), [(tuple(x.shape), _dtype(x))
                                                     for x in jax.tree_util.tree_leaves(o)]
             if osig[0] == sig[0] and osig[1] == sig[1]:
                 used.add(k)

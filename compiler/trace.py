@@ -90,9 +90,11 @@ def tensor_type(aval) -> TensorType:
 def _tensor_type(aval) -> TensorType:
     if not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
         raise UnsupportedValue(f"unsupported value type {aval}")
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        # a key array: one element per key, its internal data is no dim of the IR (``key<fry>``)
+        return TensorType(tuple(int(s) for s in aval.shape), str(aval.dtype))
     if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
-        raise UnsupportedValue(f"values of type {aval.dtype} (PRNG keys) are not supported inside a parallelized "
-                               "function")
+        raise UnsupportedValue(f"values of type {aval.dtype} are not supported inside a parallelized function")
     return TensorType(tuple(int(s) for s in aval.shape), np.dtype(aval.dtype).name)
 
 
@@ -105,6 +107,11 @@ class _Importer:
 
     def const(self, val) -> Value:
         arr = np.asarray(val) if not isinstance(val, jax.Array) else val
+        if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):
+            # a closed-over key is fed in as an input, even a single one: no literal holds a key
+            v = Value(tensor_type(arr), const=arr, name_hint="const")
+            self.consts.append(v)
+            return v
         t = TensorType(tuple(arr.shape), np.dtype(arr.dtype).name if arr.dtype != jax.numpy.bfloat16 else "bfloat16")
         if arr.ndim == 0:
             return Value(t, literal=np.asarray(val))
@@ -140,8 +147,8 @@ class _Importer:
             except UnsupportedValue as e:
                 raise sharding_error(str(e), operator=name, source=source(),
                                      shapes=tuple(v.type.shape for v in ins),
-                                     fix="draw random numbers (dropout masks) outside and pass them in as "
-                                         "arrays, or split the key with jax.random outside") from None
+                                     fix="compute this value outside the parallelized function and pass the "
+                                         "result in as an array") from None
             for var, val in zip(eqn.outvars, outs):
                 if not isinstance(var, jcore.DropVar):
                     env[var] = val
@@ -172,7 +179,12 @@ class _Importer:
                                                        "user_spec": _spec_dims(eqn.params, ins[0].type.rank)},
                                source))
         else:
-            self.ops.append(Op(name, ins, outs, dict(eqn.params), source, prim=eqn.primitive))
+            params = dict(eqn.params)
+            if name == "random_bits":
+                # jax's partitionable threefry draws bit i from the key and counter i alone, so a
+                # device can draw its block by itself (passes/rules/random.py)
+                params["counters"] = bool(jax.config.jax_threefry_partitionable)
+            self.ops.append(Op(name, ins, outs, params, source, prim=eqn.primitive))
         return outs
 
     def body(self, closed, source) -> tuple[Graph, list[Value]]:
@@ -351,7 +363,7 @@ def import_jaxpr(closed, mesh: Mesh, names: list[str], name: str = "main") -> Gr
             inputs.append(Value(tensor_type(v.aval)))
         except UnsupportedValue as e:
             raise sharding_error(f"input {n}: {e}", operator=name,
-                                 fix="pass random masks (or raw uint32 key data) instead of a PRNG key") from None
+                                 fix="pass plain arrays (or PRNG keys) as inputs") from None
     for v, n in zip(inputs, names):
         v.name_hint = n
     outputs = imp.walk(closed.jaxpr, consts, inputs)

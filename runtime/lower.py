@@ -18,6 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..ir.graph import Graph, Op, Value, is_collective
 from ..ir.layout import Layout
+from ..passes.rules.random import blockwise_bits
+from .random_bits import random_bits_block
 
 
 def partition_spec(layout: Layout) -> PartitionSpec:
@@ -70,6 +72,12 @@ def _run_primitive(op: Op, args: list):
         # devices but the first of each group start from zeros.
         first = lax.axis_index(axes) == 0
         args = [jnp.where(first, args[0], jnp.zeros_like(args[0]))] + list(args[1:])
+    if op.kind == "random_bits" and _draws_block(op):
+        # each device draws only its block of the global bits (runtime/random_bits.py)
+        v, key_rank = op.outputs[0], op.inputs[0].type.rank
+        block = v.local_type.shape[key_rank:]
+        offsets = [_axis_offset(axes, n) for axes, n in zip(v.layout.dims[key_rank:], block)]
+        return [random_bits_block(args[0], params["bit_width"], op.params["shape"], block, offsets)]
     if op.kind == "iota":
         out = op.prim.bind(**params)
         axes = op.outputs[0].layout.dims[params["dimension"]]
@@ -79,6 +87,11 @@ def _run_primitive(op: Op, args: list):
         return [out]
     out = op.prim.bind(*args, **params)
     return list(out) if op.prim.multiple_results else [out]
+
+
+def _draws_block(op: Op) -> bool:
+    """A random_bits whose drawn dims are split (its rule allows that only for counter-based bits)."""
+    return blockwise_bits(op) and any(op.outputs[0].layout.dims[op.inputs[0].type.rank:])
 
 
 def _read(env: dict, v: Value):

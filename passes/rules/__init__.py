@@ -1,6 +1,6 @@
 """Sharding rules, one per primitive, registered in ``RULES`` by primitive name."""
 from .base import LOCALIZERS, RULES, FactorRule, register, register_localizer  # noqa: F401
-from . import (constants, contraction, control_flow, elementwise, indexing, reductions,  # noqa: F401
+from . import (constants, contraction, control_flow, elementwise, indexing, random, reductions,  # noqa: F401
                shape_ops, structural, windows)  # (registration)
 from .mirrored import FIXED  # noqa: F401  (shard_map: ops whose layouts the program fixes)
 
