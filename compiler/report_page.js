@@ -319,6 +319,11 @@
     if (L.partial.length) s += " " + (L.partial_op === "sum" ? "Σ" : L.partial_op) + "{" + L.partial.join(",") + "}";
     return s;
   }
+  // where rank r's block of value v starts, in layout l
+  function offsetsOf(v, l, r) {
+    const L = LAY[l];
+    return TY[VAL[v].type].shape.map((s, d) => linIndex(r, L.dims[d]) * (s / axesSize(L.dims[d])));
+  }
   function valueType(v) {
     const x = VAL[v];
     if (state.rank != null) return typeText(x.local);
@@ -347,7 +352,9 @@
       e.append(h("span", { class: "gut" }), h("span", { class: "idx", text: row.t === "input" ? "in " + row.k : "out " + row.k }),
         h("span", { class: "kind", style: "padding-left:6px" }, h("b", { text: x.name })),
         h("span", { class: "type", text: valueType(row.v) }),
-        h("span", { class: "strat", text: x.const ? "constant" : (state.rank != null ? layoutText(x.layout) : "per device " + typeText(x.local)) }),
+        h("span", { class: "strat", text: (x.const ? "constant · " : "") + (state.rank != null
+          ? layoutText(x.layout) + " offsets (" + offsetsOf(row.v, x.layout, state.rank).join(", ") + ")"
+          : "per device " + typeText(x.local)) }),
         h("span", { class: "src" }));
       return e;
     }
@@ -532,11 +539,7 @@
     const p = producer[v];
     const made = p >= 0 ? [" · made by ", opLink(p)] : [" · " + (x.const ? "a constant" : "an input")];
     const per = h("div", { class: "axis-note" }, "per device " + typeText(x.local), ...made);
-    if (state.rank != null && l != null) {
-      const L = LAY[l], shape = TY[x.type].shape;
-      const off = shape.map((s, d) => linIndex(state.rank, L.dims[d]) * (s / axesSize(L.dims[d])));
-      per.append(" · rank " + state.rank + " holds offsets (" + off.join(", ") + ")");
-    }
+    if (state.rank != null && l != null) per.append(" · rank " + state.rank + " holds offsets (" + offsetsOf(v, l, state.rank).join(", ") + ")");
     return h("div", { class: "value" }, head, per, l != null ? layoutGrid(x.type, l) : null);
   }
   function kv(pairs) {

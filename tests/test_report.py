@@ -169,6 +169,26 @@ def test_seed_report_in_browser(seed_plan, browser, tmp_path):
 
 
 @browser_test
+def test_rank_view_is_the_rank_dump(browser, tmp_path):
+    """Each rank's view shows what rank_<r>/execute.ir runs: its collective groups, its
+    slice offsets, where its blocks of the inputs start (MindSpore's form: all_reduce + slice)."""
+    plan = sp.parallelize(golden_nets.seed_net, mesh=8, fuse_reduce_scatter=False).plan(*golden_nets.seed_args())
+    plan.dump(str(tmp_path / "dump"))
+    page = open_report(browser, plan.to_html(tmp_path / "ms.html")).page
+    for r in range(plan.mesh.size):
+        text = (tmp_path / "dump" / f"rank_{r}" / "execute.ir").read_text()
+        want = [f"group {m[1]}" if m[0] == "all_reduce" else f"begin ({m[2]})"
+                for m in re.findall(r"= (all_reduce|slice)\(%\d+\) \{(?:group_ranks=([\d-]+)|begin=\(([\d, ]+)\))", text)]
+        offsets = re.findall(r"offsets=\(([\d, ]+)\)", text)
+        page.select_option("#rank", str(r))
+        shown = page.locator("#program-view .row.coll .strat").all_inner_texts()
+        assert len(shown) == len(want) == 3
+        assert all(w in s for w, s in zip(want, shown)), (r, want, shown)
+        inputs = page.locator("#program-view .row[data-value] .strat").all_inner_texts()
+        assert [f"offsets ({o})" in s for o, s in zip(offsets, inputs)] == [True] * len(offsets) == [True] * 3
+
+
+@browser_test
 def test_gpt_report_in_browser(gpt_plan, browser, tmp_path):
     plan, data = gpt_plan, gpt_plan.data
     opened = open_report(browser, plan.to_html(tmp_path / "gpt.html"))
