@@ -71,12 +71,17 @@ def block_counters(shape: Sequence[int], block: Sequence[int], offsets: Sequence
 def random_bits_block(keys, bit_width: int, shape: Sequence[int], block: Sequence[int], offsets: Sequence):
     """The block (shape ``keys.shape + block``, corner at ``offsets`` within ``shape``) of
     ``random_bits(keys, bit_width, shape)`` under partitionable threefry."""
-    data = jax.random.key_data(keys)                      # u32[*keys.shape, 2]
-    out = tuple(keys.shape) + tuple(block)
-    lead = tuple(range(keys.ndim))
-    k1, k2 = (lax.broadcast_in_dim(data[..., w], out, lead) for w in (0, 1))
-    hi, lo = (jnp.broadcast_to(c, out) for c in block_counters(shape, block, offsets))
-    bits1, bits2 = threefry2x32_p.bind(k1, k2, hi, lo)
+    hi, lo = block_counters(shape, block, offsets)
+
+    def one_key(key):
+        # the key words stay scalars: threefry2x32 broadcasts them (full-size copies would
+        # ride through its loop as extra state)
+        data = jax.random.key_data(key)
+        return threefry2x32_p.bind(data[0], data[1], hi, lo)
+    draw = one_key
+    for _ in range(keys.ndim):   # a batch of keys: one draw per key, over the same counters
+        draw = jax.vmap(draw)
+    bits1, bits2 = draw(keys)
     dtype = np.dtype(f"uint{bit_width}")
     if bit_width == 64:
         return (lax.convert_element_type(bits1, dtype) << dtype.type(32)) | lax.convert_element_type(bits2, dtype)

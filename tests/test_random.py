@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jax.extend.random import threefry_2x32
+
 import shardprop as sp
 from shardprop.runtime.random_bits import block_counters, random_bits_block
 from tests.helpers import assert_trees_close, rand, scalarize
@@ -70,6 +72,8 @@ DRAWS = {
     "permutation": lambda k, x: jax.random.permutation(k, x.shape[0]),
     "per_row_keys": lambda k, x: jax.vmap(lambda kk: jax.random.bits(kk, x.shape[1:]))(
         jax.random.split(k, x.shape[0])),
+    "threefry_2x32": lambda k, x: threefry_2x32(_key_data(k), jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)),
+    "key_data": lambda k, x: _key_data(jax.random.clone(jax.random.wrap_key_data(_key_data(k)))),
 }
 FLOAT_DRAWS = {
     "dropout": lambda k, x: jnp.where(jax.random.bernoulli(k, .8, x.shape), x / .8, 0.),
@@ -79,6 +83,10 @@ FLOAT_DRAWS = {
     "seed_inside": lambda k, x: x * jax.random.normal(jax.random.PRNGKey(0), x.shape),
     "3d": lambda k, x: jnp.sum(x.reshape(4, 4, 32) * jax.random.normal(k, (4, 4, 32)), 1),
 }
+
+
+def _key_data(k):
+    return k if k.dtype == jnp.uint32 else jax.random.key_data(k)
 
 
 def _draws(k, x):
@@ -176,6 +184,17 @@ def test_dropout_after_a_marked_matmul_named_mesh():
     pf = check(net, (KEYS["typed"], X, W), mesh=MESH_2x4, grad_argnums=(1, 2))
     bits = next(o for o in pf.plan(KEYS["typed"], X, W).ops if o.primitive == "random_bits")
     assert bits.out_strategy == ((2, 4),)
+
+
+def test_batch_of_keys_with_split_draws():
+    """vmap over per-row keys (flax's per-example dropout): the key batch dim and the drawn
+    dim are both split; each device draws its block with its own rows' keys."""
+    def f(k, x):
+        x = sp.shard(jnp.tanh, ((2, 4),))(x)
+        return jax.vmap(lambda kk, xx: xx * jax.random.normal(kk, xx.shape))(jax.random.split(k, x.shape[0]), x)
+    pf = check(f, (KEYS["typed"], X), grad_argnums=(1,))
+    bits = next(o for o in pf.plan(KEYS["typed"], X).ops if o.primitive == "random_bits")
+    assert bits.out_strategy == ((2, 4),) and bits.in_strategy == ((2,),)
 
 
 def test_split_draw_has_no_collective_and_local_shape():
