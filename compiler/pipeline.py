@@ -45,7 +45,10 @@ class Options:
 
 def default_passes(opts: Options) -> list:
     rs = opts.fuse_reduce_scatter
-    return [BindUserStrategies(), PropagateSharding(opts.mode, opts.cost, rs), SinkReductions(),
+    # Propagation prices a partial's completion as a reduce_scatter in either form:
+    # MindSpore's all_reduce + slice is how a redistribution is written out, not a
+    # reason to choose another plan (so both forms plan alike, as MindSpore's dumps do).
+    return [BindUserStrategies(), PropagateSharding(opts.mode, opts.cost, True), SinkReductions(),
             InsertReshards(rs, opts.cost), ReshardToCollectives(rs, opts.cost), Localize()]
 
 

@@ -80,18 +80,27 @@ class InsertReshards:
 
     def output_layout(self, v: Value, mesh) -> Layout:
         """The cheapest complete layout for an output that is still partial."""
-        layout = v.layout
-        if not layout.partial:
-            return layout
-        options = [layout.without_partial()]
-        if layout.partial_op == "sum" and self.allow_reduce_scatter:
-            for d in range(layout.rank):
-                cand = Layout(layout.dims).with_dim(d, layout.dims[d] + layout.partial)
-                if not cand.problems(v.type.shape, mesh):
-                    options.append(cand)
-        def key(item):
-            i, cand = item
-            cost = redistribution_cost(v.type.shape, v.type.itemsize, layout, cand, mesh,
-                                       self.allow_reduce_scatter, self.cost)
-            return (round(cost, 15), max((len(d) for d in cand.dims), default=0), i)
-        return min(enumerate(options), key=key)[1]
+        return cheapest_completion(v.type.shape, v.type.itemsize, v.layout, mesh, self.allow_reduce_scatter,
+                                   self.cost)[0]
+
+
+def cheapest_completion(shape, itemsize, layout: Layout, mesh, allow_reduce_scatter: bool = True,
+                        cost: CostModel = DEFAULT_COST) -> tuple[Layout, float]:
+    """(layout, time) of completing a pending partial the cheapest way: an all_reduce,
+    or a reduce_scatter onto a dim. Propagation charges this to a strategy whose
+    result nobody asks for in a given layout, and insert-reshards does it."""
+    if not layout.partial:
+        return layout, 0.0
+    options = [layout.without_partial()]
+    if layout.partial_op == "sum" and allow_reduce_scatter:
+        for d in range(layout.rank):
+            cand = Layout(layout.dims).with_dim(d, layout.dims[d] + layout.partial)
+            if not cand.problems(shape, mesh):
+                options.append(cand)
+    best = None
+    for i, cand in enumerate(options):
+        t = redistribution_cost(shape, itemsize, layout, cand, mesh, allow_reduce_scatter, cost)
+        key = (round(t, 15), max((len(d) for d in cand.dims), default=0), i)
+        if best is None or key < best[0]:
+            best = (key, cand, t)
+    return best[1], best[2]

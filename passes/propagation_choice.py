@@ -19,6 +19,7 @@ from ..ir.graph import CONSTRAINT, Op, Value
 from ..ir.layout import Layout
 
 from .cost import wire_bytes
+from .insert_reshards import cheapest_completion
 from .redistribute import redistribution_cost
 from .rules.base import FactorRule
 from .sharding import Axes, dim_axes, keep_contiguous, may_shard, nesting, project, regroup
@@ -144,6 +145,7 @@ class ChoiceMixin:
                     cands.append((self._complete(rule, cur, [s2] + sources[:i] + sources[i + 1:], reserved), None, s))
         if not sources:
             cands.append((list(cur), None, None))
+        cands += self._combined_candidates(rule, cur, sources, reserved)
         # what to do with pending partial operands
         extra = []
         decided_pt = op in self.passthrough
@@ -202,15 +204,115 @@ class ChoiceMixin:
             if key in seen:
                 continue
             seen.add(key)
-            cost = self._cost(op, rule, c, pt if pt is not None else self.passthrough.get(op))
-            # ties: more sharding first (less repeated work and memory), then axes spread over dims
-            sharded = -sum(len(a) for a in c if a)
-            balance = max((len(a) for a in c if a), default=0)
-            scored.append((round(cost, 15), sharded, balance, idx, c, pt, s))
+            scored.append((self._score(op, rule, c, pt) + (idx,), c, pt, s))
         if not scored:
             return None
-        *_, c, pt, s = min(scored, key=lambda t: t[:4])
+        key, c, pt, s = min(scored, key=lambda t: t[0])
+        _, c, pt, s = self._improve(op, rule, cur, (key[:3], c, pt, s), reserved)
         return c, pt, s
+
+    def _combined_candidates(self, rule, cur, sources, reserved) -> list:
+        """Every neighbour's splits at once: a neighbour that holds a dim whole does not
+        veto another's split of it (two operands split on different dims of an
+        elementwise op each keep theirs, and each is only sliced, for free)."""
+        splits = [Source(s.kind, s.index, s.value, {f: a for f, a in s.proposal.items() if a}) for s in sources]
+        if sum(1 for s in splits if s.proposal) < 2:
+            return []
+        return [(self._complete(rule, cur, [s] + splits[:i] + splits[i + 1:], reserved), None, sources[i])
+                for i, s in enumerate(splits) if s.proposal]
+
+    def _improve(self, op, rule, cur, best, reserved):
+        """Hill-climb from the best candidate: give a mesh axis the candidate leaves
+        idle to one of the op's open factors (minor or major end) while that is
+        cheaper. This finds what no neighbour proposed as such: an operand split on a
+        dim the op needs whole moved onto another dim by all_to_all instead of
+        gathered (concatenate, cumsum or a slice along a split dim); an operand
+        pre-sliced over an idle axis so that an all_to_all or a reduction moves less.
+        An axis that no neighbour splits over is taken only where it cuts this op's
+        communication, not for compute alone: slicing it looks free here, but an op
+        settled later may need the whole back (a layer norm's statistics sliced, then
+        gathered for the next matmul)."""
+        mesh = self.mesh
+        key, c, pt, s = best
+        pt_axes = set(pt[1]) if pt else set(self.passthrough[op][1]) if self.passthrough.get(op) else set()
+        near = set()
+        for v in itertools.chain(op.inputs, op.outputs):
+            for axes in itertools.chain(self.dims.get(v) or (), self.hints.get(v) or ()):
+                near.update(axes or ())
+        comm = key[0] - self._compute_time(op, rule, c)
+        if comm <= 0:
+            return best   # nothing moves: a step could only trade compute, which we leave to neighbours
+        while True:
+            step = None
+            for cand, idle in self._neighbour_candidates(rule, cur, c, set(reserved) | pt_axes, near):
+                k = self._score(op, rule, cand, pt)
+                if not k < key:
+                    continue
+                # ties between steps: axes in mesh order within a dim, as layouts mostly
+                # come, so that a later step can still reach a plain all_to_all
+                k2 = k + (self._inversions(cand),)
+                if step is not None and not k2 < step[0] + (self._inversions(step[1]),):
+                    continue
+                cand_comm = k[0] - self._compute_time(op, rule, cand)
+                if idle and not cand_comm < comm - 1e-15:
+                    continue
+                step = (k, cand, cand_comm)
+            if step is None:
+                return key, c, pt, s
+            key, c, comm = step
+
+    def _inversions(self, cand) -> int:
+        order = self.mesh.axis_index
+        return sum(1 for axes in cand if axes for i, a in enumerate(axes) for b in axes[i + 1:]
+                   if order(a) > order(b))
+
+    def _neighbour_candidates(self, rule, cur, c, reserved, near):
+        """Candidates one step from ``c``: a mesh axis it leaves free inserted into an
+        open factor (at any place in its order), or one of its axes moved to another
+        place (another open factor, another place in the same one, or dropped).
+        Yields (candidate, whether it takes an axis no neighbour splits over)."""
+        mesh = self.mesh
+        open_f = [f for f in range(len(c)) if cur[f] is None and rule.shardable(f)]
+        used = {a for axes in c if axes for a in axes}
+
+        def placements(base, a):
+            for f in open_f:
+                axes = base[f] or ()
+                for p in range(len(axes) + 1):
+                    grown = axes[:p] + (a,) + axes[p:]
+                    if rule.sizes[f] % mesh.axes_size(grown):
+                        continue
+                    cand = list(base)
+                    cand[f] = grown
+                    yield cand
+
+        def valid(cand):
+            return all(may_shard(f, cand, rule, mesh) for f, x in enumerate(cand) if x)
+
+        for a in mesh.axis_names:
+            if a in reserved:
+                continue
+            if a not in used:
+                for cand in placements(c, a):
+                    if valid(cand):
+                        yield cand, a not in near
+                continue
+            f = next(f for f, x in enumerate(c) if x and a in x)
+            if cur[f] is not None:
+                continue
+            without = list(c)
+            without[f] = tuple(x for x in c[f] if x != a)
+            if valid(without):
+                yield without, False
+            for cand in placements(without, a):
+                if cand != list(c) and valid(cand):
+                    yield cand, False
+
+    def _score(self, op, rule, c, pt) -> tuple:
+        """How candidates compare: cost, then more sharding (less repeated work and
+        memory), then axes spread over dims."""
+        cost = self._cost(op, rule, c, pt if pt is not None else self.passthrough.get(op))
+        return round(cost, 15), -sum(len(a) for a in c if a), max((len(a) for a in c if a), default=0)
 
     # -- costs ------------------------------------------------------------------
     def _layout_pair(self, have_dims, have_partial, want_dims, want_partial):
@@ -237,6 +339,13 @@ class ChoiceMixin:
             return IMPOSSIBLE
         return redistribution_cost(v.type.shape, v.type.itemsize, have, want, self.mesh,
                                    self.cfg.allow_reduce_scatter, self.cfg.cost)
+
+    def _completion(self, v: Value, dims, partial) -> float:
+        layout = Layout(tuple(a if a is not None else () for a in dims), partial[0], partial[1])
+        if not layout.fits(v.type.shape, self.mesh):
+            return IMPOSSIBLE
+        return cheapest_completion(v.type.shape, v.type.itemsize, layout, self.mesh, self.cfg.allow_reduce_scatter,
+                                   self.cfg.cost)[1]
 
     def _compute_time(self, op: Op, rule: FactorRule, factors) -> float:
         """The op's own work per device: whatever its factors split is divided, the rest
@@ -286,6 +395,12 @@ class ChoiceMixin:
         for n, v in enumerate(op.outputs):
             hint = self.hints.get(v)
             if hint is None or all(h is None for h in hint):
+                if res_partial[0] and not self.users.get(v):
+                    # only the caller reads it, in no layout in particular, yet a partial
+                    # sum is completed before it is returned: charge the cheapest completion
+                    # (for a value ops read, they settle later and say what they need)
+                    total += self._completion(v, [dim_axes(d, cand, rule, mesh) for d in rule.results[n]],
+                                              res_partial)
                 continue
             mine = [dim_axes(d, cand, rule, mesh) for d in rule.results[n]]
             h, w = self._layout_pair(mine, res_partial, hint, ((), "sum"))

@@ -45,7 +45,15 @@ def test_propagated_strategies(net, mesh, seed_args):
     assert prims[0][:2] == ("dot_general", ((2, 4), (4, 1))) and prims[0][2] == "user"
     assert prims[1][0] == "max" and prims[1][1][0] == (2, 4)          # relu, inferred
     assert prims[1][2].startswith("forward from shard(matmul)")
-    assert prims[2][:2] == ("dot_general", ((2, 4), (4, 1)))           # second matmul, inferred
+    if mesh == 8:
+        assert prims[2][:2] == ("dot_general", ((2, 4), (4, 1)))       # second matmul, inferred
+    else:
+        # On the named mesh the second matmul takes the relu output moved onto the batch
+        # dim (one all_to_all, 96 B) rather than reduce-scattering its partial result
+        # (384 B): the per-op search finds it. On mesh=8 (the golden reproduction) the
+        # one-axis steps find nothing cheaper and the plan is the document's.
+        assert prims[2][:2] == ("dot_general", ((8, 1), (1, 1)))
+        assert [(c.kind, c.bytes) for c in plan.collectives] == [("reduce_scatter", 384), ("all_to_all", 96)]
     assert prims[2][2].startswith("forward from max")
     assert all(o.source.startswith("test_quickstart.py:") for o in plan.ops)
 
