@@ -29,6 +29,7 @@ from ..ir.mesh import Mesh
 from .cost import DEFAULT_COST, CostModel, wire_bytes
 
 MAX_EXPANSIONS = 20000
+MAX_KEPT_STATES = 4096   # per tensor and mesh, the states whose moves are kept
 
 
 @dataclass(frozen=True)
@@ -110,37 +111,74 @@ def _moves(state: Layout, shape, itemsize, mesh: Mesh, allow_reduce_scatter: boo
                         mesh.axis_size(a1), axes=(a1, a2))
 
 
+class _States:
+    """The layouts of one tensor on one mesh as numbered states, and the moves out
+    of each with their times, worked out once: searches between different layouts
+    of a tensor pass through the same states again and again."""
+
+    def __init__(self, shape, itemsize, mesh: Mesh, allow_reduce_scatter: bool, cost: CostModel):
+        self.args = (shape, itemsize, mesh, allow_reduce_scatter)
+        self.cost = cost
+        self.ids: dict[Layout, int] = {}
+        self.layouts: list[Layout] = []
+        self.edges: dict[int, tuple] = {}
+
+    def id(self, layout: Layout) -> int:
+        i = self.ids.get(layout)
+        if i is None:
+            i = self.ids[layout] = len(self.layouts)
+            self.layouts.append(layout)
+        return i
+
+    def moves(self, i: int) -> tuple:
+        """(step, state after, time, partial axes after) for every move out of state ``i``."""
+        out = self.edges.get(i)
+        if out is None:
+            if len(self.edges) > MAX_KEPT_STATES:
+                self.edges.clear()   # bounded memory: a search over many axes meets very many states
+            out = self.edges[i] = tuple(
+                (s, self.id(s.after), 0.0 if s.kind == "slice" else self.cost.collective_time(s.wire_bytes),
+                 frozenset(s.after.partial))
+                for s in _moves(self.layouts[i], *self.args))
+        return out
+
+
+@lru_cache(maxsize=256)
+def _states(shape, itemsize, mesh: Mesh, allow_reduce_scatter: bool, cost: CostModel) -> _States:
+    return _States(shape, itemsize, mesh, allow_reduce_scatter, cost)
+
+
 def _search(shape, itemsize, src: Layout, dst: Layout, mesh: Mesh, allow_reduce_scatter: bool,
             cost: CostModel) -> Optional[list[Step]]:
-    def step_cost(s: Step) -> float:
-        return 0.0 if s.kind == "slice" else cost.collective_time(s.wire_bytes)
-
+    states = _states(shape, itemsize, mesh, allow_reduce_scatter, cost)
+    start, goal = states.id(src), states.id(dst)
+    keep = frozenset(dst.partial)   # a partial the target keeps must never be reduced
     tie = itertools.count()
-    frontier = [(0.0, 0, next(tie), src)]
-    best = {src: 0.0}
-    back: dict[Layout, Step] = {}
+    frontier = [(0.0, 0, next(tie), start)]
+    best = {start: 0.0}
+    back: dict[int, tuple] = {}   # state -> (step into it, state before)
     expanded = 0
     while frontier:
         c, n, _, state = heapq.heappop(frontier)
-        if state == dst:
+        if state == goal:
             path = []
-            while state != src:
-                path.append(back[state])
-                state = back[state].before
+            while state != start:
+                step, state = back[state]
+                path.append(step)
             return path[::-1]
         if c > best.get(state, math.inf):
             continue
         expanded += 1
         if expanded > MAX_EXPANSIONS:
             return None
-        for s in _moves(state, shape, itemsize, mesh, allow_reduce_scatter):
-            if not set(s.after.partial) >= set(dst.partial):
-                continue  # a partial the target keeps must never be reduced
-            nc = c + step_cost(s)
-            if nc < best.get(s.after, math.inf) - 1e-15:
-                best[s.after] = nc
-                back[s.after] = s
-                heapq.heappush(frontier, (nc, n + 1, next(tie), s.after))
+        for s, after, t, partial in states.moves(state):
+            if keep and not keep <= partial:
+                continue
+            nc = c + t
+            if nc < best.get(after, math.inf) - 1e-15:
+                best[after] = nc
+                back[after] = (s, state)
+                heapq.heappush(frontier, (nc, n + 1, next(tie), after))
     return None
 
 
