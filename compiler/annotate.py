@@ -240,13 +240,13 @@ def shard(fn: Callable, in_strategy, out_strategy=None) -> Callable:
         arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
         shapes = tuple(tuple(np.shape(leaves[i])) for i in arrays)
         ins, outs = check_given(source, shapes)
+        check_against_shapes(ins, shapes, operator=operator, source=source, strategy=in_strategy,
+                             what="in_strategy")   # ranks first: the checks below index dims
         factors = None
         if any(kind == "splits" for kind, _ in ins):
             from .regions import factor_classes
             factors = factor_classes(fn, args, kwargs, arrays)
             check_splits_agree(factors, ins, operator=operator, source=source, shapes=shapes, strategy=in_strategy)
-        check_against_shapes(ins, shapes, operator=operator, source=source, strategy=in_strategy,
-                             what="in_strategy")
         rid = next(_region_ids)
         leaves = list(leaves)
         for k, i in enumerate(arrays):

@@ -44,7 +44,7 @@ def _per_leaf(prefix, tree_value, what: str, *, whose: str, operator: str, sourc
         shape_of = lambda x: tuple(np.shape(x)) if hasattr(x, "shape") else type(x).__name__  # noqa: E731
         expected = jax.tree_util.tree_map(shape_of, tree_value)
         raise sharding_error(f"{what} does not match the structure of the {whose}: the {whose} are {expected}",
-                             operator=operator, source=source, strategy=prefix,
+                             operator=operator, source=source, shapes=expected, strategy=prefix,
                              fix=f"give {what} the structure of the {whose} (or a prefix of it), one strategy per "
                                  f"array; None leaves that one to the compiler") from None
     out = []
@@ -114,7 +114,7 @@ class ParallelFunction:
         graph.tied_outputs = state_ties(args, sorted(a for a in state if a < len(args)), out_shape)
 
     def _pins(self, args, kwargs, graph, out_tree):
-        where = caller_source()
+        where = graph.call_source = caller_source()
         if self.in_strategy is not None:
             prefix = self.in_strategy
             if not isinstance(prefix, (tuple, list)) or _is_tensor_strategy(prefix):

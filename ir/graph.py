@@ -140,6 +140,7 @@ class Graph:
     pinned_outputs: dict = field(default_factory=dict)  # output index -> Layout fixed by the user
     tied_outputs: dict = field(default_factory=dict)    # output index -> input index it must match (loop state)
     count_mesh: bool = False                       # mesh built from a device count: axes may be reordered
+    call_source: Optional[str] = None              # where parallelize was called (errors about in/out strategies)
 
     def walk_ops(self) -> Iterator[tuple["Graph", Op]]:
         """Every op with the graph it sits in, descending into loop and branch bodies."""

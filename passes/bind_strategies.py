@@ -56,17 +56,19 @@ class BindUserStrategies:
         for i, raw in list(graph.pinned_inputs.items()):
             if not isinstance(raw, Layout):
                 graph.pinned_inputs[i] = self._bind_tensor(raw, graph.inputs[i].type.shape, mesh,
-                                                           f"parallelize in_strategy for input {graph.input_names[i]}")
+                                                           f"in_strategy for input {graph.input_names[i]}",
+                                                           (f"parallelize({graph.name})", graph.call_source))
         for i, raw in list(graph.pinned_outputs.items()):
             if not isinstance(raw, Layout):
                 graph.pinned_outputs[i] = self._bind_tensor(raw, graph.outputs[i].type.shape, mesh,
-                                                            f"parallelize out_strategy for output {i}")
+                                                            f"out_strategy for output {i}",
+                                                            (f"parallelize({graph.name})", graph.call_source))
         for i, layout in graph.pinned_inputs.items():
             graph.inputs[i].layout = layout
         for _, op in graph.walk_ops():
             if op.kind == CONSTRAINT and "user_spec" in op.params:
                 op.pinned = self._axes_layout(op.params["user_spec"], op.inputs[0].type.shape, mesh, None,
-                                              f"with_sharding_constraint at {op.source}")
+                                              "its PartitionSpec", ("with_sharding_constraint", op.source))
         return graph
 
     # -- regions ---------------------------------------------------------------
@@ -203,26 +205,25 @@ class BindUserStrategies:
                 else:
                     mark.pinned = self._out_splits_layout(body, mark, mesh, plan)
 
-    def _axes_layout(self, body, shape, mesh: Mesh, plan, which: str) -> Layout:
+    def _axes_layout(self, body, shape, mesh: Mesh, plan, which: str, where=None) -> Layout:
+        """A PartitionSpec's layout, checked. Errors name the shard() call (``plan``), or
+        ``where`` = (operator, source line) for parallelize's own strategies and jax's
+        with_sharding_constraint."""
         region = plan["region"] if plan else None
+        operator, source = (self._operator(plan), region.source) if plan else where
+        shapes, strategy = (region.in_shapes, region.user_in_strategy) if region else (shape, body)
         dims = tuple(body) + ((),) * (len(shape) - len(body))
         for d, axes in enumerate(dims):
             for a in axes:
                 if a not in mesh.axis_names:
                     raise sharding_error(f"{which} names mesh axis {a!r}, which the mesh does not have",
-                                         operator=self._operator(plan) if plan else which,
-                                         source=region.source if region else None,
-                                         shapes=region.in_shapes if region else shape,
-                                         strategy=region.user_in_strategy if region else body,
+                                         operator=operator, source=source, shapes=shapes, strategy=strategy,
                                          fix=f"use one of the mesh axes: {', '.join(mesh.axis_names)}")
         layout = Layout(dims)
         problems = layout.problems(shape, mesh)
         if problems:
             raise sharding_error(f"{which} cannot lay out a tensor of shape {shape}: {'; '.join(problems)}",
-                                 operator=self._operator(plan) if plan else which,
-                                 source=region.source if region else None,
-                                 shapes=region.in_shapes if region else shape,
-                                 strategy=region.user_in_strategy if region else body,
+                                 operator=operator, source=source, shapes=shapes, strategy=strategy,
                                  fix="use each mesh axis at most once, on dims it divides")
         return layout
 
@@ -231,10 +232,15 @@ class BindUserStrategies:
         factor axes first, then the contracted axes (MindSpore's reduce-scatter form)."""
         region = plan["region"]
         producer_axes = plan["result_layouts"].get(mark.inputs[0])
-        dims, used = [], set()
+        # each dim first keeps the axes its producer already splits it over (where they
+        # fit its count), so that no other dim takes them; then the rest come from the pool
+        kept = []
         for d, s in enumerate(splits):
             start = producer_axes.dims[d] if producer_axes is not None else ()
-            run = list(start) if mesh.axes_size(start) <= s and s % max(mesh.axes_size(start), 1) == 0 else []
+            kept.append(list(start) if mesh.axes_size(start) <= s and s % max(mesh.axes_size(start), 1) == 0 else [])
+        dims, used = [], {a for run in kept for a in run}
+        for d, s in enumerate(splits):
+            run = kept[d]
             pool = ([a for a in producer_axes.partial] if producer_axes is not None else []) + list(mesh.axis_names)
             for a in pool:
                 if mesh.axes_size(run) >= s:
@@ -274,27 +280,30 @@ class BindUserStrategies:
                 for n, v in enumerate(op.outputs):
                     known[v] = plan["result_layouts"][v] = strategy.result_layout(n, mesh)
 
-    def _bind_tensor(self, raw, shape, mesh: Mesh, which: str) -> Layout:
+    def _bind_tensor(self, raw, shape, mesh: Mesh, which: str, where) -> Layout:
+        """parallelize's in/out strategy for one tensor; ``where`` = (operator, source line)."""
         kind, body = raw
         if kind == "axes":
-            return self._axes_layout(body, shape, mesh, None, which)
+            return self._axes_layout(body, shape, mesh, None, which, where)
+        operator, source = where
         if len(body) != len(shape):
             raise sharding_error(f"{which} has {len(body)} split counts but the tensor has rank {len(shape)}",
-                                 operator=which, shapes=shape, strategy=body,
+                                 operator=operator, source=source, shapes=shape, strategy=body,
                                  fix=f"give one split count per dimension, {len(shape)} in all")
         for d, (k, n) in enumerate(zip(body, shape)):
             if n % k:
                 raise sharding_error(f"{which} splits dim {d} (size {n}) into {k} parts, and {n} is not divisible "
-                                     f"by {k}", operator=which, shapes=shape, strategy=body,
+                                     f"by {k}", operator=operator, source=source, shapes=shape, strategy=body,
                                      fix=f"use a split count that divides {n}")
         total = math.prod(body)
         if total > mesh.size or mesh.size % total:
             raise sharding_error(f"{which}: split counts {tuple(body)} need {total} devices; the mesh has {mesh.size}",
-                                 operator=which, shapes=shape, strategy=body,
+                                 operator=operator, source=source, shapes=shape, strategy=body,
                                  fix=f"make the split counts multiply to a divisor of {mesh.size}")
         runs = bind_runs([s for s in body if s > 1], mesh)
         if runs is None:
-            raise sharding_error(f"{which}: split counts {tuple(body)} do not fit the mesh ({mesh})", operator=which,
-                                 shapes=shape, strategy=body, fix="use a PartitionSpec naming the mesh axes")
+            raise sharding_error(f"{which}: split counts {tuple(body)} do not fit the mesh ({mesh})",
+                                 operator=operator, source=source, shapes=shape, strategy=body,
+                                 fix="use a PartitionSpec naming the mesh axes")
         it = iter(runs)
         return Layout(tuple(next(it) if s > 1 else () for s in body))

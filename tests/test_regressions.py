@@ -135,3 +135,46 @@ def test_marked_scan_under_grad_whose_body_returns_one_value_twice(mode):
         c, ys = scan(c, xs)
         return (c * c).sum() + jnp.sum(ys)
     check_parallel(f, (c0, xs), mode=mode)
+
+
+# -- primitives the fuzzer met without a rule ------------------------------------------
+def test_stack_and_its_transpose_unstack():
+    rng = np.random.default_rng(5)
+    a, b = rand(rng, 8, 4), rand(rng, 8, 4)
+    check_parallel(lambda a, b: jnp.stack([a, b], axis=1) * 2, (a, b), in_strategy=((8, 1), (1, 4)))
+    check_parallel(lambda a, b: sp.shard(lambda a, b: jnp.stack([a, b], axis=0), ((2, 4), (2, 4)))(a, b), (a, b))
+
+
+@pytest.mark.parametrize("how", ["set", "max", "min", "mul"])
+def test_scatter_that_is_not_an_add(how):
+    rng = np.random.default_rng(6)
+    a, u = rand(rng, 8, 4), rand(rng, 4, 4)
+    rows = np.array([0, 5, 2, 7], np.int32)
+    f = lambda a, u: getattr(a.at[rows], how)(u) * 3  # noqa: E731
+    for strategy in (((1, 4), (1, 4)), ((8, 1), (1, 1)), ((1, 1), (4, 1))):
+        check_parallel(f, (a, u), in_strategy=strategy, grads=how == "set")
+
+
+def test_out_strategy_keeps_the_axes_its_producer_splits_over():
+    """A later output dim must not take an axis an earlier dim's producer layout holds
+    (the bind reused it: 'mesh axis d0 is used twice')."""
+    rng = np.random.default_rng(7)
+    x, w = rand(rng, 8, 8), rand(rng, 8, 8)
+    for outs in (((2, 2),), ((4, 2),), ((2, 4),)):
+        check_parallel(lambda x, w: sp.shard(jnp.matmul, ((1, 2), (2, 1)), outs)(x, w) * 2, (x, w))
+        check_parallel(lambda x: sp.shard(jnp.tanh, ((1, 2),), outs)(x) * 2, (x,))
+
+
+def test_split_counts_of_the_wrong_rank_are_an_error_not_a_crash():
+    x = np.ones((8, 8), np.float32)
+    with pytest.raises(sp.ShardingError, match="has 1 split counts but that tensor has rank 2"):
+        sp.parallelize(lambda x, w: sp.shard(jnp.matmul, ((2,), (2, 1)))(x, w), mesh=8)(x, x)
+
+
+def test_parallelize_strategy_errors_name_the_call():
+    x = np.ones((6, 8), np.float32)
+    with pytest.raises(sp.ShardingError) as e:
+        sp.parallelize(lambda x: x * 2, mesh=8, in_strategy=((4, 1),))(x)
+    msg = str(e.value)
+    assert msg.startswith("parallelize(<lambda>) at test_regressions.py:")
+    assert "in_strategy for input x splits dim 0 (size 6) into 4 parts" in msg and "shapes:" in msg

@@ -93,6 +93,23 @@ def scatter_add_rule(op) -> FactorRule:
                       linear=(((0, 2), "sum"),), flops=numel(updates))
 
 
+@register("scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max")
+def scatter_rule(op) -> FactorRule:
+    """operand with rows overwritten (or multiplied, or min/max-ed) by updates. Unlike
+    an add, shares of the updates applied on different devices cannot be combined
+    afterwards, so the updates' scatter dims stay whole; the window dims taken whole
+    may stay split, shared with the operand's."""
+    dn = op.params["dimension_numbers"]
+    operand, indices, updates = (v.type.shape for v in op.inputs[:3])
+    fb, need, op_f, idx_f, upd_f, batch = _indexed(
+        operand, indices, updates, dn.update_window_dims, dn.inserted_window_dims, dn.scatter_dims_to_operand_dims,
+        dn.operand_batching_dims, dn.scatter_indices_batching_dims, lambda d, u: updates[u])
+    matched = {f for idd in dn.scatter_indices_batching_dims for f in idx_f[idd]}
+    need |= {f for fs in batch for f in fs} - matched
+    return FactorRule(tuple(fb.sizes), (op_f, idx_f, upd_f), (op_f,), need_replication=frozenset(need),
+                      flops=numel(updates))
+
+
 def _sliced(operand_shape, slice_shape):
     """dynamic_slice / dynamic_update_slice: dims taken whole are shared, others whole."""
     fb = FactorBuilder()

@@ -116,6 +116,36 @@ def concatenate_rule(op) -> FactorRule:
                       linear=((tuple(range(len(op.inputs))), "sum"),), flops=numel(out))
 
 
+@register("stack")
+def stack_rule(op) -> FactorRule:
+    """Operands of one shape stacked along a new dim: every other dim is shared, the new
+    one (one entry per operand) stays whole."""
+    axis = op.params["axis"]
+    out = op.outputs[0].type.shape
+    fb = FactorBuilder()
+    shared = [(fb.new(n),) if n != 1 and d != axis else () for d, n in enumerate(out)]
+    new = (fb.new(out[axis]),) if out[axis] != 1 else ()
+    operand = tuple(f for d, f in enumerate(shared) if d != axis)
+    result = tuple(new if d == axis else f for d, f in enumerate(shared))
+    return FactorRule(tuple(fb.sizes), (operand,) * len(op.inputs), (result,), need_replication=frozenset(new),
+                      linear=((tuple(range(len(op.inputs))), "sum"),), flops=numel(out))
+
+
+@register("unstack")
+def unstack_rule(op) -> FactorRule:
+    """The inverse of stack (its transpose under grad): one result per entry of a dim
+    that stays whole."""
+    axis = op.params["axis"]
+    shape = op.inputs[0].type.shape
+    fb = FactorBuilder()
+    shared = [(fb.new(n),) if n != 1 and d != axis else () for d, n in enumerate(shape)]
+    gone = (fb.new(shape[axis]),) if shape[axis] != 1 else ()
+    operand = tuple(gone if d == axis else f for d, f in enumerate(shared))
+    result = tuple(f for d, f in enumerate(shared) if d != axis)
+    return FactorRule(tuple(fb.sizes), (operand,), (result,) * len(op.outputs), need_replication=frozenset(gone),
+                      linear=(((0,), "sum"),), flops=numel(shape))
+
+
 @register("split")
 def split_rule(op) -> FactorRule:
     axis = op.params["axis"] % op.inputs[0].type.rank
