@@ -50,6 +50,7 @@ class Outcome:
     first_line: str = ""
     where: str = ""                   # innermost shardprop frame (file:function) of a crash
     seconds: float = 0.0
+    cpu_seconds: float = 0.0          # this process's CPU time (XLA's compile threads included)
     expected: str = ""                # valid | may_reject | invalid
     why: str = ""
 
@@ -159,7 +160,7 @@ def _innermost_own_frame(exc) -> str:
 
 def run_program(program: Program) -> Outcome:
     """Run one program both ways and classify what happened."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     types = check(program)
     exp = expect(program, types)
     rendered = render(program)
@@ -175,6 +176,7 @@ def run_program(program: Program) -> Outcome:
         if _count_and_maybe_clear():
             jax.clear_caches()
     out.seconds = time.perf_counter() - t0
+    out.cpu_seconds = time.process_time() - c0
     out.expected, out.why = exp.status, exp.why
     return out
 

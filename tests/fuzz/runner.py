@@ -116,10 +116,13 @@ class Report:
                 out.append("\n".join("      " + line for line in _body(snippet)))
                 detail = o.detail.strip().splitlines()[:6]
                 out.append("    outcome: " + "\n             ".join(detail))
-        t = sorted(self.times)
-        if t:
-            out.append(f"\nseconds per program: mean {sum(t) / len(t):.2f}, median {t[len(t) // 2]:.2f}, "
-                       f"max {t[-1]:.2f}; wall {self.seconds:.0f} s")
+        if self.times:
+            wall = sorted(t[0] for t in self.times)
+            cpu = sorted(t[1] for t in self.times)
+            slow = sorted(self.times, reverse=True)[:3]
+            out.append(f"\nseconds per program: wall mean {sum(wall) / len(wall):.2f}, median {wall[len(wall) // 2]:.2f}, "
+                       f"max {wall[-1]:.2f}; CPU mean {sum(cpu) / len(cpu):.2f}, median {cpu[len(cpu) // 2]:.2f}; "
+                       f"slowest {', '.join(f'#{i} {w:.1f}s' for w, _, i in slow)}; total wall {self.seconds:.0f} s")
         out.append(self.line())
         return "\n".join(out)
 
@@ -150,7 +153,7 @@ def run_many(seed: int, n: int, features, *, jobs: int = 1, start: int = 0, shri
                        f"seed {seed}", report)
         for index, outcome, _ in sorted(results, key=lambda r: r[0]):
             report.counts[outcome.cls] += 1
-            report.times.append(outcome.seconds)
+            report.times.append((outcome.seconds, outcome.cpu_seconds, index))
             if outcome.cls in FAILURES or outcome.cls == "fuzzer_error":
                 report.by_signature.setdefault(outcome.signature, []).append((index, outcome))
         if shrink and report.by_signature:
