@@ -30,7 +30,7 @@ from tests.test_redistribute import all_layouts
 # (shape in, shape out): merges, splits, both at once, size-1 dims, primes, ranks 1 to 4
 PAIRS = [
     ((8,), (4, 2)), ((4, 2), (8,)), ((8,), (2, 2, 2)), ((2, 2, 2), (8,)), ((4, 2), (2, 4)),
-    ((2, 6), (4, 3)), ((4, 3), (2, 6)), ((6, 4), (4, 6)), ((6, 4), (3, 8)), ((4, 6), (2, 12)),
+    ((2, 6), (4, 3)), ((4, 3), (2, 6)), ((6, 4), (4, 6)), ((12, 10), (8, 15)), ((6, 4), (3, 8)), ((4, 6), (2, 12)),
     ((3, 4), (12,)), ((12,), (3, 4)), ((5, 4), (20,)), ((4, 7), (2, 14)), ((2, 3, 4), (6, 4)),
     ((4, 1, 2), (8,)), ((1, 8), (8, 1)), ((8,), (2, 1, 4)), ((2, 1, 4), (1, 4, 2)), ((1, 1), (1,)),
     ((2, 2, 4), (16,)), ((2, 2, 4), (4, 4)), ((8, 2), (2, 8)), ((4, 4, 2), (2, 16)),
@@ -49,9 +49,10 @@ def reshape_rule(a, b):
 
 # -- the issue's programs --------------------------------------------------------
 
-def test_merge_with_the_minor_dim_split_by_in_strategy():
+@pytest.mark.parametrize("mode", ["sharding_propagation", "semi_auto"])
+def test_merge_with_the_minor_dim_split_by_in_strategy(mode):
     x = np.arange(8, dtype=np.float32).reshape(4, 2)
-    pf = check_parallel(lambda x: x.reshape(8), (x,), mesh=8, in_strategy=((1, 2),))
+    pf = check_parallel(lambda x: x.reshape(8), (x,), mesh=8, in_strategy=((1, 2),), mode=mode)
     np.testing.assert_array_equal(pf(x), np.arange(8, dtype=np.float32))
 
 
@@ -220,12 +221,13 @@ def test_every_layout_each_rank_holds_its_block(mesh, side):
 
 @pytest.mark.parametrize("mesh", list(MESHES.values()), ids=list(MESHES))
 def test_drawn_layouts_forward_and_grad_against_one_device(mesh):
-    """Through XLA, forward and gradients: two drawn input layouts per pair, and two
-    drawn output layouts per pair (forward)."""
+    """Through XLA, forward and gradients: two drawn input layouts per pair, and one
+    drawn output layout per pair (forward). (Every layout runs in the rank simulation
+    above; XLA compiles are what this file's time goes to.)"""
     cases = cases_on(mesh, "in", per_pair=2, seed=2)
     f, xs = program(cases, jnp.sin)
     check_parallel(f, xs, mesh=mesh, in_strategy=tuple(s for *_, s in cases))
-    cases = cases_on(mesh, "out", per_pair=2, seed=3)
+    cases = cases_on(mesh, "out", per_pair=1, seed=3)
     f, xs = program(cases, jnp.sin)
     pf = sp.parallelize(f, mesh=mesh, verify=True, out_strategy=tuple(s for *_, s in cases))
     assert_trees_close(pf(*xs), jax.jit(f)(*xs))
