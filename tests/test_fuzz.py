@@ -25,13 +25,8 @@ QUICK_N = 40
 # Features the CI run leaves out while the bug they hit is open (issue 11). Re-enable
 # each one as its fix lands; `python -m tests.fuzz --features <name>` checks it alone.
 WAITING = {
-    "stack": "jnp.stack binds the 'stack' primitive, which has no sharding rule (refused)",
-    "scatter_set": "x.at[i].set(u) binds 'scatter', which has no rule (only scatter-add has one)",
-    "mark_out": "a valid shard() out_strategy is refused: bind_strategies._out_splits_layout reuses a mesh axis "
-                "that another output dim already took ('mesh axis d0 is used twice')",
-    "invalid": "invalid strategies: split counts of the wrong rank crash with IndexError in "
-               "annotate.check_splits_agree; parallelize in/out strategy errors lack the source line, an "
-               "out_strategy of the wrong structure lacks the shapes",
+    "invalid": "parallelize(..., in_strategy=...) with the wrong number of entries: the ShardingError has no "
+               "'shapes:' line (compiler/api.py ParallelFunction._pins)",
 }
 CI_FEATURES = tuple(f for f in FEATURES if f not in WAITING)
 

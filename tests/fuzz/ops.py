@@ -671,8 +671,10 @@ class Scatter:
     def classes(ts, p):
         a, u = ts
         keys = [[("a0",)] + [("s", d) for d in range(1, a.rank)], [("u0",)] + [("s", d) for d in range(1, u.rank)]]
-        # a slice update writes u's dim 0 into a's dim 0 (one window dim): both are needed whole
-        return Classes(keys, {("a0",), ("u0",)} if p["slice"] is not None else {("a0",)})
+        # a slice update writes u's dim 0 into a's dim 0 (one window dim), and a set (not an add)
+        # keeps whole update rows: u's dim 0 is needed whole too; an indexed add may split it
+        whole = {("a0",), ("u0",)} if p["slice"] is not None or p["how"] == "set" else {("a0",)}
+        return Classes(keys, whole)
 
 
 family("scatter", "scatter", 1.0)(type("ScatterAdd", (Scatter,), {"how": "add"}))
