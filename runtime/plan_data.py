@@ -51,11 +51,11 @@ class _Table:
     def __init__(self):
         self.items, self.ids = [], {}
 
-    def __call__(self, key, item=None):
+    def __call__(self, key, make=None):
         i = self.ids.get(key)
         if i is None:
             i = self.ids[key] = len(self.items)
-            self.items.append(key if item is None else item)
+            self.items.append(key if make is None else make())
         return i
 
 
@@ -67,6 +67,7 @@ class _Builder:
         self.values: list = []
         self.value_ids: dict = {}
         self.ops: list = []
+        self._op_objects: list = []   # the Op of each entry of ops
         self.op_ids: dict = {}
         self.graphs: list = []
         self.collectives: list = []
@@ -78,13 +79,13 @@ class _Builder:
     def type(self, t):
         if t is None:
             return None
-        return self.types((t.shape, t.dtype), {"shape": list(t.shape), "dtype": t.dtype})
+        return self.types(t, lambda: {"shape": list(t.shape), "dtype": t.dtype})
 
     def layout(self, layout):
         if layout is None:
             return None
-        return self.layouts(layout, {"dims": [list(d) for d in layout.dims], "partial": list(layout.partial),
-                                     "partial_op": layout.partial_op})
+        return self.layouts(layout, lambda: {"dims": [list(d) for d in layout.dims], "partial": list(layout.partial),
+                                             "partial_op": layout.partial_op})
 
     def value(self, v: Value, define: bool) -> int:
         i = self.value_ids.get(v.id)
@@ -156,10 +157,10 @@ class _Builder:
         if op.kind == "permute":
             axes = list(mesh.axis_names)
             pairs = tuple((s, d) for s, d in p["pairs"] if s != d)
-            groups = self.groups(("pairs", pairs), [list(x) for x in pairs])
+            groups = self.groups(("pairs", pairs), lambda: [list(x) for x in pairs])
         else:
             axes = [a for _, ax in p["cuts"] for a in ax] if op.kind == "slice" else list(p["axes"])
-            groups = self.groups(("axes", tuple(axes)), [list(g) for g in mesh.groups(axes)])
+            groups = self.groups(("axes", tuple(axes)), lambda: [list(g) for g in mesh.groups(axes)])
         params = {k: _plain(v) for k, v in sorted(p.items()) if k != "wire_bytes"}
         src, dst = op.inputs[0], op.outputs[0]
         ci = len(self.collectives)
@@ -203,7 +204,6 @@ class _Builder:
                 e.get("params"), e.get("note"), len(e.get("subgraphs", ())))
 
     def build(self) -> dict:
-        self._op_objects: list = []
         self.walk(self.root, None, False)
         self.link_origins()
         self.repeats()
