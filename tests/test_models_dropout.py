@@ -36,7 +36,9 @@ def assert_same_training(step, state, batches, **parallel):
     got, got_state = train(step, state, batches, **parallel)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert len(set(want)) == len(want)     # the steps differ: new masks, updated weights
-    assert_trees_close(got_state[0], want_state[0], rtol=1e-4, atol=1e-5)
+    key_data = lambda t: jax.tree_util.tree_map(  # noqa: E731  (keys compare through their data)
+        lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a, t)
+    assert_trees_close(key_data(got_state), key_data(want_state), rtol=1e-4, atol=1e-5)
     return got
 
 
@@ -101,6 +103,33 @@ def test_flax_linen_dropout_training_megatron():
     assert masks, "the MLP dropout mask is not drawn split over dp and mp"
     assert_same_training(step, state, batches, mesh=MESH_2x4,
                          in_strategy=(strategy, None, None, P("dp"), P("dp")))
+
+
+# -- flax nnx: the dropout key and its counter are model state ----------------------------
+def test_flax_nnx_dropout_training_data_parallel():
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.up, self.down = nnx.Linear(12, 64, rngs=rngs), nnx.Linear(64, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(self.drop(nnx.gelu(self.up(x))))
+    graphdef, state = nnx.split(MLP(nnx.Rngs(0, dropout=1)))
+    opt = optax.sgd(0.1, momentum=0.9)
+    rng = np.random.default_rng(2)
+    batches = [(rng.standard_normal((16, 12)).astype(np.float32),) for _ in range(STEPS)]
+
+    def step(state, opt_state, x):
+        model = nnx.merge(graphdef, state)      # draws advance the model's own rng counter
+        value, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        params = nnx.state(model, nnx.Param)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        nnx.update(model, optax.apply_updates(params, updates))
+        return nnx.state(model), opt_state, value
+    params = nnx.state(nnx.merge(graphdef, state), nnx.Param)
+    assert_same_training(step, (state, opt.init(params)), batches, mesh=8, mode="data_parallel")
 
 
 # -- Hugging Face -------------------------------------------------------------------------
