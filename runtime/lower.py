@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..ir.graph import Graph, Op, Value, is_collective
 from ..ir.layout import Layout
+from ..passes.rules.indexing import lookup_dims as lookup_rows
 from ..passes.rules.random import blockwise_bits
 from .random_bits import random_bits_block
 
@@ -72,6 +73,8 @@ def _run_primitive(op: Op, args: list):
         # devices but the first of each group start from zeros.
         first = lax.axis_index(axes) == 0
         args = [jnp.where(first, args[0], jnp.zeros_like(args[0]))] + list(args[1:])
+    if op.kind == "gather" and _reduced_axes(op):
+        return [_vocab_parallel_gather(op, args, params)]
     if op.kind == "random_bits" and _draws_block(op):
         # each device draws only its block of the global bits (runtime/random_bits.py)
         v, key_rank = op.outputs[0], op.inputs[0].type.rank
@@ -87,6 +90,50 @@ def _run_primitive(op: Op, args: list):
         return [out]
     out = op.prim.bind(*args, **params)
     return list(out) if op.prim.multiple_results else [out]
+
+
+def _vocab_parallel_gather(op: Op, args: list, params: dict):
+    """A lookup in a table split by rows (Megatron's vocab-parallel embedding): each
+    device looks up the ids it owns, shifted into its block, and zeros elsewhere; the
+    result is a partial sum over the row axes that the plan completes. An id no device
+    owns (out of range) takes the gather's fill value, once per group."""
+    table, ids = args[0], args[1]
+    dn = params["dimension_numbers"]
+    layout = op.inputs[0].layout
+    owned = jnp.ones(ids.shape[:-1], bool)
+    valid = jnp.ones(ids.shape[:-1], bool)
+    shifted = ids
+    first = True
+    for d in lookup_rows(op):
+        j = dn.start_index_map.index(d)
+        full, local = op.inputs[0].type.shape[d], table.shape[d]
+        i = ids[..., j]
+        if params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
+            i = jnp.clip(i, 0, full - 1)   # CLIP, and what XLA does with a broken promise of in-bounds ids
+        valid &= (i >= 0) & (i < full)
+        i = i - _axis_offset(layout.dims[d], local)
+        owned &= (i >= 0) & (i < local)
+        shifted = shifted.at[..., j].set(jnp.clip(i, 0, local - 1))
+        if layout.dims[d]:
+            first = first & (lax.axis_index(tuple(layout.dims[d])) == 0)
+    out = op.prim.bind(table, shifted, **{**params, "mode": lax.GatherScatterMode.CLIP})
+    batch = [k for k in range(out.ndim) if k not in dn.offset_dims]   # the ids' dims in the output
+    expand = lambda m: lax.broadcast_in_dim(m, out.shape, tuple(batch))  # noqa: E731
+    out = jnp.where(expand(owned), out, jnp.zeros_like(out))
+    if params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        fill = jnp.asarray(_fill_value(params.get("fill_value"), out.dtype), out.dtype)
+        out = jnp.where(expand(~valid & first), fill, out)
+    return out
+
+
+def _fill_value(fill, dtype):
+    """What jax's gather fills an out-of-range lookup with (its defaults when None)."""
+    if fill is not None:
+        return fill
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return np.nan
+    info = jnp.iinfo(dtype)
+    return info.min if jnp.issubdtype(dtype, jnp.signedinteger) else info.max
 
 
 def _draws_block(op: Op) -> bool:

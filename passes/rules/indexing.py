@@ -54,6 +54,19 @@ def _indexed(operand, indices, windowed, window_dims, collapsed, index_map, oper
     return fb, need, tuple(op_f), tuple(idx_f), tuple(win_f), batch
 
 
+def lookup_dims(op) -> tuple:
+    """Operand dims of a gather that are looked up one entry at a time (an embedding
+    table's rows): collapsed, indexed, slice size 1. Split, they are the vocab-parallel
+    lookup's reduction: each device looks up the rows it owns and contributes zeros
+    for the others, and the partial sums add up to the lookup (runtime/lower.py)."""
+    dn = op.params["dimension_numbers"]
+    if op.inputs[0].type.dtype == "bool" or dn.operand_batching_dims:
+        return ()
+    rows = tuple(d for d in dn.collapsed_slice_dims if d in dn.start_index_map and op.params["slice_sizes"][d] == 1)
+    # every indexed dim a lookup dim: then an id out of range is out of range in one of them
+    return rows if set(rows) == set(dn.start_index_map) else ()
+
+
 @register("gather")
 def gather_rule(op) -> FactorRule:
     dn = op.params["dimension_numbers"]
@@ -63,7 +76,9 @@ def gather_rule(op) -> FactorRule:
     fb, need, op_f, idx_f, out_f, _ = _indexed(
         operand, indices, out, dn.offset_dims, dn.collapsed_slice_dims, dn.start_index_map,
         dn.operand_batching_dims, dn.start_indices_batching_dims, lambda d, w: sizes[d])
-    return FactorRule(tuple(fb.sizes), (op_f, idx_f), (out_f,), need_replication=frozenset(need), flops=numel(out))
+    rows = {f for d in lookup_dims(op) for f in op_f[d]}
+    return FactorRule(tuple(fb.sizes), (op_f, idx_f), (out_f,), reduction=frozenset(rows), reduce_op="sum",
+                      need_replication=frozenset(need - rows), flops=numel(out))
 
 
 @register_localizer("gather")
