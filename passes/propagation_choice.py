@@ -76,6 +76,14 @@ class ChoiceMixin:
         side, index = lead
         v = (op.inputs if side == "operand" else op.outputs)[index]
         how, who = self.setter.get(v, ("", "?"))
+        if who is op:
+            # the value learnt its layout from this op's own earlier wish: name whoever told
+            # this op (another of its values, set by someone else), so chains reach a mark
+            values = [("operand", u) for u in op.inputs] + [("result", u) for u in op.outputs]
+            for other_side, u in values:
+                other = self.setter.get(u)
+                if other is not None and other[1] is not op:
+                    return other_side, other[0], other[1]
         return side, how, who
 
     def _origin_words(self, origin):
