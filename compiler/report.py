@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import importlib.resources
 
-from ..runtime.plan_data import to_json
+from ..runtime.plan_data import load_plan_data, to_json
 
 _ASSETS = ("report_page.html", "report_page.css", "report_page.js")
 
@@ -41,3 +41,12 @@ def write_html(data: dict, path: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.write(render_html(data))
     return path
+
+
+def report(plan_or_dump_dir, path) -> str:
+    """``sp.report(plan, "plan.html")`` or ``sp.report("saved_graph/", "plan.html")``:
+    the plan report of a compiled plan or of a dump folder (its ``plan.json``)."""
+    from .plan import Plan
+    if isinstance(plan_or_dump_dir, Plan):
+        return plan_or_dump_dir.to_html(str(path))
+    return write_html(load_plan_data(str(plan_or_dump_dir)), str(path))

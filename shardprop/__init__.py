@@ -7,12 +7,13 @@ pyproject.toml), never as top-level names of their own.
 """
 from .compiler import (CostModel, ParallelFunction, Plan, PlanCollective, PlanOp, ShardingError,  # noqa: F401
                        parallelize, shard)
+from .compiler.report import report  # noqa: F401
 from .runtime.checkpoint import Checkpointer  # noqa: F401
 from .runtime.data import DataLoader, DistributedSampler  # noqa: F401
 from .runtime.distributed import is_main_process, print0, to_numpy, use_cpu_devices  # noqa: F401
 from .runtime.training import Callback, LossMonitor, Model, ModelCheckpoint, ProgressBar, StepInfo  # noqa: F401
 
 __all__ = ["shard", "parallelize", "ParallelFunction", "Plan", "PlanOp", "PlanCollective", "ShardingError",
-           "CostModel", "Model", "Callback", "LossMonitor", "ModelCheckpoint", "ProgressBar", "StepInfo",
+           "CostModel", "report", "Model", "Callback", "LossMonitor", "ModelCheckpoint", "ProgressBar", "StepInfo",
            "Checkpointer", "DataLoader", "DistributedSampler", "is_main_process", "print0", "to_numpy",
            "use_cpu_devices"]
