@@ -120,9 +120,11 @@ class ParallelFunction:
             if not isinstance(prefix, (tuple, list)) or _is_tensor_strategy(prefix):
                 prefix = (prefix,)
             if len(prefix) != len(args):
+                shapes = jax.tree_util.tree_map(lambda x: tuple(np.shape(x)), tuple(args))
                 raise sharding_error(f"in_strategy has {len(prefix)} entries but the function got {len(args)} "
                                      "positional arguments", operator=f"parallelize({graph.name})", source=where,
-                                     strategy=self.in_strategy, fix="give one entry per positional argument, "
+                                     shapes=shapes, strategy=self.in_strategy,
+                                     fix="give one entry per positional argument, "
                                      "None for those the compiler should choose")
             for i, s in enumerate(_per_leaf(tuple(prefix), tuple(args), "in_strategy", whose="arguments",
                                          operator=f"parallelize({graph.name})", source=where)):
