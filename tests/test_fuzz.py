@@ -161,3 +161,16 @@ def test_compare_is_float32_rounding_and_exact_for_integers():
     assert compare([w[:8]], [w[:8].reshape(2, 4)]) is not None
     big = w * 1e4                                                    # slack scales with the largest magnitude
     assert compare([big + 0.2], [big]) is None and compare([big + 5.0], [big]) is not None
+
+
+def test_reshape_marks_are_judged_by_contiguity():
+    """A mark on a reshape's input may be refused only where the reshape cannot carry the split."""
+    from tests.fuzz.ops import FAMILIES
+    check = FAMILIES["reshape"].mark_check
+    flatten = {"kind": "flatten"}
+    assert check([TType((4, 2))], flatten, [[2], []]) is None             # major dim split: contiguous
+    assert check([TType((4, 2))], flatten, [[], [2]]) is not None         # minor dim split under a whole major
+    assert check([TType((4, 2))], flatten, [[2, 2], [2]]) is None         # major fully split first
+    split = {"kind": "split", "dim": 0, "factor": 2}                     # (8,) -> (2, 4)
+    assert check([TType((8,))], split, [[2, 4]]) is None                  # axis 2 on dim 0, 4 on dim 1
+    assert check([TType((8,))], split, [[4, 2]]) is not None              # an axis of 4 straddles (2, 4)

@@ -412,17 +412,19 @@ def _block_length(sizes, splits):
     return math.prod(sizes[k + 1:]) * (sizes[k] // splits[k] if k < len(sizes) else 1)
 
 
-def _splits_major_first(sizes, length) -> bool:
-    """Whether aligned contiguous blocks of ``length`` elements are a major-first split of these dims."""
-    r = length
-    for n in reversed(sizes):
-        if r == 1:
+def _axes_split_major_first(sizes, axes) -> bool:
+    """Whether axes of these sizes (major first) split these dims major first, each axis on one dim."""
+    k = 0
+    for n in sizes:
+        used = 1
+        while k < len(axes) and n % (used * axes[k]) == 0:
+            used *= axes[k]
+            k += 1
+        if k == len(axes):
             return True
-        if r % n == 0:
-            r //= n
-        else:
-            return n % r == 0
-    return r == 1
+        if used != n:
+            return False          # the next axis would straddle this dim and the next
+    return k == len(axes)
 
 
 @family("reshape", "reshape", 3.0)
@@ -474,19 +476,21 @@ class Reshape:
         return [], f"{names[0]}.reshape({tup(_reshape_target(ts[0].shape, p))})"
 
     @staticmethod
-    def mark_check(ts, p, splits):
-        """A mark on a reshape's input may be refused where the reshape would need
-        non-contiguous local blocks: within a group of dims that merge or split, the input
-        must be split major-first (every more major dim fully split), and the block that
-        gives must be a major-first split of the output dims too."""
+    def mark_check(ts, p, axes):
+        """A mark on a reshape's input may be refused where the reshape cannot carry its
+        split: within a group of dims that merge or split, the input must be split major-first
+        (every more major dim fully split) so local blocks are contiguous, and the mesh axes,
+        major to minor, must then split the output dims major-first too (an axis is not cut)."""
         shape = ts[0].shape
-        for gi, go in _reshape_groups(shape, _reshape_target(shape, p)):
+        target = _reshape_target(shape, p)
+        for gi, go in _reshape_groups(shape, target):
             if len(gi) <= 1 and len(go) <= 1:
                 continue
-            length = _block_length([shape[i] for i in gi], [splits[i] for i in gi])
-            out = [_reshape_target(shape, p)[j] for j in go]
-            if length is None or not _splits_major_first(out, length):
+            splits = [math.prod(axes[i]) for i in gi]
+            if _block_length([shape[i] for i in gi], splits) is None:
                 return "a split the reshape cannot carry without moving data"
+            if not _axes_split_major_first([target[j] for j in go], [a for i in gi for a in axes[i]]):
+                return "mesh axes the reshape cannot carry onto its output dims"
         return None
 
     @staticmethod

@@ -122,12 +122,19 @@ def _entry_axes(s, d):
     return (body[d],) if isinstance(body[d], str) else tuple(body[d])
 
 
-def _split_count(s, d, mesh) -> int:
+def _axis_sizes(s, d, mesh) -> list:
+    """The sizes of the mesh axes splitting dim d, major first (a split count on a device-count
+    mesh is a run of its prime axes)."""
     v = _entry_axes(s, d)
     if isinstance(v, int):
-        return v
+        out, k = [], v
+        for q in (2, 3, 5, 7):
+            while k % q == 0:
+                out.append(q)
+                k //= q
+        return out
     axes = mesh_axes(mesh)
-    return math.prod(axes.get(a, 1) for a in v)
+    return [axes.get(a, 1) for a in v]
 
 
 def mark_problem(instr, types, mesh) -> Optional[tuple]:
@@ -179,7 +186,7 @@ def mark_problem(instr, types, mesh) -> Optional[tuple]:
         elif v not in (1, ()) and k in cl.whole:
             worst = worst or (MAY_REJECT, "splits a dim the operator needs whole")
     if fam.mark_check is not None and ts and len(m.ins[0][1]) <= ts[0].rank:
-        why = fam.mark_check(ts, instr.params, [_split_count(m.ins[0], d, mesh) for d in range(ts[0].rank)])
+        why = fam.mark_check(ts, instr.params, [_axis_sizes(m.ins[0], d, mesh) for d in range(ts[0].rank)])
         if why:
             worst = worst or (MAY_REJECT, why)
     if m.outs is not None:
