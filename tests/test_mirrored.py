@@ -160,6 +160,16 @@ def test_device_count_mesh_binds_the_users_axes_to_runs_of_its_axes(tmp_path):
     assert "psum(" in rank5 and "{axes=(d1, d2), group_ranks=4-5-6-7}" in rank5
 
 
+def test_size_one_axis_of_the_parallelize_mesh_keeps_its_name():
+    mesh = jax_mesh((1, 8), ("a", "x"))
+
+    def f(x):
+        def body(v):
+            return lax.psum(v * (lax.axis_index("a") + 1), ("a", "x"))
+        return jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P())(x)
+    check_parallel(f, (X,), mesh=mesh)
+
+
 # -- dumps ---------------------------------------------------------------------------
 
 def test_per_rank_dump_shows_the_body(tmp_path):

@@ -82,7 +82,10 @@ def localize_body(op: Op, in_shapes, out_shapes) -> dict:
     params its params, with the user's mesh axes renamed to the program's axes the
     strategy binds them to."""
     bound = dict(zip((n for n, _ in op.params["mesh"]), op.strategy.factors))
-    rename = {n: axes for n, axes in bound.items() if axes != (n,)}
+    # on the parallelize mesh itself every axis stands for itself (a size-1 one binds no
+    # axis, but keeps its name there)
+    same = all(axes in ((n,), ()) for n, axes in bound.items())
+    rename = {} if same else {n: axes for n, axes in bound.items() if axes != (n,)}
     body: Graph = op.params["body"]
     for graph in [body] + [sub for _, o in body.walk_ops() for sub in o.subgraphs]:
         for v in graph.values():
