@@ -95,7 +95,9 @@ class ParallelFunction:
     # -- compile ----------------------------------------------------------------
     def _key(self, args, kwargs):
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+        # the threefry flag changes which bits a draw makes, and so the plan's random_bits
+        return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves), \
+            bool(jax.config.jax_threefry_partitionable)
 
     def _state_pins(self, args, graph, out_shape) -> None:
         """Data-parallel and optimizer-sharding pins, and outputs tied to the inputs they replace."""
