@@ -221,10 +221,10 @@ def test_every_layout_each_rank_holds_its_block(mesh, side):
 
 @pytest.mark.parametrize("mesh", list(MESHES.values()), ids=list(MESHES))
 def test_drawn_layouts_forward_and_grad_against_one_device(mesh):
-    """Through XLA, forward and gradients: two drawn input layouts per pair, and one
+    """Through XLA, forward and gradients: one drawn input layout per pair, and one
     drawn output layout per pair (forward). (Every layout runs in the rank simulation
     above; XLA compiles are what this file's time goes to.)"""
-    cases = cases_on(mesh, "in", per_pair=2, seed=2)
+    cases = cases_on(mesh, "in", per_pair=1, seed=2)
     f, xs = program(cases, jnp.sin)
     check_parallel(f, xs, mesh=mesh, in_strategy=tuple(s for *_, s in cases))
     cases = cases_on(mesh, "out", per_pair=1, seed=3)
