@@ -271,10 +271,10 @@ class BindUserStrategies:
             rule = rule_for(op)
             factors, problem = factors_from_operands(rule, op, [known.get(v) for v in op.inputs], mesh)
             if problem:
-                raise sharding_error(problem, operator=f"{op.kind} in {region.describe()}", source=region.source,
+                text, fix = problem
+                raise sharding_error(text, operator=f"{op.kind} in {region.describe()}", source=region.source,
                                      shapes=tuple(v.type.shape for v in op.inputs),
-                                     strategy=region.user_in_strategy,
-                                     fix="give dims that the operator combines the same split (or the same mesh axes)")
+                                     strategy=region.user_in_strategy, fix=fix)
             if all(a is not None for a in factors):
                 strategy = OpStrategy(rule, tuple(factors))
                 for n, v in enumerate(op.outputs):

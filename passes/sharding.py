@@ -275,7 +275,7 @@ def project(fs_per_dim, dims: Optional[Sequence[Optional[Axes]]], rule: FactorRu
 
 def factors_from_operands(rule: FactorRule, op, layouts: Sequence[Optional[Layout]], mesh: Mesh):
     """Factors fixed by fully known operand layouts (used for user-annotated ops).
-    Returns (factors with None where no operand says, problem or None)."""
+    Returns (factors with None where no operand says, (problem, fix) or None)."""
     factors: list[Optional[Axes]] = [None] * rule.num_factors
     said_by: dict[int, tuple[int, int]] = {}
     for n, layout in enumerate(layouts):
@@ -286,38 +286,41 @@ def factors_from_operands(rule: FactorRule, op, layouts: Sequence[Optional[Layou
             if not fs:
                 if axes:
                     return factors, (f"operand {n} dim {d} is split over {axes} but {op.kind} keeps that "
-                                     "dim whole (size 1 or broadcast)")
+                                     "dim whole (size 1 or broadcast)", "leave that dim unsplit (1) in the strategy; the operator needs it whole")
                 continue
             split = split_dim(fs, axes, rule, mesh)
             if split is None:
                 return factors, (f"operand {n} dim {d} is split over mesh axes {axes}, which {op.kind} cannot "
-                                 "carry through that dim")
+                                 "carry through that dim", "split that dim over fewer or other mesh axes, or leave it "
+                                 "unsplit (1)")
             for f, a in zip(fs, split):
                 if factors[f] is not None and factors[f] != a:
                     n0, d0 = said_by[f]
                     what = "contracted together" if f in rule.reduction else "the same dimension"
                     return factors, (f"operand {n0} dim {d0} and operand {n} dim {d} are {what} in {op.kind}, but "
-                                     f"are split over mesh axes {factors[f] or '()'} and {a or '()'}")
+                                     f"are split over mesh axes {factors[f] or '()'} and {a or '()'}", "give dims that the operator combines the same split (or the same mesh axes)")
                 if a and not rule.shardable(f):
-                    return factors, (f"operand {n} dim {d} is split but {op.kind} needs that dim whole")
+                    return factors, (f"operand {n} dim {d} is split but {op.kind} needs that dim whole", "leave that dim unsplit (1) in the strategy; the operator needs it whole")
                 factors[f] = a
                 said_by[f] = (n, d)
     used = [a for axes in factors if axes for a in axes]
     if len(set(used)) != len(used):
-        return factors, f"the operand layouts use a mesh axis twice across the dims of {op.kind}: {used}"
+        return factors, (f"the operand layouts use a mesh axis twice across the dims of {op.kind}: {used}",
+                         "give each mesh axis to one dim only")
     broken = broken_nesting(rule, factors, mesh)
     if broken:
         return factors, _broken_words(rule, op, broken, said_by)
     return factors, None
 
 
-def _broken_words(rule: FactorRule, op, broken: tuple[int, int], said_by: dict) -> str:
-    """Why a split cannot cross this op: where the minor factor is split, and the dim
-    where it sits under a major factor that is not split as much."""
+def _broken_words(rule: FactorRule, op, broken: tuple[int, int], said_by: dict) -> tuple[str, str]:
+    """Why a split cannot cross this op, and the fix: where the minor factor is split,
+    and the dim where it sits under a major factor that is not split as much."""
     minor, major = broken
     n, d = said_by[minor]
     side, t, dm = next((side, t, dm) for side, t, dm, fs in nesting(rule).places if minor in fs and major in fs)
     return (f"operand {n} dim {d} is split, but {op.kind} makes it the minor (faster-varying) part of {side} {t} "
             f"dim {dm} while the major part (size {rule.sizes[major]}) is not split as much, so each device's block "
-            f"of that dim would not be contiguous; split the major part of the merged dims instead, or mark the "
-            f"op after the {op.kind} so that the compiler redistributes")
+            f"of that dim would not be contiguous",
+            f"split the major part of the merged dims instead, or mark the op after the {op.kind} so that the "
+            f"compiler redistributes")

@@ -178,3 +178,11 @@ def test_parallelize_strategy_errors_name_the_call():
     msg = str(e.value)
     assert msg.startswith("parallelize(<lambda>) at test_regressions.py:")
     assert "in_strategy for input x splits dim 0 (size 6) into 4 parts" in msg and "shapes:" in msg
+
+
+def test_a_mark_that_splits_a_dim_the_op_needs_whole_says_to_leave_it_unsplit():
+    x = np.ones((8, 16), np.float32)
+    with pytest.raises(sp.ShardingError) as e:
+        sp.parallelize(lambda x: sp.shard(lambda t: jnp.cumsum(t, axis=1), ((1, 8),))(x), mesh=8)(x)
+    msg = str(e.value)
+    assert "needs that dim whole" in msg and "fix:      leave that dim unsplit (1)" in msg

@@ -95,17 +95,22 @@ def scatter_add_rule(op) -> FactorRule:
     table) are reduction factors: split, each device adds its share and the result
     is a partial sum (the lowering zeroes the operand on all but one device of the
     group, so it is counted once)."""
+    fb, need, op_f, idx_f, upd_f, rows = _scatter_factors(op)
+    return FactorRule(tuple(fb.sizes), (op_f, idx_f, upd_f), (op_f,),
+                      reduction=frozenset(rows), reduce_op="sum", need_replication=frozenset(need),
+                      linear=(((0, 2), "sum"),), flops=numel(op.inputs[2].type.shape))
+
+
+def _scatter_factors(op):
+    """Factors of a scatter, and the updates' row factors (scattered into the operand;
+    a batching dim is matched, not scattered)."""
     dn = op.params["dimension_numbers"]
     operand, indices, updates = (v.type.shape for v in op.inputs[:3])
     fb, need, op_f, idx_f, upd_f, batch = _indexed(
         operand, indices, updates, dn.update_window_dims, dn.inserted_window_dims, dn.scatter_dims_to_operand_dims,
         dn.operand_batching_dims, dn.scatter_indices_batching_dims, lambda d, u: updates[u])
-    # rows added into the table are summed; a batching dim is matched, not summed
     matched = {f for idd in dn.scatter_indices_batching_dims for f in idx_f[idd]}
-    reduction = {f for fs in batch for f in fs} - matched
-    return FactorRule(tuple(fb.sizes), (op_f, idx_f, upd_f), (op_f,),
-                      reduction=frozenset(reduction), reduce_op="sum", need_replication=frozenset(need),
-                      linear=(((0, 2), "sum"),), flops=numel(updates))
+    return fb, need, op_f, idx_f, upd_f, {f for fs in batch for f in fs} - matched
 
 
 @register("scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max")
@@ -114,15 +119,9 @@ def scatter_rule(op) -> FactorRule:
     an add, shares of the updates applied on different devices cannot be combined
     afterwards, so the updates' scatter dims stay whole; the window dims taken whole
     may stay split, shared with the operand's."""
-    dn = op.params["dimension_numbers"]
-    operand, indices, updates = (v.type.shape for v in op.inputs[:3])
-    fb, need, op_f, idx_f, upd_f, batch = _indexed(
-        operand, indices, updates, dn.update_window_dims, dn.inserted_window_dims, dn.scatter_dims_to_operand_dims,
-        dn.operand_batching_dims, dn.scatter_indices_batching_dims, lambda d, u: updates[u])
-    matched = {f for idd in dn.scatter_indices_batching_dims for f in idx_f[idd]}
-    need |= {f for fs in batch for f in fs} - matched
-    return FactorRule(tuple(fb.sizes), (op_f, idx_f, upd_f), (op_f,), need_replication=frozenset(need),
-                      flops=numel(updates))
+    fb, need, op_f, idx_f, upd_f, rows = _scatter_factors(op)
+    return FactorRule(tuple(fb.sizes), (op_f, idx_f, upd_f), (op_f,), need_replication=frozenset(need | rows),
+                      flops=numel(op.inputs[2].type.shape))
 
 
 def _sliced(operand_shape, slice_shape):
