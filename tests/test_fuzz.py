@@ -137,6 +137,18 @@ def test_each_failure_class_is_reported(monkeypatch, cls, fake):
     assert run_program(_tanh_program()).cls == cls
 
 
+def test_an_error_that_scales_with_the_precision_is_rounding_not_wrong(monkeypatch):
+    """Past the float32 slack, both sides run again in float64: an error proportional to the
+    machine epsilon (rounding amplified by cancellation) vanishes there, a wrong plan does not."""
+    def rounding(step):
+        def run(*a):
+            return jax.tree_util.tree_map(
+                lambda x: x + 3e-5 * float(np.finfo(x.dtype).eps / np.finfo(np.float32).eps), jax.jit(step)(*a))
+        return run
+    monkeypatch.setattr(sp, "parallelize", lambda step, **kw: rounding(step))
+    assert run_program(_tanh_program()).cls == "right"
+
+
 def test_invalid_strategies_accepted_or_badly_explained_are_reported(monkeypatch):
     p = _tanh_program(Mark((("s", (4, 4)),)))       # 16 devices: checked when parallelize binds it
     assert expect(p).status == INVALID
