@@ -34,6 +34,12 @@ def _is_tensor_strategy(x) -> bool:
         and len(x) > 0
 
 
+def _shapes_of(tree):
+    """Each leaf's shape (its type name if it has none), for error messages."""
+    return jax.tree_util.tree_map(
+        lambda x: tuple(np.shape(x)) if hasattr(x, "shape") or np.isscalar(x) else type(x).__name__, tree)
+
+
 def _per_leaf(prefix, tree_value, what: str, *, whose: str, operator: str, source) -> list:
     """Broadcast a strategy prefix (like jit's in_shardings) over the leaves of ``tree_value``
     (the function's arguments or outputs, as ``whose`` says)."""
@@ -41,8 +47,7 @@ def _per_leaf(prefix, tree_value, what: str, *, whose: str, operator: str, sourc
     try:
         subtrees = treedef.flatten_up_to(tree_value)
     except (ValueError, TypeError):
-        shape_of = lambda x: tuple(np.shape(x)) if hasattr(x, "shape") else type(x).__name__  # noqa: E731
-        expected = jax.tree_util.tree_map(shape_of, tree_value)
+        expected = _shapes_of(tree_value)
         raise sharding_error(f"{what} does not match the structure of the {whose}: the {whose} are {expected}",
                              operator=operator, source=source, shapes=expected, strategy=prefix,
                              fix=f"give {what} the structure of the {whose} (or a prefix of it), one strategy per "
@@ -122,7 +127,7 @@ class ParallelFunction:
             if not isinstance(prefix, (tuple, list)) or _is_tensor_strategy(prefix):
                 prefix = (prefix,)
             if len(prefix) != len(args):
-                shapes = jax.tree_util.tree_map(lambda x: tuple(np.shape(x)), tuple(args))
+                shapes = _shapes_of(tuple(args))
                 raise sharding_error(f"in_strategy has {len(prefix)} entries but the function got {len(args)} "
                                      "positional arguments", operator=f"parallelize({graph.name})", source=where,
                                      shapes=shapes, strategy=self.in_strategy,
