@@ -186,3 +186,20 @@ def test_a_mark_that_splits_a_dim_the_op_needs_whole_says_to_leave_it_unsplit():
         sp.parallelize(lambda x: sp.shard(lambda t: jnp.cumsum(t, axis=1), ((1, 8),))(x), mesh=8)(x)
     msg = str(e.value)
     assert "needs that dim whole" in msg and "fix:      leave that dim unsplit (1)" in msg
+
+
+def test_all_to_all_between_size1_dims_runs():
+    """XLA's CPU verifier once rejected the lowered all_to_all here ("operands with
+    different shapes"): its layout assignment split the chunks between size-1 dims
+    differently. runtime/lower.py exchanges chunks along a new leading dim instead."""
+    rng = np.random.default_rng([2311, 432])
+    x2, x3, x5 = rand(rng, 4, 1, 1, 2), rand(rng, 4, 1, 1, 1), rand(rng, 1, 2, 1, 1)
+
+    def f(x2, x3, x5):
+        v = jax.lax.conv_general_dilated(x2, x3, (2, 1), "SAME")
+        v = jnp.transpose(v, (1, 3, 0, 2))
+        return jax.lax.conv_general_dilated(v, x5, (1, 2), "VALID")
+
+    check_parallel(f, (x2, x3, x5), mesh=4, mode="semi_auto")
+    g = jax.grad(lambda *a: jnp.mean(jnp.square(f(*a))), argnums=(0, 1, 2))
+    assert any(c.kind == "all_to_all" for c in sp.parallelize(g, mesh=4, mode="semi_auto").plan(x2, x3, x5).collectives)
