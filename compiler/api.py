@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..ir.errors import ShardingError, sharding_error
-from ..passes.cost import DEFAULT_COST, CostModel
+from ..passes.cost import DEFAULT_COST, CostModel, resolve_cost_model  # noqa: F401
 from ..runtime.lower import lower, partition_spec
 from ..runtime.mesh import resolve_mesh
 from ..runtime.distributed import initialize as initialize_distributed
@@ -40,9 +40,24 @@ def _shapes_of(tree):
         lambda x: tuple(np.shape(x)) if hasattr(x, "shape") or np.isscalar(x) else type(x).__name__, tree)
 
 
+def _scalar_strategies_as_specs(prefix, tree_value):
+    """``()`` is both an empty container and a scalar's strategy (no dims to split);
+    where it meets an array leaf it is the latter, which PartitionSpec() says plainly."""
+    if prefix == () and not isinstance(prefix, PartitionSpec) and jax.tree_util.treedef_is_leaf(
+            jax.tree_util.tree_structure(tree_value)) and tree_value is not None:
+        return PartitionSpec()
+    if isinstance(prefix, (tuple, list)) and not _is_tensor_strategy(prefix) \
+            and isinstance(tree_value, (tuple, list)) and len(prefix) == len(tree_value):
+        return type(prefix)(_scalar_strategies_as_specs(p, v) for p, v in zip(prefix, tree_value))
+    if isinstance(prefix, dict) and isinstance(tree_value, dict) and prefix.keys() == tree_value.keys():
+        return {k: _scalar_strategies_as_specs(prefix[k], tree_value[k]) for k in prefix}
+    return prefix
+
+
 def _per_leaf(prefix, tree_value, what: str, *, whose: str, operator: str, source) -> list:
     """Broadcast a strategy prefix (like jit's in_shardings) over the leaves of ``tree_value``
     (the function's arguments or outputs, as ``whose`` says)."""
+    prefix = _scalar_strategies_as_specs(prefix, tree_value)
     leaves, treedef = jax.tree_util.tree_flatten(prefix, is_leaf=_is_tensor_strategy)
     try:
         subtrees = treedef.flatten_up_to(tree_value)
@@ -85,7 +100,7 @@ class ParallelFunction:
         self.shard_optimizer_state = shard_optimizer_state
         self.optimizer_argnums = tuple(optimizer_argnums)
         self.options = Options(mode="semi_auto" if mode == "semi_auto" else "sharding_propagation",
-                               fuse_reduce_scatter=fuse_reduce_scatter, cost=cost_model or DEFAULT_COST,
+                               fuse_reduce_scatter=fuse_reduce_scatter, cost=resolve_cost_model(cost_model, self.mesh_spec.ir_mesh),
                                verify=verify)
         self.in_strategy = in_strategy
         self.out_strategy = out_strategy
@@ -257,7 +272,7 @@ class ParallelFunction:
 
 def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_strategy=None, out_strategy=None,
                 dump_dir: Optional[str] = None, fuse_reduce_scatter: bool = True,
-                cost_model: Optional[CostModel] = None, donate_argnums=(), verify: bool = False,
+                cost_model=None, donate_argnums=(), verify: bool = False,
                 batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
                 progress: Optional[bool] = None) -> ParallelFunction:
     """Make ``fn`` run SPMD on ``mesh``.
@@ -281,6 +296,10 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         ``optimizer_argnums`` state is split over the data-parallel axes (True:
         "dp" on a named mesh, else every axis; or name the axes), so gradients are
         reduce-scattered and updated parameters all-gathered.
+    cost_model: what propagation's choices are priced by: None (the default model), a
+        ``CostModel`` (``CostModel.load(path)`` reads a ``shardprop calibrate``
+        profile), or the name of a built-in profile, ``"cpu"`` or ``"h100"``. A profile
+        measured on another mesh is a ShardingError.
     progress: a compile that takes over 2 s shows its stages on stderr (tracing,
         each pass, lowering, XLA's compile); False (or SHARDPROP_PROGRESS=0) keeps
         it quiet, True shows them as the default does.

@@ -203,3 +203,15 @@ def test_all_to_all_between_size1_dims_runs():
     check_parallel(f, (x2, x3, x5), mesh=4, mode="semi_auto")
     g = jax.grad(lambda *a: jnp.mean(jnp.square(f(*a))), argnums=(0, 1, 2))
     assert any(c.kind == "all_to_all" for c in sp.parallelize(g, mesh=4, mode="semi_auto").plan(x2, x3, x5).collectives)
+
+
+def test_a_scalar_argument_takes_the_empty_strategy():
+    """``()`` at a rank-0 argument or output is its strategy (nothing to split), not an
+    empty subtree that no longer matches the arguments' structure."""
+    s, x = np.float32(2.0), np.arange(8.0, dtype=np.float32)
+    f = lambda s, x: (x * s, jnp.sum(x))
+    for strategy in ((), P()):
+        pf = sp.parallelize(f, mesh=8, in_strategy=(strategy, (8,)), out_strategy=((8,), strategy))
+        assert_trees_close(pf(s, x), jax.jit(f)(s, x))
+    with pytest.raises(sp.ShardingError, match="rank 0"):
+        sp.parallelize(f, mesh=8, in_strategy=((2,), (8,)))(s, x)

@@ -209,12 +209,12 @@ def _finish(g: Gen, rng, seed, index, mode) -> Program:
     if "in_out" in g.features and wrapper in ("fwd", "grad") and mode != "data_parallel":
         if rng.random() < 0.3:
             for name, t in inputs.items():
-                # rank 0: None, not (); parallelize reads () as an empty subtree (reported)
-                if t.dtype not in (KEY, RAWKEY) and t.rank and rng.random() < 0.5:
+                # rank 0 gets () or P() too: parallelize reads () at an array as its strategy
+                if t.dtype not in (KEY, RAWKEY) and rng.random() < 0.5:
                     p.in_strategy[name] = S.valid_tensor_strategy(rng, t.shape, p.mesh)
         if wrapper == "fwd" and rng.random() < 0.2:
             p.out_strategy = tuple(S.valid_tensor_strategy(rng, types[o].shape, p.mesh)
-                                   if types[o].rank and rng.random() < 0.6 else None for o in p.outputs)
+                                   if rng.random() < 0.6 else None for o in p.outputs)
     return p
 
 
