@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..ir.errors import ShardingError, sharding_error
-from ..passes.cost import DEFAULT_COST, CostModel, resolve_cost_model  # noqa: F401
+from ..passes.cost import resolve_cost_model
 from ..runtime.lower import lower, partition_spec
 from ..runtime.mesh import resolve_mesh
 from ..runtime.distributed import initialize as initialize_distributed

@@ -1,27 +1,271 @@
-"""What a step costs: time on the wire plus time computing.
+"""What a step costs: time on the wire plus time computing, and memory per device.
 
 Counting only bytes is a trap (see DESIGN.md): a plan that gathers an activation
 and repeats a matmul on every rank moves fewer bytes than Megatron's, yet is
-slower. So communication and compute are both priced in seconds. The defaults
-describe one modern GPU node; only their ratios steer decisions.
+slower. So communication and compute are both priced in seconds:
+
+- a collective costs a latency plus its wire bytes over a bandwidth (alpha-beta),
+  per group of devices it runs over and, where a calibration found them to differ,
+  per collective kind (``links``);
+- an op costs the larger of its flops over the matmul rate and the bytes it touches
+  over the memory (elementwise) rate: a roofline;
+- ``memory_capacity_bytes`` is what one device holds (None: unlimited).
+
+The defaults describe one modern GPU node with no per-group terms; only their
+ratios steer decisions, and the golden dumps are planned with them. A measured
+profile (``shardprop calibrate``) or a built-in one (``CostModel.builtin``) adds
+the per-group terms. A group is named by its rank geometry (``group_shape``), not
+by axis names, so a profile measured on ``mesh=8`` prices any mesh of those 8
+devices: a 2x4 mesh's axis of 4 is the same ranks as the 8-mesh's two minor axes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+from ..ir.errors import ShardingError
+
+SCHEMA = "shardprop.cost/1"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute")
+PROFILES = Path(__file__).resolve().parent / "profiles"   # built-in profiles (package data)
+
+Group = tuple   # ((size, stride), ...): runs of ranks a collective's groups span, minor first
+
+
+def group_shape(axes, mesh) -> Group:
+    """The rank geometry of one collective group over ``axes`` of ``mesh``: a (size,
+    stride) per run of axes, ranks laid out row-major, contiguous runs merged. Axes
+    of size 1 take no part. Two collectives with the same geometry run over the same
+    kind of device groups whatever the axes are called."""
+    stride, strides = 1, {}
+    for name, size in reversed(list(zip(mesh.axis_names, mesh.axis_sizes))):
+        strides[name] = stride
+        stride *= size
+    pieces = sorted((mesh.axis_size(a), strides[a]) for a in set(axes) if mesh.axis_size(a) > 1)
+    pieces.sort(key=lambda p: p[1])
+    merged: list[tuple[int, int]] = []
+    for size, st in pieces:
+        if merged and merged[-1][1] * merged[-1][0] == st:
+            merged[-1] = (merged[-1][0] * size, merged[-1][1])
+        else:
+            merged.append((size, st))
+    return tuple(merged)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Alpha-beta: one collective takes ``latency_s + wire_bytes / bytes_per_s``."""
+    latency_s: float
+    bytes_per_s: float
+
+    def time(self, wire_bytes: float) -> float:
+        return self.latency_s + wire_bytes / self.bytes_per_s
 
 
 @dataclass(frozen=True)
 class CostModel:
-    latency_s: float = 5e-6          # fixed cost of one collective
-    link_bytes_per_s: float = 100e9  # per-device collective bandwidth
+    latency_s: float = 5e-6          # fixed cost of one collective (where no link says otherwise)
+    link_bytes_per_s: float = 100e9  # per-device collective bandwidth (likewise)
     flops_per_s: float = 200e12      # dense matmul throughput per device
-    memory_bytes_per_s: float = 2e12  # HBM bandwidth, for memory-bound ops
+    memory_bytes_per_s: float = 2e12  # memory bandwidth per device: elementwise and memory-bound ops
+    memory_capacity_bytes: Optional[int] = None   # per device; None: unlimited
+    # per-group alpha-beta: ((group, kind, Link), ...); kind "" holds for every kind
+    links: tuple = ()
+    device_count: Optional[int] = None   # the devices it was measured on; None: any count
+    mesh_shape: tuple = ()               # the mesh it was measured on (for the record)
+    mesh_axes: tuple = ()
+    device_kind: str = ""
+    name: str = ""
+    notes: str = field(default="", compare=False)
 
-    def collective_time(self, wire_bytes: float) -> float:
-        return self.latency_s + wire_bytes / self.link_bytes_per_s
+    # A calibrated model has dozens of links and is a cache key on hot paths:
+    # hash it once.
+    def __hash__(self):
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.latency_s, self.link_bytes_per_s, self.flops_per_s, self.memory_bytes_per_s,
+                     self.memory_capacity_bytes, self.links, self.device_count, self.device_kind, self.name))
+
+    # -- time ----------------------------------------------------------------
+    def collective_time(self, wire_bytes: float, kind: Optional[str] = None, axes=None, mesh=None) -> float:
+        """Seconds for one collective moving ``wire_bytes`` per device. Given its kind,
+        mesh axes and mesh, a profile's per-group terms apply; without them (or in a
+        model without links) the model's single latency and bandwidth do."""
+        if not self.links or not axes or mesh is None:
+            return self.latency_s + wire_bytes / self.link_bytes_per_s
+        return self.link(kind or "", tuple(axes), mesh).time(wire_bytes)
+
+    def step_time(self, step, mesh=None) -> float:
+        """Seconds for one step of the redistribution planner (a local slice is free)."""
+        if step.kind == "slice":
+            return 0.0
+        return self.collective_time(step.wire_bytes, step.kind, step.param("axes"), mesh)
 
     def compute_time(self, flops: float, touched_bytes: float) -> float:
         return max(flops / self.flops_per_s, touched_bytes / self.memory_bytes_per_s)
+
+    def link(self, kind: str, axes: tuple, mesh) -> Link:
+        key = (kind, axes, mesh)
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = self._link_of(kind, group_shape(axes, mesh))
+        return out
+
+    @functools.cached_property
+    def _memo(self) -> dict:
+        return {}
+
+    @functools.cached_property
+    def _table(self) -> dict:
+        return {(group, kind): link for group, kind, link in self.links}
+
+    def _link_of(self, kind: str, group: Group) -> Link:
+        table = self._table
+        for k in (kind, ""):
+            if (group, k) in table:
+                return table[(group, k)]
+        if len(group) > 1:
+            # not measured as a whole: as slow as its slowest run (the larger latency,
+            # the smaller bandwidth)
+            parts = [self._link_of(kind, (p,)) for p in group]
+            return Link(max(p.latency_s for p in parts), min(p.bytes_per_s for p in parts))
+        return Link(self.latency_s, self.link_bytes_per_s)
+
+    # -- meshes --------------------------------------------------------------
+    def measured_groups(self) -> set:
+        return {group for group, _, _ in self.links}
+
+    def check_mesh(self, mesh) -> "CostModel":
+        """This model, if it can price ``mesh``; else a ShardingError saying how to get one."""
+        where = (f"measured on {self.device_count} {self.device_kind or 'device'}s, mesh "
+                 f"{'x'.join(map(str, self.mesh_shape)) or '?'} {self.mesh_axes}")
+        fix = (f"run `shardprop calibrate --mesh {'x'.join(map(str, mesh.axis_sizes))} -o profile.json` on the "
+               f"machine that runs it and pass cost_model=CostModel.load('profile.json')")
+        if self.device_count is not None and self.device_count != mesh.size:
+            raise ShardingError(f"the cost profile {self.name or ''} was {where}; it cannot price a mesh of "
+                                f"{mesh.size} devices {dict(zip(mesh.axis_names, mesh.axis_sizes))}\n  fix:      {fix}")
+        if self.links:
+            measured = self.measured_groups()
+            missing = [a for a in mesh.axis_names if mesh.axis_size(a) > 1 and group_shape((a,), mesh) not in measured]
+            if missing:
+                raise ShardingError(f"the cost profile {self.name or ''} was {where}; it has no measurement for "
+                                    f"the device groups of mesh axes {missing} of mesh "
+                                    f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}\n  fix:      {fix}")
+        return self
+
+    # -- profiles ------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA, "name": self.name, "device_kind": self.device_kind,
+            "device_count": self.device_count,
+            "mesh": {"shape": list(self.mesh_shape), "axes": list(self.mesh_axes)},
+            "default_link": {"latency_s": self.latency_s, "bytes_per_s": self.link_bytes_per_s},
+            "compute": {"matmul_flops_per_s": self.flops_per_s, "elementwise_bytes_per_s": self.memory_bytes_per_s},
+            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "links": [{"group": [list(p) for p in group], "kind": kind or "*", **asdict(link)}
+                      for group, kind, link in self.links],
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "profile") -> "CostModel":
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+            raise ShardingError(f"{source} is not a shardprop cost profile (schema {got!r}, expected {SCHEMA!r}); "
+                                f"write one with `shardprop calibrate -o profile.json`")
+        try:
+            links = tuple((tuple(tuple(int(x) for x in p) for p in e["group"]),
+                           "" if e["kind"] == "*" else e["kind"],
+                           Link(float(e["latency_s"]), float(e["bytes_per_s"]))) for e in data["links"])
+            cap = data.get("memory_capacity_bytes")
+            return cls(latency_s=float(data["default_link"]["latency_s"]),
+                       link_bytes_per_s=float(data["default_link"]["bytes_per_s"]),
+                       flops_per_s=float(data["compute"]["matmul_flops_per_s"]),
+                       memory_bytes_per_s=float(data["compute"]["elementwise_bytes_per_s"]),
+                       memory_capacity_bytes=None if cap is None else int(cap), links=links,
+                       device_count=data.get("device_count"),
+                       mesh_shape=tuple(data["mesh"]["shape"]), mesh_axes=tuple(data["mesh"]["axes"]),
+                       device_kind=data.get("device_kind", ""), name=data.get("name", ""),
+                       notes=data.get("notes", ""))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ShardingError(f"{source}: malformed cost profile ({type(e).__name__}: {e}); "
+                                f"write a fresh one with `shardprop calibrate -o profile.json`") from None
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path, mesh=None) -> "CostModel":
+        """A profile written by ``save`` (or ``shardprop calibrate``); given a mesh, it
+        must be able to price it."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ShardingError(f"no cost profile at {path}; write one with `shardprop calibrate -o {path}` "
+                                f"or use a built-in one: {sorted(BUILTIN)}") from None
+        except json.JSONDecodeError as e:
+            raise ShardingError(f"{path} is not JSON ({e}); write a profile with `shardprop calibrate`") from None
+        model = cls.from_dict(data, str(path))
+        return model.check_mesh(mesh) if mesh is not None else model
+
+    @classmethod
+    def builtin(cls, name: str, mesh=None) -> "CostModel":
+        """``"cpu"``: forced CPU devices, measured on this project's 2-core development
+        machine by ``shardprop calibrate`` (package data); ``"h100"``: one H100 NVLink
+        node from published figures."""
+        if name not in BUILTIN:
+            raise ShardingError(f"no built-in cost profile {name!r}; the built-in ones are {sorted(BUILTIN)}, "
+                                f"or pass CostModel.load(path) for a profile from `shardprop calibrate`")
+        model = BUILTIN[name]()
+        return model.check_mesh(mesh) if mesh is not None else model
+
+    def with_memory_capacity(self, nbytes: Optional[int]) -> "CostModel":
+        return replace(self, memory_capacity_bytes=nbytes)
+
+
+def _h100() -> CostModel:
+    # Published figures, NVIDIA H100 SXM5 datasheet: 80 GB HBM3 at 3.35 TB/s; TF32
+    # tensor cores 989 TFLOPS with sparsity, so 494.7 dense (jax runs float32 matmuls
+    # on TF32 by default on GPUs); NVLink 4 at 900 GB/s per GPU in both directions,
+    # 450 GB/s each way, every GPU of a DGX/HGX node one hop away through NVSwitch, so
+    # every group of one node looks alike. Collective bandwidth per device: nccl-tests
+    # report ~360 GB/s bus bandwidth for large all_reduces on 8 H100s (80% of the link);
+    # small-message latency of an NCCL collective on one node is ~10 us.
+    return CostModel(latency_s=10e-6, link_bytes_per_s=360e9, flops_per_s=494.7e12,
+                     memory_bytes_per_s=3.35e12, memory_capacity_bytes=80 * 10**9, device_count=None,
+                     device_kind="NVIDIA H100 SXM5 (NVLink 4, NVSwitch)", name="h100",
+                     notes="from published figures, not measured: one node of up to 8 GPUs")
+
+
+def _cpu() -> CostModel:
+    return CostModel.load(PROFILES / "cpu-8.json")
+
+
+BUILTIN = {"cpu": _cpu, "h100": _h100}
+
+
+def resolve_cost_model(cost_model, mesh) -> CostModel:
+    """``parallelize``'s ``cost_model``: None (the default model), a ``CostModel``,
+    or the name of a built-in profile; checked against the mesh it will price."""
+    if cost_model is None:
+        return DEFAULT_COST
+    if isinstance(cost_model, str):
+        model = CostModel.builtin(cost_model)
+    elif isinstance(cost_model, CostModel):
+        model = cost_model
+    else:
+        raise ShardingError(f"cost_model={cost_model!r} is not a CostModel or a built-in profile name "
+                            f"{sorted(BUILTIN)}; load a calibrated one with CostModel.load(path)")
+    if model.name == "h100" and mesh.size > 8:
+        raise ShardingError(f"the built-in h100 profile describes one NVLink node of 8 GPUs, not a mesh of "
+                            f"{mesh.size} devices; run `shardprop calibrate --mesh ...` on the cluster")
+    return model.check_mesh(mesh)
 
 
 DEFAULT_COST = CostModel()
@@ -41,3 +285,29 @@ def wire_bytes(kind: str, local_bytes: float, group: int) -> float:
     if kind == "permute":
         return float(local_bytes)
     raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def modeled_step_time(graph, cost: CostModel) -> dict:
+    """What ``cost`` says a planned (localized) graph's step takes per device:
+    {"compute": s, "communication": s, "total": s, "collectives": n}. Each op's work is
+    its rule's flops and the bytes it touches, divided over the devices its strategy
+    splits it on; each collective is priced by its kind, axes and wire bytes."""
+    from ..ir.graph import is_collective
+    mesh = graph.mesh
+    compute = comm = 0.0
+    count = 0
+    for _, op in graph.walk_ops():
+        if is_collective(op):
+            if op.kind == "slice":
+                continue
+            count += 1
+            axes = op.params.get("axes") or ()
+            comm += cost.collective_time(op.params.get("wire_bytes", 0), op.kind, axes, mesh)
+            continue
+        st = op.strategy
+        if st is None:
+            continue
+        degree = math.prod(mesh.axes_size(a) for a in st.factors if a)
+        touched = sum(v.type.nbytes for v in (*op.inputs, *op.outputs))
+        compute += cost.compute_time(st.rule.flops / degree, touched / degree)
+    return {"compute": compute, "communication": comm, "total": compute + comm, "collectives": count}

@@ -376,7 +376,8 @@ class ChoiceMixin:
         def reduce_time(v, fss):
             local = math.prod(s // self.mesh.axes_size(dim_axes(d, cand, rule, self.mesh) or ())
                               for s, d in zip(v.type.shape, fss))
-            return self.cfg.cost.collective_time(wire_bytes("all_reduce", local * v.type.itemsize, n))
+            return self.cfg.cost.collective_time(wire_bytes("all_reduce", local * v.type.itemsize, n), "all_reduce",
+                                                 axes, self.mesh)
         before = max(reduce_time(op.inputs[m], rule.operands[m]) for m in group)
         after = max(reduce_time(v, rule.results[k]) for k, v in enumerate(op.outputs))
         return max(0.0, after - before)

@@ -116,9 +116,12 @@ class _States:
     of each with their times, worked out once: searches between different layouts
     of a tensor pass through the same states again and again."""
 
-    def __init__(self, shape, itemsize, mesh: Mesh, allow_reduce_scatter: bool, cost: CostModel):
+    def __init__(self, shape, itemsize, mesh: Mesh, allow_reduce_scatter: bool, cost: CostModel, real=None):
         self.args = (shape, itemsize, mesh, allow_reduce_scatter)
         self.cost = cost
+        # (real mesh, {bundle: its real axes}): a profile prices a move by the devices it
+        # runs over, so bundled axes are priced as the real axes they stand for
+        self.real = (real[0], dict(real[1])) if real else None
         self.ids: dict[Layout, int] = {}
         self.layouts: list[Layout] = []
         self.edges: dict[int, tuple] = {}
@@ -137,20 +140,28 @@ class _States:
             if len(self.edges) > MAX_KEPT_STATES:
                 self.edges.clear()   # bounded memory: a search over many axes meets very many states
             out = self.edges[i] = tuple(
-                (s, self.id(s.after), 0.0 if s.kind == "slice" else self.cost.collective_time(s.wire_bytes),
-                 frozenset(s.after.partial))
+                (s, self.id(s.after), self._time(s), frozenset(s.after.partial))
                 for s in _moves(self.layouts[i], *self.args))
         return out
 
+    def _time(self, s: Step) -> float:
+        if s.kind == "slice":
+            return 0.0
+        if self.real is None:
+            return self.cost.collective_time(s.wire_bytes)
+        mesh, members = self.real
+        axes = tuple(a for v in s.param("axes") for a in members[v])
+        return self.cost.collective_time(s.wire_bytes, s.kind, axes, mesh)
+
 
 @lru_cache(maxsize=256)
-def _states(shape, itemsize, mesh: Mesh, allow_reduce_scatter: bool, cost: CostModel) -> _States:
-    return _States(shape, itemsize, mesh, allow_reduce_scatter, cost)
+def _states(shape, itemsize, mesh: Mesh, allow_reduce_scatter: bool, cost: CostModel, real=None) -> _States:
+    return _States(shape, itemsize, mesh, allow_reduce_scatter, cost, real)
 
 
 def _search(shape, itemsize, src: Layout, dst: Layout, mesh: Mesh, allow_reduce_scatter: bool,
-            cost: CostModel) -> Optional[list[Step]]:
-    states = _states(shape, itemsize, mesh, allow_reduce_scatter, cost)
+            cost: CostModel, real=None) -> Optional[list[Step]]:
+    states = _states(shape, itemsize, mesh, allow_reduce_scatter, cost, real)
     start, goal = states.id(src), states.id(dst)
     keep = frozenset(dst.partial)   # a partial the target keeps must never be reduced
     tie = itertools.count()
@@ -304,8 +315,9 @@ def plan_redistribution(shape: tuple, itemsize: int, src: Layout, dst: Layout, m
     members = {f"v{i}": c for i, c in enumerate(chains)}
     name_of = {a: v for v, c in members.items() for a in c}
     vmesh = Mesh(tuple(members), tuple(mesh.axes_size(c) for c in members.values()))
+    real = (mesh, tuple(members.items())) if cost.links else None   # only a profile prices groups apart
     path = _search(tuple(shape), itemsize, _to_virtual(src, name_of, vmesh), _to_virtual(dst, name_of, vmesh),
-                   vmesh, allow_reduce_scatter, cost)
+                   vmesh, allow_reduce_scatter, cost, real)
     if path is None:
         steps = _fallback(tuple(shape), itemsize, src, dst, mesh)
     else:
@@ -316,7 +328,7 @@ def plan_redistribution(shape: tuple, itemsize: int, src: Layout, dst: Layout, m
 def redistribution_cost(shape, itemsize, src: Layout, dst: Layout, mesh: Mesh, allow_reduce_scatter=True,
                         cost: CostModel = DEFAULT_COST) -> float:
     steps = plan_redistribution(tuple(shape), itemsize, src, dst, mesh, allow_reduce_scatter, cost)
-    return sum(cost.collective_time(s.wire_bytes) for s in steps if s.kind != "slice")
+    return sum(cost.step_time(s, mesh) for s in steps)
 
 
 def permute_pairs(before: Layout, after: Layout, shape, mesh: Mesh) -> tuple[tuple[int, int], ...]:
