@@ -24,7 +24,24 @@ from .progress import enabled as progress_enabled
 from .state import data_parallel_pins, optimizer_state_pins, state_ties
 from .trace import trace
 
-MODES = ("sharding_propagation", "semi_auto", "data_parallel")
+MODES = ("sharding_propagation", "semi_auto", "data_parallel", "auto")
+
+
+def _memory_limit(limit, mode: str):
+    """Bytes per device for mode="auto": the user's (int or "16GiB"), else the device's memory
+    where jax reports it (none on CPU devices)."""
+    from ..passes.auto import parse_memory_limit
+    if limit is not None and mode != "auto":
+        raise ShardingError(f"memory_limit is for mode='auto' (the search keeps the plan under it); mode={mode!r} "
+                            "does not search")
+    parsed = parse_memory_limit(limit)
+    if parsed is None and mode == "auto":
+        try:
+            stats = jax.devices()[0].memory_stats() or {}
+        except Exception:   # a backend without memory stats (CPU)
+            stats = {}
+        parsed = stats.get("bytes_limit")
+    return parsed
 
 
 def _is_tensor_strategy(x) -> bool:
@@ -89,7 +106,7 @@ class ParallelFunction:
 
     def __init__(self, fn, *, mesh, mode, in_strategy, out_strategy, dump_dir, fuse_reduce_scatter, cost_model,
                  donate_argnums, verify, batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
-                 progress=None):
+                 progress=None, memory_limit=None):
         if mode not in MODES:
             raise ShardingError(f"mode={mode!r} is not one of {MODES}")
         initialize_distributed()   # join a multi-process run (launcher, mpirun, SLURM) before looking at devices
@@ -99,9 +116,9 @@ class ParallelFunction:
         self.batch_argnums = batch_argnums
         self.shard_optimizer_state = shard_optimizer_state
         self.optimizer_argnums = tuple(optimizer_argnums)
-        self.options = Options(mode="semi_auto" if mode == "semi_auto" else "sharding_propagation",
+        self.options = Options(mode=mode if mode in ("semi_auto", "auto") else "sharding_propagation",
                                fuse_reduce_scatter=fuse_reduce_scatter, cost=resolve_cost_model(cost_model, self.mesh_spec.ir_mesh),
-                               verify=verify)
+                               verify=verify, memory_limit=_memory_limit(memory_limit, mode))
         self.in_strategy = in_strategy
         self.out_strategy = out_strategy
         self.dump_dir = dump_dir
@@ -274,7 +291,7 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                 dump_dir: Optional[str] = None, fuse_reduce_scatter: bool = True,
                 cost_model=None, donate_argnums=(), verify: bool = False,
                 batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
-                progress: Optional[bool] = None) -> ParallelFunction:
+                progress: Optional[bool] = None, memory_limit=None) -> ParallelFunction:
     """Make ``fn`` run SPMD on ``mesh``.
 
     mesh: a device count (the first N devices), a ``jax.sharding.Mesh``, or
@@ -300,6 +317,11 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         ``CostModel`` (``CostModel.load(path)`` reads a ``shardprop calibrate``
         profile), or the name of a built-in profile, ``"cpu"`` or ``"h100"``. A profile
         measured on another mesh is a ShardingError.
+    mode="auto": a solver (HiGHS) picks every strategy that no mark, in/out
+        strategy or returned state fixes, minimizing the modeled step time with
+        the modeled peak bytes per device under ``memory_limit`` (an int, or text
+        such as "12MB" or "16GiB"; default: the device's memory, none on CPU).
+        ``plan.cost`` and ``plan.explain()`` show what it chose and why.
     progress: a compile that takes over 2 s shows its stages on stderr (tracing,
         each pass, lowering, XLA's compile); False (or SHARDPROP_PROGRESS=0) keeps
         it quiet, True shows them as the default does.
@@ -308,4 +330,4 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                             dump_dir=dump_dir, fuse_reduce_scatter=fuse_reduce_scatter, cost_model=cost_model,
                             donate_argnums=donate_argnums, verify=verify, batch_argnums=batch_argnums,
                             shard_optimizer_state=shard_optimizer_state, optimizer_argnums=optimizer_argnums,
-                            progress=progress)
+                            progress=progress, memory_limit=memory_limit)

@@ -172,3 +172,11 @@ def source_text(data: dict, line: str) -> str:
     head = f"{os.path.basename(line.strip())}: {len(found) - n_coll} operators, {n_coll} collectives"
     maps = redistribution_maps(data)
     return "\n\n".join([head] + [op_text(data, i, maps) for i in found])
+
+
+def search_text(result) -> str:
+    """A mode="auto" plan's decisions (``plan.explain()``)."""
+    if result is None:
+        return ("plan.explain() without an argument explains a mode='auto' search; this plan was propagated: "
+                "pass an op, a source line or a collective")
+    return "\n".join([str(result), "decisions (matmul / conv):"] + [str(d) for d in result.decisions])

@@ -7,10 +7,12 @@ import gc
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ..ir.graph import Graph
 from ..ir.printer import print_graph
 from ..ir.verifier import verify
+from ..passes.auto import SearchStrategies
 from ..passes.bind_strategies import BindUserStrategies
 from ..passes.cost import DEFAULT_COST, CostModel
 from ..passes.insert_reshards import InsertReshards
@@ -41,6 +43,7 @@ class Options:
     fuse_reduce_scatter: bool = True   # False: MindSpore's all_reduce + slice
     cost: CostModel = DEFAULT_COST
     verify: bool = False
+    memory_limit: Optional[int] = None   # mode="auto": bytes per device the plan's modeled peak must fit
 
 
 def default_passes(opts: Options) -> list:
@@ -48,7 +51,10 @@ def default_passes(opts: Options) -> list:
     # Propagation prices a partial's completion as a reduce_scatter in either form:
     # MindSpore's all_reduce + slice is how a redistribution is written out, not a
     # reason to choose another plan (so both forms plan alike, as MindSpore's dumps do).
-    return [BindUserStrategies(), PropagateSharding(opts.mode, opts.cost, True), SinkReductions(),
+    # mode="auto": a solver picks every strategy (passes/auto); the passes after it are the same
+    choose = SearchStrategies(opts.cost, opts.memory_limit) if opts.mode == "auto" else \
+        PropagateSharding(opts.mode, opts.cost, True)
+    return [BindUserStrategies(), choose, SinkReductions(),
             InsertReshards(rs, opts.cost), ReshardToCollectives(rs, opts.cost), Localize()]
 
 

@@ -112,10 +112,20 @@ class Plan:
         from .report import render_html, write_html
         return render_html(self.data) if path is None else write_html(self.data, str(path))
 
-    def explain(self, x) -> str:
+    @property
+    def cost(self):
+        """mode="auto": the modeled step (time, bytes moved, peak memory, compute per
+        device, a breakdown by operator, the solver's figures); None in other modes."""
+        return self.graph.auto
+
+    def explain(self, x=None) -> str:
         """The report's panel as text for ``x``: an op (a ``PlanOp`` of ``plan.ops`` or
         its index there), a source line (``"net.py:7"``: every op from it), or a
-        collective (a ``PlanCollective`` of ``plan.collectives``)."""
+        collective (a ``PlanCollective`` of ``plan.collectives``). Without ``x``, for a
+        mode="auto" plan: each matmul/conv decision, its chosen strategy, and the best
+        rejected one with what the plan would have cost with it."""
+        if x is None:
+            return _explain.search_text(self.graph.auto)
         data = self.data
         if isinstance(x, PlanCollective):
             return _explain.collective_text(data, _position(self.collectives, x, "plan.collectives"))

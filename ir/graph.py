@@ -141,6 +141,7 @@ class Graph:
     tied_outputs: dict = field(default_factory=dict)    # output index -> input index it must match (loop state)
     count_mesh: bool = False                       # mesh built from a device count: axes may be reordered
     call_source: Optional[str] = None              # where parallelize was called (errors about in/out strategies)
+    auto: Any = None                               # mode="auto": the search's result (plan.cost, plan.explain())
 
     def walk_ops(self) -> Iterator[tuple["Graph", Op]]:
         """Every op with the graph it sits in, descending into loop and branch bodies."""

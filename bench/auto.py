@@ -1,0 +1,92 @@
+"""How long ``mode="auto"`` takes to plan a GPT training step, and what it plans.
+
+Traces the GPT training step of examples/gpt_megatron.py (forward, backward, Adam)
+with no marks at all, and runs the pipeline with the strategy search
+(passes/auto) on each mesh: 8 devices (the search tries 2 x 4 and 4 x 2), and
+the named meshes 2 x 4 and 4 x 2 ("dp", "mp"). Prints, per depth and mesh, the
+median over --repeat runs of the search pass's seconds (building the problem and
+solving it), the whole pipeline's, the solver's own seconds, the size of the
+MILP, and the plan's modeled step time, bytes moved and peak per device.
+
+    python bench/auto.py                       # 12 and 48 layers
+    python bench/auto.py --layers 12 --repeat 3 --embed 256 --batch 16
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import jax  # noqa: E402
+
+import gpt_megatron as M  # noqa: E402
+from shardprop.compiler.pipeline import Options, gc_paused, run_pipeline  # noqa: E402
+from shardprop.compiler.state import state_ties  # noqa: E402
+from shardprop.compiler.trace import import_jaxpr, input_names  # noqa: E402
+from shardprop.runtime.mesh import resolve_mesh  # noqa: E402
+
+M.sp = types.SimpleNamespace(shard=lambda fn, *a, **k: fn)   # the model without a single mark
+
+MESHES = {"8": 8, "2x4": ((2, 4), ("dp", "mp")), "4x2": ((4, 2), ("dp", "mp"))}
+
+
+def traced(layers: int, heads: int, head_dim: int, batch: int, seq: int):
+    cfg = M.Config(layers=layers, heads=heads, head_dim=head_dim, batch=batch, seq=seq)
+    params = M.init_params(cfg)
+    tokens, targets = M.make_batch(cfg)
+    step, opt = M.make_train_step(M.Parallelism(heads=None, columns=None), cfg)   # (no marks: shard is identity)
+    args = (params, opt.init(params), tokens, targets)
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*args)
+    return step, args, closed, out_shape
+
+
+def plan_once(step, args, closed, out_shape, mesh) -> dict:
+    spec = resolve_mesh(mesh)
+    with gc_paused():
+        graph = import_jaxpr(closed, spec.ir_mesh, input_names(step, args, {}), "train_step")
+        graph.count_mesh = not spec.named
+        graph.tied_outputs = state_ties(args, (0, 1), out_shape)
+        t0 = time.perf_counter()
+        res = run_pipeline(graph, Options(mode="auto"))
+        total = time.perf_counter() - t0
+    auto = res.graph.auto
+    return dict(search=res.seconds["search-strategies"], total=total, solver=auto.solver["seconds"],
+                variables=auto.solver["variables"], binaries=auto.solver["binaries"], nodes=auto.solver["nodes"],
+                decisions=auto.solver["decisions"], step=auto.step_time, bytes=auto.bytes_moved,
+                peak=auto.peak_memory, mesh=auto.mesh, gap=auto.solver["gap"], ops=len(graph.ops))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, nargs="+", default=[12, 48])
+    ap.add_argument("--meshes", nargs="+", default=list(MESHES), choices=list(MESHES))
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=16)
+    args = ap.parse_args()
+    print(f"GPT training step (Adam), no marks; heads {args.heads} x {args.head_dim}, batch {args.batch}, "
+          f"seq {args.seq}; medians of {args.repeat}")
+    print(f"{'layers':>6} {'mesh':>5} {'ops':>6} {'search s':>9} {'solver s':>9} {'pipeline s':>10} {'nodes':>6} "
+          f"{'decisions':>9} {'MILP vars':>9} {'step ms':>9} {'MB moved':>9} {'peak MB':>8}  chosen mesh")
+    for layers in args.layers:
+        t = traced(layers, args.heads, args.head_dim, args.batch, args.seq)
+        for name in args.meshes:
+            runs = [plan_once(*t, MESHES[name]) for _ in range(args.repeat)]
+            med = {k: statistics.median(r[k] for r in runs) for k in ("search", "solver", "total")}
+            r = runs[-1]
+            print(f"{layers:>6} {name:>5} {r['ops']:>6} {med['search']:>9.2f} {med['solver']:>9.2f} "
+                  f"{med['total']:>10.2f} {r['nodes']:>6} {r['decisions']:>9} {r['variables']:>9} "
+                  f"{r['step'] * 1e3:>9.4f} {r['bytes'] / 1e6:>9.3f} {r['peak'] / 1e6:>8.2f}  {r['mesh']}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""How the choice is made: the search problem as a mixed-integer linear program,
+solved by HiGHS through ``scipy.optimize.milp``.
+
+Variables: ``x[t, k]`` (binary) picks candidate ``k`` of template node ``t``, one
+per node; ``y[e, i, j]`` (continuous in [0, 1]) is the pair of candidates an
+edge's two nodes take. The standard linearization ties them: for every edge,
+``sum_j y[e, i, j] = x[a, i]`` and ``sum_i y[e, i, j] = x[b, j]``; with one-hot
+``x`` that leaves exactly ``y[e, i, j] = x[a, i] x[b, j]``. Objective: unary
+costs on ``x`` plus edge costs on ``y``. Memory: ``sum coef x <= limit`` per
+program point given (``search.py`` adds the points a plan overflows at).
+
+Before the solve, two exact reductions: an edge whose cost splits into a part
+per side (``a_i + b_j``) is folded into the nodes' own costs, and a candidate
+that another one beats or ties on every cost and every byte is dropped.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ...ir.errors import ShardingError
+
+
+@dataclass
+class Reduced:
+    unary: dict                      # template -> seconds per kept candidate
+    edges: dict                      # (a, b) -> seconds per pair of kept candidates
+    kept: dict                       # template -> original indices of the kept candidates
+    memory: dict = field(default_factory=dict)   # template -> list of bytes vectors (kept candidates)
+
+
+@dataclass
+class Solution:
+    choice: dict                     # template -> candidate index (in the problem's numbering)
+    objective: float                 # modeled step time of the choice (seconds)
+    bound: float                     # the solver's lower bound on any plan's time
+    gap: float                       # relative gap between the two (0 when proven optimal)
+    status: str
+    seconds: float
+    variables: int
+    binaries: int
+
+
+def reduce(problem, memory_matters: bool) -> Reduced:
+    """Fold separable edges into node costs, then drop dominated candidates."""
+    unary = {t: u.copy() for t, u in problem.unary.items()}
+    edges = {}
+    for (a, b), mat in problem.edges.items():
+        if not np.any(mat):
+            continue
+        row, col = mat[:, :1], mat[:1, :]
+        if np.allclose(mat, row + col - mat[0, 0], rtol=0, atol=1e-15):
+            unary[a] += mat[:, 0] - mat[0, 0]
+            unary[b] += mat[0, :]
+            continue
+        edges[(a, b)] = mat
+    memory: dict = {}
+    if memory_matters:
+        for t, vec in problem.values.values():
+            memory.setdefault(t, {})[vec.tobytes()] = vec   # equal vectors compare alike
+    kept = {t: _undominated(t, unary, edges, memory.get(t, {})) for t in unary}
+    return Reduced({t: unary[t][kept[t]] for t in unary},
+                   {(a, b): m[np.ix_(kept[a], kept[b])] for (a, b), m in edges.items()}, kept,
+                   {t: [v[kept[t]] for v in vs.values()] for t, vs in memory.items()})
+
+
+def _undominated(t: int, unary: dict, edges: dict, memory: dict) -> np.ndarray:
+    """Candidates of ``t`` that no other candidate beats or ties on every cost (its own,
+    each edge's against every neighbour candidate) and every value's bytes."""
+    cols = [unary[t][:, None]]
+    for (a, b), m in edges.items():
+        if a == t:
+            cols.append(m)
+        elif b == t:
+            cols.append(m.T)
+    cols += [v[:, None] for v in memory.values()]
+    feats = np.hstack(cols)
+    k = feats.shape[0]
+    if k == 1:
+        return np.arange(1)
+    tol = 1e-12 * max(1.0, float(np.abs(feats).max()))
+    le = np.all(feats[:, None, :] <= feats[None, :, :] + tol, axis=2)   # le[i, j]: i no worse than j anywhere
+    keep = []
+    for j in range(k):
+        beaten = False
+        for i in range(k):
+            if i != j and le[i, j] and (not le[j, i] or i < j):
+                beaten = True
+                break
+        if not beaten:
+            keep.append(j)
+    return np.array(keep, dtype=int)
+
+
+def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
+          time_limit: Optional[float] = None, rel_gap: float = 1e-6) -> Solution:
+    """Solve the reduced problem; ``memory_rows``: dicts template -> bytes per kept
+    candidate, each held to ``limit``."""
+    try:
+        from scipy.optimize import LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+    except ImportError as e:   # pragma: no cover (tested by hiding scipy)
+        raise ShardingError(f"mode='auto' needs the HiGHS solver through scipy.optimize.milp, which cannot be "
+                            f"imported ({e}); install it with `pip install 'scipy>=1.9'` (or use "
+                            f"mode='sharding_propagation')") from None
+    t0 = time.perf_counter()
+    temps = sorted(red.unary)
+    xoff, n = {}, 0
+    for t in temps:
+        xoff[t] = n
+        n += len(red.unary[t])
+    nx = n
+    eoff = {}
+    for e, m in red.edges.items():
+        eoff[e] = n
+        n += m.size
+    c = np.zeros(n)
+    for t in temps:
+        c[xoff[t]:xoff[t] + len(red.unary[t])] = red.unary[t]
+    for e, m in red.edges.items():
+        c[eoff[e]:eoff[e] + m.size] = m.ravel()
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    r = 0
+    for t in temps:                       # one candidate per node
+        k = len(red.unary[t])
+        rows += [r] * k
+        cols += range(xoff[t], xoff[t] + k)
+        vals += [1.0] * k
+        lo.append(1.0)
+        hi.append(1.0)
+        r += 1
+    for (a, b), m in red.edges.items():   # y's marginals are the x's
+        ka, kb = m.shape
+        base = eoff[(a, b)]
+        for i in range(ka):
+            rows += [r] * (kb + 1)
+            cols += [base + i * kb + j for j in range(kb)] + [xoff[a] + i]
+            vals += [1.0] * kb + [-1.0]
+            lo.append(0.0)
+            hi.append(0.0)
+            r += 1
+        for j in range(kb):
+            rows += [r] * (ka + 1)
+            cols += [base + i * kb + j for i in range(ka)] + [xoff[b] + j]
+            vals += [1.0] * ka + [-1.0]
+            lo.append(0.0)
+            hi.append(0.0)
+            r += 1
+    for row in memory_rows:
+        for t, vec in row.items():
+            rows += [r] * len(vec)
+            cols += range(xoff[t], xoff[t] + len(vec))
+            vals += list(vec)
+        lo.append(-np.inf)
+        hi.append(float(limit))
+        r += 1
+    A = coo_matrix((vals, (rows, cols)), shape=(r, n)).tocsr()
+    integrality = np.zeros(n)
+    integrality[:nx] = 1
+    options = {"disp": False, "mip_rel_gap": rel_gap}
+    if time_limit is not None:
+        options["time_limit"] = float(time_limit)
+    res = milp(c, integrality=integrality, bounds=(0, 1), constraints=[LinearConstraint(A, lo, hi)],
+               options=options)
+    seconds = time.perf_counter() - t0
+    if res.x is None:
+        return Solution({}, float("inf"), float("inf"), float("inf"), res.message, seconds, n, nx)
+    x = res.x
+    choice = {t: int(red.kept[t][int(np.argmax(x[xoff[t]:xoff[t] + len(red.unary[t])]))]) for t in temps}
+    bound = float(getattr(res, "mip_dual_bound", res.fun) or res.fun)
+    gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
+    return Solution(choice, float(res.fun), bound, gap, res.message, seconds, n, nx)

@@ -1,0 +1,527 @@
+"""What every choice costs: the search problem over a graph (the *what*, no solver).
+
+Decisions ("nodes"): every function argument (its layout) and every op that needs
+a decision of its own (a matmul, a convolution, a user's mark, a loop). Every
+other op *follows* its main operand (the largest one): its strategy is read off
+the layout that operand arrives in, so a chain of elementwise ops, reductions and
+reshapes is one node with its producer. A node's candidates come from its root's
+factor rule (``candidates.py``); a follower's strategy per candidate is derived.
+
+Repeated layers share variables: ops that repeat back to back (a tandem repeat of
+equal ops, ``runtime/repeats.py``) map to the first repetition, and a node whose
+members all map to one template node takes that node's variables. Costs of every
+real node and edge are summed onto the templates, so the shared problem prices
+the whole program exactly, under the constraint that all layers agree.
+
+Costs, in seconds of the cost model: each op's compute per device (split work
+is divided, replicated work repeated), each operand's redistribution from the
+layout its producer makes to the layout the consumer's strategy needs (the
+redistribution planner's own costs), a partial output's completion, a returned
+state's way back to its argument's layout, and per value its local bytes (for
+the memory limit, see ``memory.py``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ...ir.graph import CONSTRAINT, Graph, Op, Value
+from ...ir.layout import Layout
+from ...ir.mesh import Mesh
+from ...runtime.repeats import find_repeats
+
+from ..cost import CostModel
+from ..insert_reshards import cheapest_completion
+from ..redistribute import plan_redistribution, redistribution_cost
+from ..rules import FIXED, rule_for
+from ..sharding import OpStrategy, factors_from_operands, project
+from .candidates import factor_assignments, tensor_layouts
+
+DECIDERS = ("dot_general", "conv_general_dilated")   # ops that always decide for themselves
+EXPANDS = "expands"   # _main_operand: the op makes a bigger tensor than it reads (it follows a consumer)
+
+
+@dataclass
+class Node:
+    root: object                      # an Op, or the index of a graph input
+    members: list                     # ops that follow the root (the root op first)
+    main: list                        # per member: index of the operand it follows (-1: the root op)
+    template: int = -1                # the node whose variables this one shares
+    candidates: list = field(default_factory=list)   # factor tuples (op root) or Layouts (input root)
+    strategies: list = field(default_factory=list)   # per candidate, per member: OpStrategy
+
+    @property
+    def is_input(self) -> bool:
+        return isinstance(self.root, int)
+
+
+class Problem:
+    """The nodes, their candidates and every cost, summed onto template nodes:
+    ``unary[t]`` (seconds per candidate), ``edges[(t, u)]`` (seconds per pair of
+    candidates), ``values`` (per value: template node, local bytes per candidate)."""
+
+    def __init__(self, graph: Graph, cost: CostModel, *, follow: bool = True, share_layers: bool = True,
+                 allow_reduce_scatter: bool = True):
+        self.graph, self.mesh, self.cost = graph, graph.mesh, cost
+        self.follow, self.share = follow, share_layers
+        self.allow_rs = allow_reduce_scatter
+        self.rules = _Rules()
+        self._strategy_cache: dict = {}
+        self._redistribution_cache: dict = {}
+        self._build_nodes()
+        self._map_templates()
+        for n in self.nodes:
+            if n.template == n.index:
+                self._enumerate(n)
+        for n in self.nodes:
+            if n.template != n.index:
+                t = self.nodes[n.template]
+                n.candidates, n.strategies = t.candidates, t.strategies
+        self._costs()
+
+    # -- nodes ------------------------------------------------------------------
+    def _build_nodes(self) -> None:
+        g = self.graph
+        self.nodes: list[Node] = []
+        self.owner: dict[Value, tuple] = {}   # value -> (node, member position or -1, output index)
+        self.node_of_op: dict[Op, tuple] = {}  # op -> (node, member position)
+        for i, v in enumerate(g.inputs):
+            self._new_node(i)
+            self.owner[v] = (len(self.nodes) - 1, -1, 0)
+        deferred = []   # ops that make a bigger tensor than they read: they follow a consumer
+        for op in g.ops:
+            m = self._main_operand(op) if self.follow else None
+            if m == EXPANDS:
+                deferred.append(op)
+                continue
+            if m is None:
+                node = self._new_node(op)
+                node.main.append(-1)
+            else:
+                node = self.nodes[self.owner[op.inputs[m]][0]]
+                node.members.append(op)
+                node.main.append(m)
+            self._place(op, node)
+        users = g.users() if deferred else {}
+        for op in reversed(deferred):   # a chain of them (broadcast of a broadcast) from its end
+            consumer = next(((u, m) for v in op.outputs for u in users.get(v, ()) if u in self.node_of_op
+                             for m, x in enumerate(u.inputs) if x is v), None)
+            if consumer is None:
+                node = self._new_node(op)
+                node.main.append(-1)
+            else:
+                u, m = consumer
+                node = self.nodes[self.node_of_op[u][0]]
+                node.members.append(op)
+                node.main.append(("consumer", self.node_of_op[u][1], m))
+            self._place(op, node)
+
+    def _place(self, op: Op, node: "Node") -> None:
+        pos = len(node.members) - 1
+        self.node_of_op[op] = (node.index, pos)
+        for k, v in enumerate(op.outputs):
+            self.owner[v] = (node.index, pos, k)
+
+    def _new_node(self, root) -> Node:
+        n = Node(root, [root] if isinstance(root, Op) else [], [])
+        n.index = len(self.nodes)
+        self.nodes.append(n)
+        return n
+
+    def _main_operand(self, op: Op) -> Optional[int]:
+        """The operand an op follows, or None if it decides for itself."""
+        if op.kind in DECIDERS or op.subgraphs or op.kind in FIXED or op.region is not None:
+            return None
+        if op.kind == CONSTRAINT and op.pinned is not None:
+            return None
+        rule = self.rules(op)
+        best = None
+        for m, v in enumerate(op.inputs):
+            if v.literal is not None or rule.operands[m] is None or v not in self.owner:
+                continue
+            if best is None or _numel(v) > _numel(op.inputs[best]):
+                best = m
+        # an op that makes a bigger tensor than it reads (a broadcast, a concatenate, a
+        # pad) takes the layout its consumer wants (slicing it is free): following its
+        # operand would leave its new dims whole
+        biggest_out = max((_numel(v) for v in op.outputs), default=0)
+        if best is None or _numel(op.inputs[best]) < biggest_out:
+            return EXPANDS if len(op.outputs) == 1 else None
+        return best
+
+    # -- repeated layers --------------------------------------------------------
+    def _map_templates(self) -> None:
+        """Each node's template: the first node that is the same decision in an earlier
+        repetition (its root and members repeat the same ops, following the same
+        operands; an argument: same type, pin and readers)."""
+        g = self.graph
+        op_tmpl = _repeat_map([_op_token(op) for op in g.ops]) if self.share else {}
+        index = {op: k for k, op in enumerate(g.ops)}
+
+        def canon(op):
+            k = index[op]
+            return op_tmpl.get(k, k)
+        readers: dict = {}
+        if self.share:
+            for op in g.ops:
+                for v in op.inputs:
+                    if v in self.owner and self.owner[v][1] == -1:
+                        readers.setdefault(v, []).append(canon(op))
+        first: dict = {}
+        for n in self.nodes:
+            n.template = n.index
+            if not self.share:
+                continue
+            shape = tuple((canon(op), m, self._main_place(op, m)) for op, m in zip(n.members, n.main))
+            if n.is_input:
+                v = g.inputs[n.root]
+                key = ("input", v.type, g.pinned_inputs.get(n.root), tuple(readers.get(v, ())), shape)
+            else:
+                key = ("op", shape)
+            n.template = first.setdefault(key, n.index)
+
+    def _main_place(self, op: Op, m) -> tuple:
+        """Where in its node the operand an op follows is made (member, output)."""
+        if type(m) is not int or m < 0:
+            return ()
+        return self.owner[op.inputs[m]][1:]
+
+    # -- candidates -------------------------------------------------------------
+    def _enumerate(self, n: Node) -> None:
+        g, mesh = self.graph, self.mesh
+        if n.is_input:
+            v = g.inputs[n.root]
+            pinned = g.pinned_inputs.get(n.root)
+            n.candidates = [pinned] if pinned is not None else tensor_layouts(v.type.shape, mesh)
+            layouts = n.candidates
+        else:
+            op = n.root
+            rule = self.rules(op)
+            n.candidates = factor_assignments(rule, mesh, self._fixed(op, rule))
+            if not n.candidates:   # a fixed part that no assignment completes: keep it as it is
+                fixed = self._fixed(op, rule)
+                n.candidates = [tuple(a or () for a in fixed)]
+            layouts = None
+        for k, cand in enumerate(n.candidates):
+            row = []
+            produced: dict = {}
+            for pos, (op, m) in enumerate(zip(n.members, n.main)):
+                if m == -1:
+                    st = self._strategy(self.rules(op), tuple(cand), None)
+                elif type(m) is tuple:   # follows what its consumer (member m[1]) needs of it
+                    u = n.members[m[1]]
+                    need = row[m[1]].operand_layout(m[2], u.inputs[m[2]].type.rank, mesh)
+                    st = self._follow_consumer(op, need)
+                else:
+                    v = op.inputs[m]
+                    _, p, out = self.owner[v]
+                    src = layouts[k] if p == -1 else produced[(p, out)]
+                    st = self._follow(op, m, src)
+                row.append(st)
+                for o in range(len(op.outputs)):
+                    produced[(pos, o)] = st.result_layout(o, mesh)
+            n.strategies.append(row)
+
+    def _fixed(self, op: Op, rule) -> list:
+        mesh = self.mesh
+        if op.kind in FIXED:
+            return list(FIXED[op.kind](op, mesh))
+        if op.kind == CONSTRAINT and op.pinned is not None:
+            return factors_from_operands(rule, op, [op.pinned], mesh)[0]
+        if op.region is not None:
+            producers = self._producers()
+            layouts = [producers[v].pinned if v in producers and producers[v].kind == CONSTRAINT else None
+                       for v in op.inputs]
+            return factors_from_operands(rule, op, layouts, mesh)[0]
+        return [None] * rule.num_factors
+
+    def _producers(self) -> dict:
+        if not hasattr(self, "_producer_map"):
+            self._producer_map = self.graph.producers()
+        return self._producer_map
+
+    def _strategy(self, rule, factors: tuple, passthrough) -> OpStrategy:
+        key = (id(rule), factors, passthrough)
+        st = self._strategy_cache.get(key)
+        if st is None:
+            st = self._strategy_cache[key] = OpStrategy(rule, factors, passthrough)
+        return st
+
+    def _follow(self, op: Op, m: int, src: Layout) -> OpStrategy:
+        """The strategy of an op that follows operand ``m`` arriving in ``src``: the
+        splits it can keep, a partial passed through where the op is linear in that
+        operand alone; what it cannot keep is made whole."""
+        rule, mesh = self.rules(op), self.mesh
+        key = ("follow", id(rule), m, src)
+        st = self._strategy_cache.get(key)
+        if st is not None:
+            return st
+        proposal = project(rule.operands[m], src.dims, rule, mesh)
+        factors = tuple(proposal.get(f, ()) if rule.shardable(f) else () for f in range(rule.num_factors))
+        passthrough = None
+        if src.partial:
+            for gi, (group, pop) in enumerate(rule.linear):
+                if group == (m,) and pop == src.partial_op:
+                    passthrough = (gi, tuple(src.partial))
+                    break
+        for attempt in ((factors, passthrough), (factors, None), (((),) * rule.num_factors, None)):
+            st = OpStrategy(rule, *attempt)
+            if not st.problems(mesh):
+                break
+        st = self._strategy(rule, st.factors, st.passthrough)
+        self._strategy_cache[key] = st
+        return st
+
+    def _follow_consumer(self, op: Op, need: Layout) -> OpStrategy:
+        """The strategy of an op that makes its result in the layout its consumer needs
+        (what its rule can make of it; the rest whole)."""
+        rule, mesh = self.rules(op), self.mesh
+        key = ("consumer", id(rule), need)
+        st = self._strategy_cache.get(key)
+        if st is not None:
+            return st
+        proposal = project(rule.results[0], need.dims, rule, mesh)
+        factors = tuple(proposal.get(f, ()) if rule.shardable(f) and f not in rule.reduction else ()
+                        for f in range(rule.num_factors))
+        st = OpStrategy(rule, factors)
+        if st.problems(mesh):
+            st = OpStrategy(rule, ((),) * rule.num_factors)
+        st = self._strategy_cache[key] = self._strategy(rule, st.factors, None)
+        return st
+
+    # -- costs --------------------------------------------------------------------
+    def layout_of(self, v: Value, node: Node, k: int) -> Layout:
+        _, p, out = self.owner[v]
+        if p == -1:
+            return node.candidates[k]
+        return node.strategies[k][p].result_layout(out, self.mesh)
+
+    def _costs(self) -> None:
+        g, mesh, cost = self.graph, self.mesh, self.cost
+        T = [n.template for n in self.nodes]
+        self.unary = {t: np.zeros(len(self.nodes[t].candidates)) for t in set(T)}
+        self.compute = {t: np.zeros(len(self.nodes[t].candidates)) for t in set(T)}
+        self.edges: dict = {}
+        cache: dict = {}
+        compute_cache: dict = {}
+        for op in g.ops:
+            ci, pc = self.node_of_op[op]
+            cnode = self.nodes[ci]
+            tc = T[ci]
+            key = (tc, pc)
+            comp = compute_cache.get(key)
+            if comp is None:
+                comp = compute_cache[key] = np.array([self.op_compute(op, row[pc]) for row in cnode.strategies])
+            self.unary[tc] += comp
+            self.compute[tc] += comp
+            for m, v in enumerate(op.inputs):
+                if v.literal is not None or v not in self.owner:
+                    continue
+                pi, pp, out = self.owner[v]
+                tp = T[pi]
+                key = (tp, pp, out, tc, pc, m, pi == ci)
+                mat = cache.get(key)
+                if mat is None:
+                    mat = cache[key] = self._matrix(v, self.nodes[pi], cnode, lambda row: row[pc].operand_layout(
+                        m, v.type.rank, mesh), same=pi == ci)
+                self._add(tp, tc, mat, pi == ci)
+        for i, v in enumerate(g.outputs):
+            if v.literal is not None or v not in self.owner:
+                continue
+            pi, pp, out = self.owner[v]
+            pnode = self.nodes[pi]
+            target = g.pinned_outputs.get(i)
+            if target is None and i in g.tied_outputs:
+                j = g.tied_outputs[i]
+                ji = self.owner[g.inputs[j]][0]
+                jnode = self.nodes[ji]
+                mat = self._matrix(v, pnode, jnode, None, same=pi == ji, target_node_layouts=jnode.candidates)
+                self._add(T[pi], T[ji], mat, pi == ji)
+                continue
+            if target is not None:
+                vec = np.array([self.redistribution(v, self.layout_of(v, pnode, k), target)
+                                for k in range(len(pnode.candidates))])
+            else:
+                vec = np.array([cheapest_completion(v.type.shape, v.type.itemsize, self.layout_of(v, pnode, k), mesh,
+                                                    self.allow_rs, cost)[1] for k in range(len(pnode.candidates))])
+            self.unary[T[pi]] += vec
+        self._memory_terms()
+        # ties (a free slice of an argument fed whole) go to the plan that holds fewer bytes
+        for t, vec in self.values.values():
+            self.unary[t] += vec * TIE_BREAK_S_PER_BYTE
+
+    def _add(self, tp: int, tc: int, mat: np.ndarray, same_node: bool) -> None:
+        if same_node:
+            self.unary[tc] += mat          # (a vector: source and target share the candidate)
+        elif tp == tc:
+            self.unary[tc] += np.diag(mat)
+        elif (tp, tc) in self.edges:
+            self.edges[(tp, tc)] += mat
+        elif (tc, tp) in self.edges:
+            self.edges[(tc, tp)] += mat.T
+        else:
+            self.edges[(tp, tc)] = mat.copy()
+
+    def _matrix(self, v: Value, pnode: Node, cnode: Node, need_of, same: bool, target_node_layouts=None):
+        """Seconds to take ``v`` from what ``pnode``'s candidate i makes to what ``cnode``'s
+        candidate j needs (a vector over the candidates when they are one node)."""
+        src = [self.layout_of(v, pnode, i) for i in range(len(pnode.candidates))]
+        dst = target_node_layouts if target_node_layouts is not None else [need_of(row) for row in cnode.strategies]
+        if same:
+            return np.array([self.redistribution(v, a, b) for a, b in zip(src, dst)])
+        us, si = _unique(src)
+        ud, di = _unique(dst)
+        small = np.array([[self.redistribution(v, a, b) for b in ud] for a in us])
+        return small[np.ix_(si, di)]
+
+    def redistribution(self, v: Value, src: Layout, dst: Layout) -> float:
+        if src == dst:
+            return 0.0
+        key = (v.type, src, dst)
+        t = self._redistribution_cache.get(key)
+        if t is None:
+            try:
+                t = redistribution_cost(v.type.shape, v.type.itemsize, src, dst, self.mesh, self.allow_rs, self.cost)
+            except ValueError:   # no redistribution reaches it (a partial cannot be created)
+                t = IMPOSSIBLE
+            self._redistribution_cache[key] = t
+        return t
+
+    def wire_bytes(self, v: Value, src: Layout, dst: Layout) -> float:
+        if src == dst:
+            return 0.0
+        steps = plan_redistribution(tuple(v.type.shape), v.type.itemsize, src, dst, self.mesh, self.allow_rs, self.cost)
+        return sum(s.wire_bytes for s in steps)
+
+    def op_compute(self, op: Op, st: OpStrategy) -> float:
+        """The op's work per device (as propagation prices it): what its factors split
+        is divided, the rest is repeated on every device that holds it."""
+        return self.cost.compute_time(*self.op_work(op, st))
+
+    def op_work(self, op: Op, st: OpStrategy) -> tuple[float, float]:
+        degree = math.prod(self.mesh.axes_size(a) for a in st.factors if a)
+        touched = sum(v.type.nbytes for v in op.inputs) + sum(v.type.nbytes for v in op.outputs)
+        return st.rule.flops / degree, touched / degree
+
+    def _memory_terms(self) -> None:
+        """Per value: (template node, local bytes per candidate)."""
+        mesh = self.mesh
+        self.values: dict = {}
+        cache: dict = {}
+        for v, (ni, p, out) in self.owner.items():
+            t = self.nodes[ni].template
+            key = (t, p, out)
+            vec = cache.get(key)
+            if vec is None:
+                node = self.nodes[ni]
+                vec = cache[key] = np.array([
+                    math.prod(self.layout_of(v, node, k).local_shape(v.type.shape, mesh)) * v.type.itemsize
+                    for k in range(len(node.candidates))], dtype=float)
+            self.values[v] = (t, vec)
+
+    # -- a choice -----------------------------------------------------------------
+    @property
+    def templates(self) -> list[int]:
+        return sorted(self.unary)
+
+    def objective(self, choice: dict) -> float:
+        """Modeled step time of a choice (template node -> candidate index)."""
+        total = sum(self.unary[t][choice[t]] for t in self.unary)
+        total += sum(mat[choice[a], choice[b]] for (a, b), mat in self.edges.items())
+        return float(total)
+
+    def op_strategies(self, choice: dict) -> tuple[dict, dict]:
+        """(op -> OpStrategy, input index -> Layout) of a choice."""
+        ops, inputs = {}, {}
+        for n in self.nodes:
+            k = choice[n.template]
+            if n.is_input:
+                inputs[n.root] = n.candidates[k]
+            for op, st in zip(n.members, n.strategies[k]):
+                ops[op] = st
+        return ops, inputs
+
+
+IMPOSSIBLE = 1e6   # seconds: a redistribution that cannot exist
+TIE_BREAK_S_PER_BYTE = 1e-18   # far below any real cost: only decides between otherwise equal plans
+
+
+class _Rules:
+    """Each op's rule, built once per signature (repeated layers share them)."""
+
+    def __init__(self):
+        self.by_op: dict = {}
+        self.by_key: dict = {}
+
+    def __call__(self, op: Op):
+        rule = self.by_op.get(op)
+        if rule is None:
+            key = _op_token(op)
+            rule = self.by_key.get(key) if key[-1] is not op else None
+            if rule is None:
+                rule = self.by_key[key] = rule_for(op)
+            self.by_op[op] = rule
+        return rule
+
+
+def _op_token(op: Op) -> tuple:
+    """Equal for ops that are the same computation on the same types (so the same rule
+    and candidates); an op whose params do not hash is only equal to itself."""
+    try:
+        params = tuple(sorted(op.params.items()))
+        hash(params)
+    except TypeError:
+        params = op
+    if op.subgraphs:
+        params = op
+    return (op.kind, tuple((v.type, v.literal is not None) for v in op.inputs), tuple(v.type for v in op.outputs),
+            op.pinned, op.region is not None, params)
+
+
+def _repeat_map(tokens: list) -> dict:
+    """position -> the position it repeats, in the first repetition of its run (and of
+    runs inside that one: the optimizer's update of each layer inside the update of
+    each of its states)."""
+    ids: dict = {}
+    seq = [ids.setdefault(t, len(ids)) for t in tokens]
+    out: dict = {}
+
+    def walk(repeats, base):
+        for r in repeats:
+            start = base + r.start
+            inner: dict = {}
+            walk_into(r.inner, start, inner)
+            for rep in range(r.count):
+                for i in range(r.period):
+                    first = start + i
+                    target = inner.get(first, first)
+                    if rep or target != first:
+                        out[start + rep * r.period + i] = target
+
+    def walk_into(repeats, base, into):
+        for r in repeats:
+            start = base + r.start
+            deeper: dict = {}
+            walk_into(r.inner, start, deeper)
+            for rep in range(r.count):
+                for i in range(r.period):
+                    first = start + i
+                    target = deeper.get(first, first)
+                    if rep or target != first:
+                        into[start + rep * r.period + i] = target
+
+    walk(find_repeats(seq), 0)
+    return out
+
+
+def _numel(v: Value) -> int:
+    return math.prod(v.type.shape)
+
+
+def _unique(layouts: list) -> tuple[list, np.ndarray]:
+    index: dict = {}
+    idx = np.array([index.setdefault(l, len(index)) for l in layouts], dtype=int)
+    return list(index), idx

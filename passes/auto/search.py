@@ -1,0 +1,335 @@
+"""Pass ``search-strategies`` (``mode="auto"``): every op's strategy from a solver.
+
+Before: user marks, in/out strategies and returned state are bound (as for
+propagation); other ops have nothing.
+After: every op has an ``OpStrategy`` and every value a layout, as after
+``propagate-sharding``, so the passes after it (sink-reductions, insert-reshards,
+lowering, dumps) run unchanged. Loop and branch bodies are then planned by
+propagation with their boundary pinned to the loop op's searched layouts.
+
+How: build the problem (``problem.py``), reduce it and solve it (``milp.py``);
+under a memory limit, solve, find the program point where the plan's modeled
+live bytes peak, and if that is over the limit add that point's constraint and
+solve again (the constraint is exact; only the points that bind are ever added).
+On a device-count mesh with nothing pinned, every arrangement of the devices into
+one or two axes is searched and the cheapest plan kept.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ...ir.errors import ShardingError
+from ...ir.graph import CONSTRAINT, Graph
+from ...ir.mesh import Mesh
+
+from ..cost import DEFAULT_COST, CostModel
+from ..loop_boundaries import boundary_layouts
+from ..propagate import PropagateSharding
+from ..rules import FIXED
+from . import milp
+from .memory import live_intervals
+from .problem import DECIDERS, Problem
+
+MAX_MEMORY_ROUNDS = 25
+
+
+@dataclass
+class Alternative:
+    op: str                     # "dot_general at net.py:7"
+    count: int                  # ops that share this decision (repeated layers)
+    chosen: str                 # the chosen strategy, as split counts per operand
+    chosen_time: float          # modeled step time of the plan
+    rejected: Optional[str]     # the best other strategy for this decision
+    rejected_time: Optional[float]   # the plan's modeled step time with it instead
+    rejected_peak: Optional[float] = None   # its modeled peak bytes per device
+
+    def __str__(self):
+        head = f"{self.op}" + (f" (x{self.count}, one decision)" if self.count > 1 else "")
+        line = f"{head}\n  chosen   {self.chosen}: step {self.chosen_time * 1e3:.4f} ms"
+        if self.rejected is None:
+            return line + "\n  (no other strategy)"
+        worse = (self.rejected_time / self.chosen_time - 1) * 100 if self.chosen_time else 0.0
+        return line + (f"\n  rejected {self.rejected}: step {self.rejected_time * 1e3:.4f} ms ({worse:+.1f}%)"
+                       + (f", peak {self.rejected_peak / 2**20:.2f} MiB" if self.rejected_peak is not None else ""))
+
+
+@dataclass
+class SearchResult:
+    """What ``plan.cost`` shows: the modeled step of the chosen plan, per device."""
+    step_time: float             # seconds (compute + communication)
+    compute_time: float
+    communication_time: float
+    bytes_moved: float           # sent per device per step
+    peak_memory: float           # modeled live peak, bytes per device
+    flops: float                 # per device per step
+    memory_limit: Optional[int]
+    mesh: str
+    solver: dict = field(default_factory=dict)      # status, seconds, gap, variables, ...
+    breakdown: dict = field(default_factory=dict)   # op kind -> {compute, communication, bytes}
+    decisions: list = field(default_factory=list)   # Alternative per matmul/conv decision
+
+    def __str__(self):
+        lines = [f"modeled step {self.step_time * 1e3:.4f} ms on {self.mesh} (compute {self.compute_time * 1e3:.4f} ms, "
+                 f"communication {self.communication_time * 1e3:.4f} ms)",
+                 f"bytes moved per device {self.bytes_moved:,.0f}; peak memory per device {self.peak_memory:,.0f}"
+                 + (f" (limit {self.memory_limit:,})" if self.memory_limit else "")
+                 + f"; flops per device {self.flops:,.0f}",
+                 f"solver: {self.solver.get('status', '')} in {self.solver.get('seconds', 0):.2f} s, "
+                 f"gap {self.solver.get('gap', 0):.2%}"]
+        for kind, b in sorted(self.breakdown.items(), key=lambda kv: -(kv[1]["compute"] + kv[1]["communication"])):
+            lines.append(f"  {kind:<22} compute {b['compute'] * 1e6:10.2f} us  communication "
+                         f"{b['communication'] * 1e6:10.2f} us  bytes {b['bytes']:,.0f}")
+        return "\n".join(lines)
+
+
+class SearchStrategies:
+    name = "search-strategies"
+
+    def __init__(self, cost: CostModel = DEFAULT_COST, memory_limit: Optional[int] = None,
+                 time_limit: Optional[float] = 60.0, allow_reduce_scatter: bool = True):
+        self.cost = cost
+        self.memory_limit = memory_limit
+        self.time_limit = time_limit
+        self.allow_rs = allow_reduce_scatter
+
+    def __call__(self, graph: Graph) -> Graph:
+        best = None
+        for mesh in self._arrangements(graph):
+            graph.set_mesh(mesh)
+            found = self.search(graph)
+            if found[1] is not None and (best is None or found[1].objective < best[2].objective - 1e-15):
+                best = (mesh,) + found
+            elif best is None:
+                best = (mesh,) + found
+        mesh, problem, solution, peak = best
+        graph.set_mesh(mesh)
+        if solution is None:
+            raise self._overflow(problem)
+        self._write(graph, problem, solution)
+        graph.auto = self._result(problem, solution)
+        return graph
+
+    # -- the search -----------------------------------------------------------------
+    def search(self, graph: Graph, follow: bool = True, share_layers: bool = True):
+        """(problem, solution or None if nothing fits the memory limit, peak)."""
+        problem = Problem(graph, self.cost, follow=follow, share_layers=share_layers,
+                          allow_reduce_scatter=self.allow_rs)
+        limit = self.memory_limit
+        red = milp.reduce(problem, memory_matters=limit is not None)
+        memory = _Liveness(graph, problem)
+        rows, total = [], 0.0
+        for _ in range(MAX_MEMORY_ROUNDS):
+            sol = milp.solve(red, [{t: r[t][red.kept[t]] for t in r} for r in rows], limit, self.time_limit)
+            total += sol.seconds
+            if not sol.choice:
+                return problem, None, None
+            peak, at = memory.peak(sol.choice)
+            if limit is None or peak <= limit:
+                sol.seconds = total
+                sol.rounds = len(rows) + 1
+                sol.peak = peak
+                return problem, sol, peak
+            rows.append(memory.row(at))
+        return problem, None, None
+
+    def _arrangements(self, graph: Graph) -> list[Mesh]:
+        """The meshes to search: the graph's own, or on a device-count mesh with nothing
+        pinned to its axes, every arrangement of the devices into one or two axes."""
+        pinned = graph.pinned_inputs or graph.pinned_outputs or any(
+            (op.kind == CONSTRAINT and op.pinned is not None) or op.kind in FIXED or op.region is not None
+            for _, op in graph.walk_ops())
+        n = graph.mesh.size
+        if not graph.count_mesh or pinned or n == 1:
+            return [graph.mesh]
+        shapes = [(a, n // a) for a in range(2, n) if n % a == 0] or [(n,)]
+        return [Mesh(tuple(f"d{i}" for i in range(len(s))), s) for s in shapes]
+
+    # -- the plan into the graph ------------------------------------------------------
+    def _write(self, graph: Graph, problem: Problem, sol) -> None:
+        ops, inputs = problem.op_strategies(sol.choice)
+        for i, layout in inputs.items():
+            graph.inputs[i].layout = layout
+        for n in problem.nodes:
+            root = n.root
+            for op in n.members:
+                op.strategy = ops[op]
+                if op.kind == CONSTRAINT and op.pinned is not None:
+                    op.origin = "user"
+                elif op is root:
+                    op.origin = "auto (searched)"
+                elif isinstance(root, int):
+                    op.origin = f"auto (follows input {graph.input_names[root] if root < len(graph.input_names) else root})"
+                else:
+                    op.origin = _follows(root)
+                    op.origin_op = root
+                for k, v in enumerate(op.outputs):
+                    v.layout = op.strategy.result_layout(k, graph.mesh)
+        bodies = PropagateSharding(cost=self.cost, allow_reduce_scatter=True)
+        for op in graph.ops:
+            for body, pins_in, pins_out in boundary_layouts(op, graph.mesh):
+                body.pinned_inputs.update(pins_in)
+                body.pinned_outputs.update(pins_out)
+                bodies(body)
+
+    # -- what the plan costs, and the decisions that matter ----------------------------
+    def _result(self, problem: Problem, sol) -> SearchResult:
+        graph, mesh = problem.graph, problem.mesh
+        ops, inputs = problem.op_strategies(sol.choice)
+        compute = comm = moved = flops = 0.0
+        breakdown: dict = {}
+        layout = {graph.inputs[i]: l for i, l in inputs.items()}
+        for op in graph.ops:
+            st = ops[op]
+            b = breakdown.setdefault(op.kind, {"compute": 0.0, "communication": 0.0, "bytes": 0.0})
+            t = problem.op_compute(op, st)
+            flops += problem.op_work(op, st)[0]
+            compute += t
+            b["compute"] += t
+            for m, v in enumerate(op.inputs):
+                if v.literal is not None or v not in layout:
+                    continue
+                need = st.operand_layout(m, v.type.rank, mesh)
+                t = problem.redistribution(v, layout[v], need)
+                w = problem.wire_bytes(v, layout[v], need)
+                comm += t
+                moved += w
+                b["communication"] += t
+                b["bytes"] += w
+            for k, v in enumerate(op.outputs):
+                layout[v] = st.result_layout(k, mesh)
+        for i, v in enumerate(graph.outputs):
+            if v.literal is not None or v not in layout:
+                continue
+            target = graph.pinned_outputs.get(i)
+            if target is None and i in graph.tied_outputs:
+                target = layout[graph.inputs[graph.tied_outputs[i]]]
+            if target is None and layout[v].partial:
+                from ..insert_reshards import cheapest_completion
+                target = cheapest_completion(v.type.shape, v.type.itemsize, layout[v], mesh, self.allow_rs,
+                                             self.cost)[0]
+            if target is not None:
+                comm += problem.redistribution(v, layout[v], target)
+                moved += problem.wire_bytes(v, layout[v], target)
+        solver = dict(status=sol.status, seconds=sol.seconds, objective=sol.objective, bound=sol.bound, gap=sol.gap,
+                      variables=sol.variables, binaries=sol.binaries, nodes=len(problem.nodes),
+                      decisions=len(problem.unary), memory_rounds=getattr(sol, "rounds", 1))
+        return SearchResult(compute + comm, compute, comm, moved, getattr(sol, "peak", 0.0), flops,
+                            self.memory_limit, str(mesh), solver, breakdown, self._decisions(problem, sol))
+
+    def _decisions(self, problem: Problem, sol) -> list:
+        """For each matmul/conv decision: the chosen strategy, and the best other one
+        with every other decision kept (the plan's modeled time with it instead)."""
+        out = []
+        base = problem.objective(sol.choice)
+        memory = _Liveness(problem.graph, problem) if self.memory_limit is not None else None
+        counts: dict = {}
+        for n in problem.nodes:
+            counts[n.template] = counts.get(n.template, 0) + 1
+        for n in problem.nodes:
+            if n.template != n.index or n.is_input or n.root.kind not in DECIDERS:
+                continue
+            t = n.index
+            k = sol.choice[t]
+            best = None
+            for j in range(len(n.candidates)):
+                if j == k:
+                    continue
+                trial = dict(sol.choice)
+                trial[t] = j
+                cost = problem.objective(trial)
+                if best is None or cost < best[0]:
+                    best = (cost, j)
+            op = n.root
+            where = f"{op.kind} at {op.source}" if op.source else op.kind
+            chosen = _words(n.strategies[k][0], op, problem.mesh)
+            if best is None:
+                out.append(Alternative(where, counts[t], chosen, base, None, None))
+                continue
+            trial = dict(sol.choice)
+            trial[t] = best[1]
+            peak = memory.peak(trial)[0] if memory is not None else None
+            out.append(Alternative(where, counts[t], chosen, base, _words(n.strategies[best[1]][0], op, problem.mesh),
+                                   best[0], peak))
+        return out
+
+    def _overflow(self, problem: Problem) -> ShardingError:
+        """No plan fits: the smallest peak found (each decision at its fewest bytes) and
+        the tensors that make it."""
+        memory = _Liveness(problem.graph, problem)
+        choice = {}
+        for t in problem.unary:
+            totals = sum((vec for tt, vec in problem.values.values() if tt == t), np.zeros(len(problem.unary[t])))
+            choice[t] = int(np.argmin(totals))
+        peak, at = memory.peak(choice)
+        biggest = memory.largest(choice, at, 5)
+        names = "; ".join(f"{name} {shape} ({nbytes / 2**20:.2f} MiB per device)" for name, shape, nbytes in biggest)
+        return ShardingError(
+            f"no plan fits memory_limit={self.memory_limit:,} bytes per device on mesh {problem.mesh}: the smallest "
+            f"modeled peak found is {peak:,.0f} bytes per device ({peak / 2**20:.2f} MiB); the largest tensors alive "
+            f"there: {names}. Fix: raise memory_limit, use more devices, or shrink the batch or the model")
+
+
+def _follows(root):
+    def words():
+        return f"auto (follows {root.kind} at {root.source})" if root.source else f"auto (follows {root.kind})"
+    return words
+
+
+def _words(st, op, mesh) -> str:
+    ins = tuple(st.operand_layout(m, v.type.rank, mesh).splits(mesh) for m, v in enumerate(op.inputs))
+    axes = ", ".join("{" + ",".join(a) + "}" for a in st.factors)
+    return f"{ins} factors [{axes}]"
+
+
+class _Liveness:
+    """Modeled live bytes per program point, per choice; and the constraint of one point."""
+
+    def __init__(self, graph: Graph, problem: Problem):
+        intervals = live_intervals(graph)
+        self.problem = problem
+        self.vals = [v for v in problem.values if v in intervals]
+        self.birth = np.array([intervals[v][0] + 1 for v in self.vals])
+        self.death = np.array([intervals[v][1] + 1 for v in self.vals])
+        self.points = len(graph.ops) + 2
+        self.temp = [problem.values[v][0] for v in self.vals]
+        self.vec = [problem.values[v][1] for v in self.vals]
+
+    def bytes_of(self, choice: dict) -> np.ndarray:
+        return np.array([vec[choice[t]] for t, vec in zip(self.temp, self.vec)])
+
+    def profile(self, choice: dict) -> np.ndarray:
+        diff = np.zeros(self.points + 1)
+        b = self.bytes_of(choice)
+        np.add.at(diff, self.birth, b)
+        np.add.at(diff, self.death + 1, -b)
+        return np.cumsum(diff)[:self.points]
+
+    def peak(self, choice: dict) -> tuple[float, int]:
+        prof = self.profile(choice)
+        at = int(np.argmax(prof))
+        return float(prof[at]), at
+
+    def row(self, at: int) -> dict:
+        """template -> bytes per candidate of the values alive at program point ``at``."""
+        out: dict = {}
+        live = np.nonzero((self.birth <= at) & (self.death >= at))[0]
+        for i in live:
+            t = self.temp[i]
+            out[t] = out[t] + self.vec[i] if t in out else self.vec[i].copy()
+        return out
+
+    def largest(self, choice: dict, at: int, n: int) -> list:
+        b = self.bytes_of(choice)
+        live = [i for i in np.nonzero((self.birth <= at) & (self.death >= at))[0]]
+        live.sort(key=lambda i: -b[i])
+        g = self.problem.graph
+        names = {v: (g.input_names[i] if i < len(g.input_names) else f"input {i}") for i, v in enumerate(g.inputs)}
+        out = []
+        for i in live[:n]:
+            v = self.vals[i]
+            out.append((names.get(v, f"a {v.type.dtype} value"), tuple(v.type.shape), float(b[i])))
+        return out
