@@ -1,5 +1,6 @@
 """The ``shardprop`` command: ``shardprop launch ...`` starts a multi-process run;
-``shardprop report DUMP_DIR -o plan.html`` draws a dump's plan as one HTML page."""
+``shardprop report DUMP_DIR -o plan.html`` draws a dump's plan as one HTML page;
+``shardprop calibrate --mesh 8 -o profile.json`` measures this machine's cost model."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,9 @@ import sys
 
 USAGE = ("usage: shardprop launch [--nproc N | --gpus 0,1,...] [--devices-per-proc K] [--ips h1,h2] "
          "[--port P] [--log-dir log] script.py [args...]\n"
-         "       shardprop report DUMP_DIR [-o plan.html] [--explain OP_OR_LINE]\n\n"
-         "shardprop launch --help, shardprop report --help   for details")
+         "       shardprop report DUMP_DIR [-o plan.html] [--explain OP_OR_LINE]\n"
+         "       shardprop calibrate [--mesh 8 | --mesh 2x4] [--cpu] [-o profile.json]\n\n"
+         "shardprop launch --help, shardprop report --help, shardprop calibrate --help   for details")
 
 
 def main(argv=None) -> int:
@@ -21,7 +23,11 @@ def main(argv=None) -> int:
         return launch(argv[1:])
     if argv[0] == "report":
         return report(argv[1:])
-    print(f"shardprop: unknown command {argv[0]!r}; the commands are 'launch' and 'report'", file=sys.stderr)
+    if argv[0] == "calibrate":
+        from .calibrate import main as calibrate
+        return calibrate(argv[1:])
+    print(f"shardprop: unknown command {argv[0]!r}; the commands are 'launch', 'report' and 'calibrate'",
+          file=sys.stderr)
     return 2
 
 

@@ -1,0 +1,182 @@
+"""Does the cost model rank plans as the machine does?
+
+For each problem (the bench cases of ``bench/zoo.py``), several whole plans of the
+same computation on the same 8 devices: the case's own marks (Megatron, the seed's
+MindSpore marks, ...), MindSpore's literal all_reduce + slice form, ``semi_auto``,
+data parallel, ZeRO-1, dp x mp, everything replicated. Each plan is compiled by
+shardprop; the model predicts its step time (``passes.cost.modeled_step_time``:
+every op's roofline compute, every collective's alpha-beta time) and the plans are
+run, interleaved round by round, median of the repetitions. The figure is
+Spearman's rank correlation of predicted against measured step time
+(``scipy.stats.spearmanr``): over every plan of every problem, and within each
+problem (what choosing a plan needs).
+
+    python bench/cost_model.py                       # the built-in CPU profile, 15 rounds
+    python bench/cost_model.py --profile p.json      # a profile from `shardprop calibrate`
+    python bench/cost_model.py --problems seed_network --reps 5
+
+The default model (GPU-like figures, what propagation plans with unless told
+otherwise) is scored beside the profile on the same measurements.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import compare  # noqa: E402  (sets up 8 forced CPU devices before jax starts)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from scipy.stats import spearmanr  # noqa: E402
+
+from bench import zoo  # noqa: E402
+import shardprop as sp  # noqa: E402
+from shardprop.passes.cost import DEFAULT_COST, CostModel, modeled_step_time  # noqa: E402
+
+
+def _mesh(shape, names):
+    return Mesh(np.array(jax.devices()[:8]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def problems() -> dict:
+    """{problem: [(plan name, case, annotate mode, mesh, parallelize kwargs)]}."""
+    cases = {c.name: c for c in zoo.cases()}
+    out = {}
+    for name, batch in (("seed_network", (0,)), ("mindspore_ffn", (0,))):
+        c = cases[name]
+        m = _mesh(*c.mesh)
+        out[name] = [("marks", c, "shardprop", m, {}),
+                     ("marks, all_reduce + slice", c, "shardprop", m, dict(fuse_reduce_scatter=False)),
+                     ("semi_auto", c, "shardprop", m, dict(mode="semi_auto")),
+                     ("data parallel", c, "plain", _mesh((8,), ("d",)), dict(mode="data_parallel", batch_argnums=batch)),
+                     ("replicated", c, "plain", m, dict(mode="data_parallel", batch_argnums=()))]
+    for name in ("megatron_mlp", "megatron_attention"):
+        c = cases[name]
+        m = _mesh(*c.mesh)
+        seq = (P(None, "mp", None),) + (None,) * (4 if name == "megatron_attention" else 2)
+        out[name] = [("megatron marks", c, "shardprop", m, {}),
+                     ("semi_auto", c, "shardprop", m, dict(mode="semi_auto")),
+                     ("sequence split", c, "plain", m, dict(in_strategy=seq)),
+                     ("replicated", c, "plain", m, dict(mode="data_parallel", batch_argnums=()))]
+    mp8, dpmp = cases["gpt2_train_mp8"], cases["gpt2_train_dp2xmp4"]
+    eight = _mesh((8,), ("dp",))
+    state = dict(donate_argnums=(0, 1))
+    out["gpt2_train"] = [
+        ("megatron mp8", mp8, "shardprop", _mesh(*mp8.mesh), state),
+        ("dp2 x mp4", dpmp, "shardprop", _mesh(*dpmp.mesh), state),
+        ("data parallel", mp8, "plain", eight, dict(mode="data_parallel", batch_argnums=(2, 3), **state)),
+        ("ZeRO-1", mp8, "plain", eight, dict(mode="data_parallel", batch_argnums=(2, 3), shard_optimizer_state=True,
+                                              **state)),
+        ("replicated", mp8, "plain", eight, dict(mode="data_parallel", batch_argnums=(), **state))]
+    c = cases["cnn_data_parallel"]
+    out["cnn_train"] = [
+        ("marks (batch split)", c, "shardprop", _mesh(*c.mesh), dict(donate_argnums=(0,))),
+        ("data parallel", c, "plain", _mesh(*c.mesh), dict(mode="data_parallel", batch_argnums=(1, 2),
+                                                             donate_argnums=(0,))),
+        ("replicated", c, "plain", _mesh(*c.mesh), dict(mode="data_parallel", batch_argnums=(), donate_argnums=(0,)))]
+    return out
+
+
+@contextlib.contextmanager
+def unmarked_gpt():
+    """examples/gpt_megatron.py calls sp.shard itself: for the plans without marks (data
+    parallel, ZeRO-1, replicated) its shard() is the identity while it is traced."""
+    import gpt_megatron
+    real = gpt_megatron.sp
+    gpt_megatron.sp = types.SimpleNamespace(shard=lambda fn, *_, **__: fn)
+    try:
+        yield
+    finally:
+        gpt_megatron.sp = real
+
+
+def build(case, mode, mesh, kwargs, args):
+    """(plan, a callable running one step as a training loop would)."""
+    zoo.annotate.mode, zoo.annotate.mesh = mode, mesh
+
+    def fn(*a):   # a fresh function: a trace of the same one with other marks is not reused
+        if mode == "plain" and case.name.startswith("gpt"):
+            with unmarked_gpt():
+                return case.fn(*a)
+        return case.fn(*a)
+    pf = sp.parallelize(fn, mesh=mesh, progress=False, **kwargs)
+    plan = pf.plan(*args)
+    comp = pf.lower(*args).compile()
+    compiled = pf._compile(args, {})
+    return plan, compare.feedback(comp, pf._flat_inputs(compiled, args, {}), plan.graph.tied_outputs)
+
+
+def measure(steps: list, reps: int) -> list[float]:
+    """Median step time of each, run round by round (a slow spell hits every plan alike)."""
+    for f in steps:
+        jax.block_until_ready(f())
+    times = [[] for _ in steps]
+    for _ in range(reps):
+        for i, f in enumerate(steps):
+            t = time.perf_counter()
+            jax.block_until_ready(f())
+            times[i].append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", help="a profile from `shardprop calibrate` (default: the built-in 'cpu' one)")
+    ap.add_argument("--reps", type=int, default=15, help="timed rounds, median taken (default: 15)")
+    ap.add_argument("--problems", nargs="*", help="run only these")
+    args = ap.parse_args()
+    profile = CostModel.load(args.profile) if args.profile else CostModel.builtin("cpu")
+    models = {"profile": profile, "default": DEFAULT_COST}
+    rows = []
+    start = time.perf_counter()
+    for problem, plans in problems().items():
+        if args.problems and problem not in args.problems:
+            continue
+        print(f"... {problem}", file=sys.stderr, flush=True)
+        built = []
+        for name, case, mode, mesh, kwargs in plans:
+            try:
+                plan, step = build(case, mode, mesh, kwargs, case.args())
+            except sp.ShardingError as e:
+                print(f"   {name}: not planned ({str(e).splitlines()[0]})", file=sys.stderr)
+                continue
+            predicted = {k: modeled_step_time(plan.graph, m.check_mesh(plan.graph.mesh)) for k, m in models.items()}
+            built.append((name, plan, step, predicted))
+        measured = measure([b[2] for b in built], args.reps)
+        for (name, plan, _, predicted), t in zip(built, measured):
+            rows.append(dict(problem=problem, plan=name, measured=t, collectives=predicted["profile"]["collectives"],
+                             bytes=plan.bytes, **{f"{k}_{part}": p[part] for k, p in predicted.items()
+                                                  for part in ("compute", "communication", "total")}))
+    print(f"{'problem':<20} {'plan':<27} {'colls':>5} {'bytes':>9} {'measured':>10} {'profile':>10} "
+          f"{'(comm)':>9} {'default':>10}")
+    for r in rows:
+        print(f"{r['problem']:<20} {r['plan']:<27} {r['collectives']:>5} {compare.fmt_bytes(r['bytes']):>9} "
+              f"{r['measured'] * 1e3:>8.3f}ms {r['profile_total'] * 1e3:>8.3f}ms {r['profile_communication'] * 1e3:>7.3f}ms "
+              f"{r['default_total'] * 1e6:>8.2f}us")
+    print()
+    for k in models:
+        pooled = spearmanr([r[f"{k}_total"] for r in rows], [r["measured"] for r in rows]).statistic
+        per = {}
+        for problem in dict.fromkeys(r["problem"] for r in rows):
+            sub = [r for r in rows if r["problem"] == problem]
+            if len(sub) > 2:
+                per[problem] = spearmanr([r[f"{k}_total"] for r in sub], [r["measured"] for r in sub]).statistic
+        within = ", ".join(f"{p} {s:+.2f}" for p, s in per.items())
+        print(f"Spearman, {k} model ({(profile if k == 'profile' else DEFAULT_COST).name or 'built-in default'}): "
+              f"all {len(rows)} plans {pooled:+.3f}; within each problem: {within}; "
+              f"mean {statistics.mean(per.values()) if per else float('nan'):+.2f}")
+    print(f"\nmeasured: median of {args.reps} interleaved rounds per problem on 8 forced CPU devices; predicted: "
+          f"modeled_step_time (roofline compute + alpha-beta collectives, no dispatch overhead)")
+    print(f"total {time.perf_counter() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""``shardprop calibrate``: measure this machine's cost model with jax itself.
+
+Every collective the planner emits (all_reduce, all_gather, reduce_scatter,
+all_to_all, permute) is timed over every distinct group of devices the mesh's axes
+make (each axis, and each set of axes), at a few buffer sizes; latency and
+bandwidth are fitted per group and per kind by non-negative least squares
+(``scipy.optimize.nnls``: time = latency + wire bytes / bandwidth, wire bytes as the
+planner counts them). A matmul and an elementwise op running on every device at
+once give the roofline's two rates. Each time is the median of repetitions; a
+collective's is the difference between a program that runs it 9 times in a row and
+one that runs it once, over 8 (what a program costs to start is no collective's).
+
+    shardprop calibrate --mesh 8 -o profile.json        # 2x2x2, prices any mesh of 8 devices
+    shardprop calibrate --mesh 2x4 --cpu                # forced CPU devices
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from ..passes.cost import COLLECTIVES, CostModel, Link, group_shape, wire_bytes
+
+SIZES = (256, 4096, 32768)          # float32 elements per device per collective
+MATMUL_SIZES = (128, 256)            # n of an n x n by n x n matmul per device
+ELEMENTWISE_SIZES = (1 << 18, 1 << 21)
+FUSED_CHAIN = 6                      # elementwise ops in a row, one multiply or add each
+CHAIN = 8                            # collectives in a row, against one alone
+
+
+def parse_mesh(text: str) -> tuple:
+    """"8" -> the prime axes parallelize(mesh=8) uses; "2x4" -> those sizes."""
+    from ..ir.mesh import prime_factors
+    try:
+        sizes = [int(s) for s in text.lower().split("x")]
+    except ValueError:
+        raise SystemExit(f"shardprop calibrate: --mesh {text!r} is not a device count or sizes like 2x4") from None
+    if any(s < 1 for s in sizes):
+        raise SystemExit(f"shardprop calibrate: --mesh {text!r}: sizes must be positive")
+    if len(sizes) == 1:
+        sizes = prime_factors(sizes[0]) or [1]
+    return tuple(sizes)
+
+
+def _median_time(fn, x, reps: int) -> float:
+    import jax
+    for _ in range(2):
+        jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _program(jmesh, body):
+    import jax
+    from jax.sharding import PartitionSpec as P
+    every = P(tuple(jmesh.axis_names))
+    return jax.jit(jax.shard_map(body, mesh=jmesh, in_specs=every, out_specs=every, check_vma=False))
+
+
+def _collective_body(kind: str, axes: tuple, group: int, chain: int):
+    """``chain`` of one collective in a row, each fed by the last (and kept from being
+    simplified away: an all_reduce of a value already equal across the group would be
+    a multiply), the local shape kept from one to the next."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def one(x):
+        if kind == "all_reduce":   # plus the rank, so the next one's input differs across the group
+            return lax.psum(x, axes) + lax.axis_index(axes).astype(x.dtype)
+        if kind == "all_gather":   # then keep a neighbour's block: the shape comes back
+            full = lax.all_gather(x, axes, tiled=True)
+            start = ((lax.axis_index(axes) + 1) % group) * x.shape[0]
+            return lax.dynamic_slice_in_dim(full, start, x.shape[0])
+        if kind == "reduce_scatter":
+            return jnp.tile(lax.psum_scatter(x, axes, tiled=True), group)
+        if kind == "all_to_all":
+            return lax.all_to_all(x, axes, 0, 0, tiled=True)
+        if kind == "permute":
+            return lax.ppermute(x, axes, [(i, (i + 1) % group) for i in range(group)])
+        raise ValueError(kind)
+
+    def body(x):
+        for _ in range(chain):
+            x = one(x)
+        return x
+    return body
+
+
+def _elementwise_chain(x):
+    for k in range(FUSED_CHAIN):
+        x = x * 0.5 if k % 2 else x + 1.0
+    return x
+
+
+def _fit(samples) -> Link:
+    """latency, bandwidth from (bytes, seconds) samples; neither may come out negative."""
+    from scipy.optimize import nnls
+    a = np.array([[1.0, b] for b, _ in samples])
+    t = np.array([s for _, s in samples])
+    scale = np.array([1.0, max(a[:, 1].max(), 1.0)])   # columns of like size for the solver
+    (alpha, inv_beta), _ = nnls(a / scale, t)
+    inv_beta /= scale[1]
+    return Link(max(float(alpha), 1e-9), 1.0 / inv_beta if inv_beta > 0 else 1e15)
+
+
+def _rate(samples) -> float:
+    """Work per second from (work, seconds) samples: the slope, past a fixed cost."""
+    link = _fit(samples)
+    return link.bytes_per_s
+
+
+def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, log=None) -> CostModel:
+    import jax
+    from jax.sharding import Mesh as JaxMesh
+
+    from ..ir.mesh import Mesh
+    names = tuple(f"d{i}" for i in range(len(mesh_shape)))
+    n = math.prod(mesh_shape)
+    devices = jax.devices()
+    if len(devices) < n:
+        raise SystemExit(f"shardprop calibrate: the mesh needs {n} devices but jax sees {len(devices)} "
+                         f"({devices[0].platform}); pass --cpu to force CPU devices")
+    jmesh = JaxMesh(np.array(devices[:n]).reshape(mesh_shape), names)
+    mesh = Mesh(names, tuple(mesh_shape))
+    say = log or (lambda *_: None)
+    t_start = time.perf_counter()
+
+    def timed(body, local_elems: int) -> float:
+        x = np.ones(n * local_elems, np.float32)
+        x = jax.device_put(x, jax.sharding.NamedSharding(jmesh, jax.sharding.PartitionSpec(names)))
+        return _median_time(_program(jmesh, body), x, reps)
+
+    links, pooled_all = [], []
+    seen = set()
+    axes_sets = [c for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)]
+    for axes in axes_sets:
+        group = group_shape(axes, mesh)
+        if not group or group in seen:
+            continue
+        seen.add(group)
+        g = mesh.axes_size(axes)
+        pooled = []
+        for kind in kinds:
+            samples = []
+            for s in sizes:
+                # one more collective in a row is what one collective costs (the program's
+                # dispatch and the rest cancel)
+                t = (timed(_collective_body(kind, axes, g, 1 + CHAIN), s) -
+                     timed(_collective_body(kind, axes, g, 1), s)) / CHAIN
+                samples.append((wire_bytes(kind, 4 * s, g), max(t, 0.0)))
+            link = _fit(samples)
+            links.append((group, kind, link))
+            pooled += samples
+            say(f"  {kind:<15} axes {','.join(axes):<9} group {group}: latency {link.latency_s * 1e6:8.1f} us, "
+                f"{link.bytes_per_s / 1e9:7.2f} GB/s")
+        links.append((group, "", _fit(pooled)))
+        pooled_all += pooled
+    default = _fit(pooled_all) if pooled_all else Link(5e-6, 100e9)
+
+    def matmul(x):
+        k = int(round(x.shape[0] ** 0.5))
+        a = x.reshape(k, k)
+        return (a @ a).reshape(-1)
+    flops = _rate([(2.0 * k ** 3, timed(matmul, k * k)) for k in MATMUL_SIZES])
+    # a chain of elementwise ops, which XLA fuses into one pass over memory, counted as the
+    # model counts it: every op its input and output bytes (fitted like wire bytes, in the
+    # model's own accounting)
+    touched = _rate([(8.0 * FUSED_CHAIN * s, timed(_elementwise_chain, s)) for s in ELEMENTWISE_SIZES])
+    say(f"  matmul {flops / 1e9:.2f} GFLOP/s per device, elementwise {touched / 1e9:.2f} GB/s per device "
+        f"(all devices busy at once)")
+    device = devices[0]
+    kind = getattr(device, "device_kind", device.platform)
+    return CostModel(latency_s=default.latency_s, link_bytes_per_s=default.bytes_per_s, flops_per_s=flops,
+                     memory_bytes_per_s=touched, memory_capacity_bytes=_memory_capacity(device),
+                     links=tuple(links), device_count=n, mesh_shape=tuple(mesh_shape), mesh_axes=names,
+                     device_kind=f"{device.platform}:{kind}", name=f"calibrated-{device.platform}-{n}",
+                     notes=f"measured by shardprop calibrate with jax {jax.__version__} in "
+                           f"{time.perf_counter() - t_start:.0f} s, {time.strftime('%Y-%m-%d', time.gmtime())}; "
+                           f"median of {reps} runs")
+
+
+def _memory_capacity(device):
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:   # CPU devices have none; jax raises or returns None depending on version
+        return None
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def main(argv) -> int:
+    ap = argparse.ArgumentParser(prog="shardprop calibrate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mesh", default="8", help="a device count (its prime axes, as parallelize(mesh=8) makes) or "
+                                               "sizes such as 2x4 (default: 8)")
+    ap.add_argument("-o", "--output", default="profile.json", help="the profile to write (default: profile.json)")
+    ap.add_argument("--cpu", action="store_true", help="force as many CPU devices as the mesh needs")
+    ap.add_argument("--reps", type=int, default=7, help="timed runs per measurement, median taken (default: 7)")
+    ap.add_argument("--quick", action="store_true", help="two sizes, 3 runs each, all_reduce and all_gather only "
+                                                         "(a smoke test, not a profile to trust)")
+    args = ap.parse_args(argv)
+    shape = parse_mesh(args.mesh)
+    if args.cpu:
+        import jax
+        from ..runtime.distributed import use_cpu_devices
+        use_cpu_devices(math.prod(shape))
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", math.prod(shape))
+    kw = dict(reps=3, sizes=SIZES[:2], kinds=("all_reduce", "all_gather")) if args.quick else dict(reps=args.reps)
+    t = time.perf_counter()
+    print(f"calibrating on mesh {'x'.join(map(str, shape))} ...", flush=True)
+    model = calibrate(shape, log=lambda s: print(s, flush=True), **kw)
+    model.save(args.output)
+    print(f"wrote {args.output} ({len(model.links)} links) in {time.perf_counter() - t:.0f} s; use it with "
+          f"parallelize(..., cost_model=CostModel.load({args.output!r}))")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
