@@ -8,6 +8,7 @@ pyproject.toml), never as top-level names of their own.
 from .compiler import (CostModel, ParallelFunction, Plan, PlanCollective, PlanOp, ShardingError,  # noqa: F401
                        parallelize, shard)
 from .compiler.report import report  # noqa: F401
+from . import ps  # noqa: F401  (parameter-server training; ray is imported only when a job starts)
 from .runtime.checkpoint import Checkpointer  # noqa: F401
 from .runtime.data import DataLoader, DistributedSampler  # noqa: F401
 from .runtime.distributed import is_main_process, print0, to_numpy, use_cpu_devices  # noqa: F401

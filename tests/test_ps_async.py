@@ -1,0 +1,216 @@
+"""Parameter-server training on Ray (runtime/ps, ``sp.ps``).
+
+The pieces without Ray: row ranges, staleness bound, the rows a push touches
+updated like optax on the whole table, the message when the ``ps`` extra is
+missing. With Ray (one session, tests/ps_scripts/ps_job.py, shared by the tests
+below): one sync step equals the single-device step; a 3x slower worker holds
+the others back in sync, not in async; async AUC keeps up with sync's; a killed
+worker is reported and the job goes on; a killed server stops the job with a
+clear error; no process is left behind."""
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import shardprop as sp
+from shardprop.runtime.ps import layout, sparse_update
+from shardprop.runtime.ps.rows import BatchRows, bucket
+from shardprop.runtime.ps.staleness import StalenessBook
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "ps_scripts" / "ps_job.py"
+BATCH = 1024
+BUDGET = 60 * 1024
+
+try:
+    import ray  # noqa: F401
+    HAVE_RAY = True
+except ImportError:
+    HAVE_RAY = False
+needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (the 'ps' extra: pip install -e '.[ps]')")
+
+
+# -- without Ray ---------------------------------------------------------------------
+
+def test_row_ranges_cover_the_table_and_need_not_divide():
+    b = layout.row_bounds(10, 3)
+    assert list(b) == [0, 4, 7, 10]
+    ids = np.arange(10)
+    assert list(layout.owners(ids, b)) == [0] * 4 + [1] * 3 + [2] * 3
+    with pytest.raises(ValueError, match="table 'emb' has 2 rows, fewer than the 3 servers"):
+        layout.row_bounds(2, 3, "emb")
+
+
+def test_dense_leaves_spread_largest_first():
+    where = layout.assign_dense({"a": 100, "b": 60, "c": 50, "d": 5}, 2)
+    assert where["a"] != where["b"] and where["b"] == where["c"]
+
+
+def test_staleness_bound():
+    book = StalenessBook(2)
+    assert book.admit(5, 5) == (True, 0) and book.admit(5, 3) == (True, 2) and book.admit(5, 2) == (False, 3)
+    s = book.summary()
+    assert s["applied"] == 2 and s["refused"] == 1 and s["max"] == 2 and s["histogram"] == {0: 1, 2: 1}
+    with pytest.raises(ValueError, match="max_staleness=-1"):
+        StalenessBook(-1)
+
+
+def test_batch_rows_index_a_small_table():
+    batch = {"ids": np.array([[7, 3], [3, 9]]), "x": np.ones(2)}
+    rows = BatchRows(batch, {"ids"})
+    assert list(rows.unique["ids"]) == [3, 7, 9]
+    np.testing.assert_array_equal(rows.unique["ids"][rows.batch["ids"]], batch["ids"])
+    assert rows.padded_rows("ids") == bucket(3) == 64 and bucket(65) == 128
+
+
+def test_row_update_equals_optax_on_the_whole_table():
+    """Adagrad on the touched rows only = adagrad on the table with zero gradient elsewhere."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((20, 4)).astype(np.float32)
+    opt = optax.adagrad(0.1)
+    full, full_state = jax.numpy.asarray(table), opt.init(jax.numpy.asarray(table))
+    mine, state = table.copy(), sparse_update.init_state(opt, table)
+    for _ in range(3):
+        rows = np.sort(rng.choice(20, 6, replace=False))
+        g = rng.standard_normal((6, 4)).astype(np.float32)
+        dense_g = np.zeros_like(table)
+        dense_g[rows] = g
+        updates, full_state = opt.update(dense_g, full_state, full)
+        full = optax.apply_updates(full, updates)
+        state = sparse_update.apply_rows(opt, mine, state, rows, g)
+    np.testing.assert_allclose(mine, np.asarray(full), rtol=1e-6, atol=1e-6)
+
+
+def test_without_ray_the_message_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)    # `import ray` now fails
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[ps\]'"):
+        sp.ps.require_ray()
+    job = sp.ps.Job(lambda p, b: 0.0, {"emb": np.zeros((4, 2), np.float32), "w": np.zeros(2, np.float32)},
+                    {"emb": "ids"}, lambda w, n: iter(()), optax.sgd(0.1))
+    with pytest.raises(ImportError, match=r"\.\[ps\]"):
+        job.start()
+
+
+def test_import_shardprop_does_not_import_ray():
+    r = subprocess.run([sys.executable, "-c", "import sys, shardprop; shardprop.ps.is_server(); "
+                        "print('ray' in sys.modules)"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+def test_bad_job_arguments():
+    params = {"emb": np.zeros((4, 2), np.float32)}
+    with pytest.raises(KeyError, match="tables \\['table'\\] are not top-level entries"):
+        sp.ps.Job(lambda p, b: 0.0, params, {"table": "ids"}, None, optax.sgd(0.1))
+    with pytest.raises(ValueError, match="mode='geo-sync'"):
+        sp.ps.Job(lambda p, b: 0.0, params, {"emb": "ids"}, None, optax.sgd(0.1), mode="geo-sync")
+
+
+# -- on Ray: one session shared by the tests below -------------------------------------
+
+def _processes_with(marker: str) -> list:
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in env.read_bytes():
+                found.append(int(env.parent.name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ps")
+    marker = f"ps-test-{uuid.uuid4()}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SHARDPROP_TEST_MARK=marker)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(BUDGET), str(BATCH)], env=env,
+                          capture_output=True, text=True, timeout=400)
+    deadline = time.monotonic() + 15
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
+    return {"proc": proc, "results": results, "left": _processes_with(marker), "out": out}
+
+
+def _results(session):
+    assert session["results"] is not None, session["proc"].stderr[-4000:]
+    return session["results"]
+
+
+@needs_ray
+def test_one_sync_step_equals_the_single_device_step(session):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import wide_and_deep as wd
+    _results(session)
+    cfg = wd.Config.small()
+    log = wd.ClickLog(cfg)
+    batch = {k: np.concatenate([log.batch(i, BATCH)[k] for i in range(3)]) for k in ("dense", "ids", "label")}
+    params = wd.init_params(cfg)
+    opt = optax.sgd(0.5)
+    want, _, _ = jax.jit(wd.make_train_step(opt))(params, opt.init(params), batch)
+    got = np.load(session["out"] / "sync_one_step.npz")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(want)[0]:
+        np.testing.assert_allclose(got[jax.tree_util.keystr(path)], np.asarray(leaf), rtol=1e-5, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def _fast(run):
+    """Median samples/s of the workers that were not slowed down (worker 1 is the slow one)."""
+    return float(np.median([v for w, v in run["per_worker"].items() if w != "1"]))
+
+
+@needs_ray
+def test_slow_worker_holds_back_sync_not_async(session):
+    r = _results(session)
+    async_ratio = _fast(r["async_slow"]) / _fast(r["async_even"])
+    sync_ratio = _fast(r["sync_slow"]) / _fast(r["sync_even"])
+    assert async_ratio > 0.9, (async_ratio, r["async_slow"], r["async_even"])     # < 10% drop
+    assert sync_ratio < 0.75, (sync_ratio, r["sync_slow"], r["sync_even"])        # everyone waits for it
+    slow = r["async_slow"]["per_worker"]
+    assert slow["1"] < 0.6 * _fast(r["async_slow"])       # the slow worker really was slow
+    assert r["async_slow"]["staleness"]["max"] <= 16 and r["async_slow"]["staleness"]["applied"] > 0
+
+
+@needs_ray
+def test_async_auc_keeps_up_with_sync(session):
+    r = _results(session)
+    for run in ("async_even", "async_slow"):
+        assert r[run]["auc"] >= 0.98 * r["sync_even"]["auc"], (run, r[run]["auc"], r["sync_even"]["auc"])
+    assert r["sync_even"]["auc"] > 0.7     # it learned something
+
+
+@needs_ray
+def test_killed_worker_is_reported_and_the_others_finish(session):
+    r = _results(session)["kill_worker"]
+    dead = _results(session)["pids"]["workers"][2]
+    assert r["failures"] == [f"worker 2 (pid {dead}) died (ActorDiedError); the 2 server(s) and 2 other "
+                             f"worker(s) carry on"]
+    assert sorted(r["samples"]) == ["0", "1"] and r["seen"] >= BUDGET
+    assert f"worker 2 (pid {dead}) died" in session["proc"].stderr
+
+
+@needs_ray
+def test_killed_server_stops_the_job_with_a_clear_error(session):
+    proc = session["proc"]
+    assert proc.returncode == 1
+    pid = _results(session)["pids"]["servers"][0]
+    assert (f"ParameterServerError: parameter server 0 (pid {pid}; emb rows 0-1247, wide rows 0-1247) died"
+            in proc.stderr), proc.stderr[-3000:]
+    assert "the parameters it held are gone, so the job is stopped" in proc.stderr
+
+
+@needs_ray
+def test_no_process_is_left_behind(session):
+    _results(session)
+    assert session["left"] == []
+    for pid in _results(session)["pids"]["servers"] + _results(session)["pids"]["workers"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
