@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..ir.graph import Graph, Op, Value, is_collective
 from ..ir.layout import Layout
 from ..passes.rules.indexing import lookup_dims as lookup_rows
+from ..passes.rules.indexing import scatter_rows
 from ..passes.rules.random import blockwise_bits
 from .random_bits import random_bits_block
 
@@ -93,6 +94,8 @@ def _run_primitive(op: Op, args: list):
         args = [jnp.where(first, args[0], jnp.zeros_like(args[0]))] + list(args[1:])
     if op.kind == "gather" and _reduced_axes(op):
         return [_vocab_parallel_gather(op, args, params)]
+    if op.kind in ("scatter-add", "scatter_add") and any(op.inputs[0].layout.dims[d] for d in scatter_rows(op)):
+        args = _owned_scatter_args(op, args, params)
     if op.kind == "random_bits" and _draws_block(op):
         # each device draws only its block of the global bits (runtime/random_bits.py)
         v, key_rank = op.outputs[0], op.inputs[0].type.rank
@@ -142,6 +145,30 @@ def _vocab_parallel_gather(op: Op, args: list, params: dict):
         fill = jnp.asarray(_fill_value(params.get("fill_value"), out.dtype), out.dtype)
         out = jnp.where(expand(~valid & first), fill, out)
     return out
+
+
+def _owned_scatter_args(op: Op, args: list, params: dict) -> list:
+    """A scatter-add into a table split by rows (the vocab-parallel lookup's gradient):
+    ids are shifted into this device's block, and the updates of ids it does not own
+    become zeros added at a clamped row. A CLIP scatter clamps the global id first;
+    otherwise an id out of range is owned by nobody, so dropped, as jax drops it."""
+    table, ids, updates = args[:3]
+    dn = params["dimension_numbers"]
+    layout = op.inputs[0].layout
+    owned = jnp.ones(ids.shape[:-1], bool)
+    shifted = ids
+    for d in scatter_rows(op):
+        j = dn.scatter_dims_to_operand_dims.index(d)
+        full, local = op.inputs[0].type.shape[d], table.shape[d]
+        i = ids[..., j]
+        if params["mode"] == lax.GatherScatterMode.CLIP:
+            i = jnp.clip(i, 0, full - 1)
+        i = i - _axis_offset(layout.dims[d], local)
+        owned &= (i >= 0) & (i < local)
+        shifted = shifted.at[..., j].set(jnp.clip(i, 0, local - 1))
+    scatter_dims = [k for k in range(updates.ndim) if k not in dn.update_window_dims]
+    keep = lax.broadcast_in_dim(owned, updates.shape, tuple(scatter_dims))
+    return [table, shifted, jnp.where(keep, updates, jnp.zeros_like(updates))] + list(args[3:])
 
 
 def _fill_value(fill, dtype):

@@ -15,6 +15,9 @@ the same script; ``is_server()`` / ``is_worker()`` say which role it has, and
 """
 from __future__ import annotations
 
+# sync and GEO as single SPMD programs (no Ray): tables split by rows; GEO's replica axis
+from .compiler.geo import GeoState, GeoStep, geo  # noqa: F401
+from .compiler.ps_sync import SyncStep, pad_rows, sync  # noqa: F401
 from .runtime.ps.ray_env import ParameterServerError, require_ray  # noqa: F401
 from .runtime.ps.roles import is_server, is_worker, role, role_index  # noqa: F401
 

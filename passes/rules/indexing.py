@@ -2,7 +2,9 @@
 dynamic_slice and dynamic_update_slice.
 
 Indexed dims stay whole (a device cannot look up a row another device holds
-without communication). Dims taken whole by every slice may stay split, and so
+without communication), except a table's rows looked up or written one id at a
+time: a gather splits them as a reduction (vocab-parallel lookup), a scatter-add
+writes only the rows it owns. Dims taken whole by every slice may stay split, and so
 may the batch dims of the indices: an embedding table split on its hidden dim,
 looked up with tokens split on the batch, needs no collective. A scatter-add
 with its updates split on the batch leaves a partial sum, combined later.
@@ -89,15 +91,31 @@ def _gather_local(op, in_shapes, out_shapes):
     return {**op.params, "slice_sizes": sizes}
 
 
+def scatter_rows(op) -> tuple:
+    """Operand dims of a scatter that are written one entry per index (an embedding
+    table's rows, in the gradient of a lookup): inserted, indexed. Split, each device
+    adds only the updates whose ids it owns, shifted into its block (the transpose of
+    the vocab-parallel lookup): the table stays split by rows, nothing table-sized
+    moves (runtime/lower.py)."""
+    dn = op.params["dimension_numbers"]
+    if op.inputs[0].type.dtype == "bool" or dn.operand_batching_dims:
+        return ()
+    rows = tuple(d for d in dn.inserted_window_dims if d in dn.scatter_dims_to_operand_dims)
+    return rows if set(rows) == set(dn.scatter_dims_to_operand_dims) else ()
+
+
 @register("scatter-add", "scatter_add")
 def scatter_add_rule(op) -> FactorRule:
     """operand + scatter(updates). The updates' scatter dims (rows added into the
     table) are reduction factors: split, each device adds its share and the result
     is a partial sum (the lowering zeroes the operand on all but one device of the
-    group, so it is counted once)."""
+    group, so it is counted once). The operand's written rows may be split too
+    (``scatter_rows``): then the updates are whole over those axes and each device
+    keeps the ones it owns."""
     fb, need, op_f, idx_f, upd_f, rows = _scatter_factors(op)
+    owned = {f for d in scatter_rows(op) for f in op_f[d]}
     return FactorRule(tuple(fb.sizes), (op_f, idx_f, upd_f), (op_f,),
-                      reduction=frozenset(rows), reduce_op="sum", need_replication=frozenset(need),
+                      reduction=frozenset(rows), reduce_op="sum", need_replication=frozenset(need - owned),
                       linear=(((0, 2), "sum"),), flops=numel(op.inputs[2].type.shape))
 
 
