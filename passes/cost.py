@@ -105,6 +105,8 @@ class CostModel:
         """Seconds for one step of the redistribution planner (a local slice is free)."""
         if step.kind == "slice":
             return 0.0
+        if not self.links or mesh is None:   # the hot path of propagation: no per-group terms to look up
+            return self.latency_s + step.wire_bytes / self.link_bytes_per_s
         return self.collective_time(step.wire_bytes, step.kind, step.param("axes"), mesh)
 
     def compute_time(self, flops: float, touched_bytes: float) -> float:
@@ -114,7 +116,16 @@ class CostModel:
         key = (kind, axes, mesh)
         out = self._memo.get(key)
         if out is None:
-            out = self._memo[key] = self._link_of(kind, group_shape(axes, mesh))
+            out = self._link_of(kind, group_shape(axes, mesh))
+            if out is None:
+                # never measured as a whole: as slow as its slowest axis (the larger
+                # latency, the smaller bandwidth)
+                parts = [self._link_of(kind, group_shape((a,), mesh)) for a in set(axes)
+                         if mesh.axis_size(a) > 1]
+                parts = [p or Link(self.latency_s, self.link_bytes_per_s) for p in parts]
+                out = Link(max(p.latency_s for p in parts), min(p.bytes_per_s for p in parts)) if parts else \
+                    Link(self.latency_s, self.link_bytes_per_s)
+            self._memo[key] = out
         return out
 
     @functools.cached_property
@@ -125,17 +136,12 @@ class CostModel:
     def _table(self) -> dict:
         return {(group, kind): link for group, kind, link in self.links}
 
-    def _link_of(self, kind: str, group: Group) -> Link:
+    def _link_of(self, kind: str, group: Group) -> Optional[Link]:
         table = self._table
         for k in (kind, ""):
             if (group, k) in table:
                 return table[(group, k)]
-        if len(group) > 1:
-            # not measured as a whole: as slow as its slowest run (the larger latency,
-            # the smaller bandwidth)
-            parts = [self._link_of(kind, (p,)) for p in group]
-            return Link(max(p.latency_s for p in parts), min(p.bytes_per_s for p in parts))
-        return Link(self.latency_s, self.link_bytes_per_s)
+        return None
 
     # -- meshes --------------------------------------------------------------
     def measured_groups(self) -> set:
@@ -143,18 +149,18 @@ class CostModel:
 
     def check_mesh(self, mesh) -> "CostModel":
         """This model, if it can price ``mesh``; else a ShardingError saying how to get one."""
-        where = (f"measured on {self.device_count} {self.device_kind or 'device'}s, mesh "
+        where = (f"measured on {self.device_count} devices ({self.device_kind or 'unknown kind'}), mesh "
                  f"{'x'.join(map(str, self.mesh_shape)) or '?'} {self.mesh_axes}")
         fix = (f"run `shardprop calibrate --mesh {'x'.join(map(str, mesh.axis_sizes))} -o profile.json` on the "
                f"machine that runs it and pass cost_model=CostModel.load('profile.json')")
         if self.device_count is not None and self.device_count != mesh.size:
-            raise ShardingError(f"the cost profile {self.name or ''} was {where}; it cannot price a mesh of "
+            raise ShardingError(f"the cost profile {self.name!r} was {where}; it cannot price a mesh of "
                                 f"{mesh.size} devices {dict(zip(mesh.axis_names, mesh.axis_sizes))}\n  fix:      {fix}")
         if self.links:
             measured = self.measured_groups()
             missing = [a for a in mesh.axis_names if mesh.axis_size(a) > 1 and group_shape((a,), mesh) not in measured]
             if missing:
-                raise ShardingError(f"the cost profile {self.name or ''} was {where}; it has no measurement for "
+                raise ShardingError(f"the cost profile {self.name!r} was {where}; it has no measurement for "
                                     f"the device groups of mesh axes {missing} of mesh "
                                     f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}\n  fix:      {fix}")
         return self

@@ -1,0 +1,160 @@
+"""The cost model: per-group alpha-beta, profiles (save/load, built-in, wrong mesh),
+``shardprop calibrate``, and a latency term that changes what the planner does."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import shardprop as sp
+from shardprop.ir.layout import Layout
+from shardprop.ir.mesh import Mesh
+from shardprop.passes.cost import (DEFAULT_COST, CostModel, Link, group_shape, modeled_step_time,
+                                   resolve_cost_model, wire_bytes)
+from shardprop.passes.redistribute import plan_redistribution, redistribution_cost
+from tests import golden_nets
+
+MESH_2x4 = Mesh(("a", "b"), (2, 4))
+MESH_8 = Mesh(("d0", "d1", "d2"), (2, 2, 2))
+
+
+def test_group_shape_names_ranks_not_axes():
+    # a 2x4 mesh's axis of 4 is the same devices as the 2x2x2 mesh's two minor axes
+    assert group_shape(("b",), MESH_2x4) == group_shape(("d1", "d2"), MESH_8) == ((4, 1),)
+    assert group_shape(("a",), MESH_2x4) == group_shape(("d0",), MESH_8) == ((2, 4),)
+    assert group_shape(("a", "b"), MESH_2x4) == group_shape(("d2", "d0", "d1"), MESH_8) == ((8, 1),)
+    assert group_shape(("d0", "d2"), MESH_8) == ((2, 1), (2, 4))   # not one run of ranks
+
+
+def test_links_are_looked_up_per_group_and_kind():
+    slow_a, fast_b = Link(1e-3, 1e9), Link(1e-6, 1e11)
+    model = CostModel(links=((((2, 4),), "", slow_a), (((4, 1),), "", fast_b),
+                             (((4, 1),), "all_gather", Link(2e-6, 1e11))), device_count=8)
+    assert model.collective_time(1e6, "all_reduce", ("a",), MESH_2x4) == pytest.approx(1e-3 + 1e-3)
+    assert model.collective_time(1e6, "all_reduce", ("b",), MESH_2x4) == pytest.approx(1e-6 + 1e-5)
+    assert model.collective_time(0, "all_gather", ("b",), MESH_2x4) == pytest.approx(2e-6)   # its kind's own fit
+    # a group never measured as a whole: its slowest run's latency and bandwidth
+    assert model.collective_time(1e6, "all_reduce", ("a", "b"), MESH_2x4) == pytest.approx(1e-3 + 1e-3)
+    # without axes (callers that do not say) the model's single figures hold
+    assert model.collective_time(1e6) == pytest.approx(DEFAULT_COST.collective_time(1e6))
+
+
+def test_default_model_prices_as_before():
+    # the default model has no links: every planner cost is the old single alpha-beta
+    for kind, axes in (("all_reduce", ("a",)), ("all_gather", ("a", "b")), ("permute", ("a", "b"))):
+        w = wire_bytes(kind, 4096, MESH_2x4.axes_size(axes))
+        assert DEFAULT_COST.collective_time(w, kind, axes, MESH_2x4) == DEFAULT_COST.latency_s + w / 100e9
+
+
+def test_planner_prices_bundled_axes_as_the_real_group():
+    # the planner bundles axes that travel together into one virtual axis; a profile must
+    # still price the move by the real devices it runs over
+    model = CostModel(links=((((8, 1),), "", Link(7e-3, 1e9)), (((2, 4),), "", Link(1e-6, 1e12)),
+                             (((4, 1),), "", Link(1e-6, 1e12))), device_count=8)
+    src, dst = Layout((("a", "b"), ())), Layout(((), ()))
+    steps = plan_redistribution((16, 16), 4, src, dst, MESH_2x4, True, model)
+    assert [(s.kind, s.param("axes")) for s in steps] == [("all_gather", ("a", "b"))]
+    assert redistribution_cost((16, 16), 4, src, dst, MESH_2x4, True, model) == pytest.approx(
+        7e-3 + steps[0].wire_bytes / 1e9)
+
+
+def test_latency_term_changes_a_redistribution():
+    # a sum pending over a, wanted split over (a, b) on dim 1: with no latency, slice b,
+    # reduce-scatter a quarter of the bytes and move them with an all_to_all (224 B, two
+    # collectives); where a collective's latency dominates, one reduce_scatter (512 B)
+    src, dst = Layout(((), ()), ("a",)), Layout(((), ("a", "b")))
+    no_latency = plan_redistribution((16, 16), 4, src, dst, MESH_2x4, True, CostModel(latency_s=0.0))
+    cpu = plan_redistribution((16, 16), 4, src, dst, MESH_2x4, True, CostModel.builtin("cpu", MESH_2x4))
+    kinds = lambda steps: [s.kind for s in steps if s.kind != "slice"]  # noqa: E731
+    assert kinds(no_latency) == ["reduce_scatter", "all_to_all"]
+    assert sum(s.wire_bytes for s in no_latency) == 224
+    assert kinds(cpu) == ["reduce_scatter"]
+    assert sum(s.wire_bytes for s in cpu) == 512
+
+
+def test_save_load_round_trip(tmp_path):
+    model = CostModel(latency_s=3e-5, link_bytes_per_s=2e9, flops_per_s=1e10, memory_bytes_per_s=4e9,
+                      memory_capacity_bytes=16 << 30,
+                      links=((((2, 4),), "all_reduce", Link(4e-5, 1e9)), (((4, 1),), "", Link(2e-5, 3e9))),
+                      device_count=8, mesh_shape=(2, 4), mesh_axes=("d0", "d1"), device_kind="cpu:cpu", name="mine")
+    path = tmp_path / "profile.json"
+    model.save(path)
+    assert json.loads(path.read_text())["schema"] == "shardprop.cost/1"
+    back = CostModel.load(path)
+    assert back == model and hash(back) == hash(model)
+    assert back.collective_time(1e5, "all_reduce", ("a",), MESH_2x4) == model.collective_time(
+        1e5, "all_reduce", ("a",), MESH_2x4)
+    builtin = CostModel.builtin("cpu")
+    builtin.save(tmp_path / "cpu.json")
+    assert CostModel.load(tmp_path / "cpu.json") == builtin
+
+
+def test_profile_for_another_mesh_is_refused(tmp_path):
+    with pytest.raises(sp.ShardingError, match="(?s)cannot price a mesh of 4 devices.*shardprop calibrate --mesh 2x2"):
+        CostModel.builtin("cpu", Mesh(("d0", "d1"), (2, 2)))
+    # measured on a 2x4 mesh: the 2x2x2 mesh's minor axes are groups it never timed
+    only_2x4 = CostModel(links=tuple((group_shape(axes, MESH_2x4), "", Link(1e-5, 1e9))
+                                     for axes in (("a",), ("b",), ("a", "b"))), device_count=8,
+                         mesh_shape=(2, 4), mesh_axes=("a", "b"))
+    only_2x4.check_mesh(Mesh(("dp", "mp"), (2, 4)))   # same devices, other names: fine
+    with pytest.raises(sp.ShardingError, match=r"no measurement for the device groups of mesh axes \['d1', 'd2'\]"):
+        only_2x4.check_mesh(MESH_8)
+    with pytest.raises(sp.ShardingError, match="cannot price a mesh of 4 devices"):
+        sp.parallelize(golden_nets.seed_net, mesh=4, cost_model="cpu")
+    path = tmp_path / "p.json"
+    only_2x4.save(path)
+    with pytest.raises(sp.ShardingError, match="no measurement"):
+        CostModel.load(path, MESH_8)
+
+
+def test_bad_profiles_and_names_are_clear_errors(tmp_path):
+    with pytest.raises(sp.ShardingError, match="no built-in cost profile 'tpu'.*'cpu', 'h100'"):
+        sp.parallelize(golden_nets.seed_net, mesh=8, cost_model="tpu")
+    with pytest.raises(sp.ShardingError, match="not a CostModel"):
+        sp.parallelize(golden_nets.seed_net, mesh=8, cost_model=3.0)
+    with pytest.raises(sp.ShardingError, match="no cost profile at"):
+        CostModel.load(tmp_path / "missing.json")
+    (tmp_path / "plan.json").write_text(json.dumps({"schema": "shardprop.plan/1"}))
+    with pytest.raises(sp.ShardingError, match="not a shardprop cost profile"):
+        CostModel.load(tmp_path / "plan.json")
+    with pytest.raises(sp.ShardingError, match="one NVLink node of 8 GPUs"):
+        resolve_cost_model("h100", Mesh(("dp", "mp"), (4, 4)))
+
+
+def test_builtin_profiles_plan_and_compute_right():
+    args = golden_nets.seed_args()
+    want = jax.jit(golden_nets.seed_net)(*args)
+    for name in ("cpu", "h100"):
+        got = sp.parallelize(golden_nets.seed_net, mesh=8, cost_model=name, progress=False)(*args)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    h100 = CostModel.builtin("h100")
+    assert h100.memory_capacity_bytes == 80 * 10**9 and h100.device_count is None
+
+
+def test_modeled_step_time_counts_collectives_and_compute():
+    args = golden_nets.seed_args()
+    plan = sp.parallelize(golden_nets.seed_net, mesh=8, progress=False).plan(*args)
+    t = modeled_step_time(plan.graph, DEFAULT_COST)
+    assert t["collectives"] == len([c for c in plan.collectives if c.kind != "slice"]) == 2
+    assert t["communication"] == pytest.approx(sum(DEFAULT_COST.collective_time(c.bytes) for c in plan.collectives))
+    assert 0 < t["compute"] < t["total"]
+
+
+def test_calibrate_cli_writes_a_loadable_profile(tmp_path):
+    out = tmp_path / "profile.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-m", "shardprop.compiler.cli", "calibrate", "--cpu", "--mesh", "2",
+                          "--quick", "-o", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "wrote" in run.stdout
+    model = CostModel.load(out, Mesh(("x",), (2,)))
+    assert model.device_count == 2 and model.mesh_shape == (2,)
+    kinds = {kind for group, kind, _ in model.links if group == ((2, 1),)}
+    assert kinds == {"all_reduce", "all_gather", ""}
+    assert all(link.latency_s > 0 and link.bytes_per_s > 0 for _, _, link in model.links)
+    assert model.flops_per_s > 0 and model.memory_bytes_per_s > 0
+    with pytest.raises(sp.ShardingError, match="cannot price a mesh of 8 devices"):
+        model.check_mesh(MESH_8)
