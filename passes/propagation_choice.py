@@ -127,10 +127,10 @@ class ChoiceMixin:
     def _situation(self, op: Op, cur: list) -> tuple:
         """Everything settling this op reads: its rule and what is decided of it, and
         the known dims, consumers' hints, pending partial and layouts other ops make anyway
-        of every operand and result."""
+        of every operand and result, and what its open consumers' other operands are."""
         dims, partial, hints, anyway, made = self.dims, self.partial, self.hints, self.made, self._made_for_others
         # the signature names the rule, the types and which operands are literals
-        return (self.signature[op], tuple(cur), self.passthrough.get(op, "open"),
+        return (self.signature[op], tuple(cur), self.passthrough.get(op, "open"), self._downstream_key(op),
                 tuple([(dims.get(v), hints.get(v), partial.get(v), made(v, op) if v in anyway else None)
                        for v in op.inputs]),
                 tuple([(dims.get(v), hints.get(v), partial.get(v), made(v, op) if v in anyway else None)
@@ -316,6 +316,116 @@ class ChoiceMixin:
                 if cand != list(c) and valid(cand):
                     yield cand, False
 
+    def _downstream(self, op: Op) -> tuple:
+        """Per result: (consumer, its operand slot, sources from its other operands, what
+        moving each of those costs relative to its bytes) for every consumer, when every
+        consumer is still open and reads other operands of known layout; else ().
+        Such a consumer will weigh this result against those operands. Its choice is
+        priced here: the cheaper of moving this result and moving the others, an
+        undecided other priced at the cheapest place upstream that can still honour
+        a change (a broadcast of a small weight: the weight). So a hint that a small
+        tensor sent back through the graph does not make a big activation follow it."""
+        cached = self._down_cache
+        if cached[0] is op:
+            return cached[1]
+        out = []
+        for v in op.outputs:
+            found = []
+            for u in self.users.get(v, ()):
+                got = self._open_consumer(u, v)
+                if not got:
+                    found = []
+                    break
+                found.extend(got)
+            out.append(tuple(found))
+        out = tuple(out)
+        self._down_cache = (op, out)
+        return out
+
+    def _open_consumer(self, u: Op, v: Value) -> list:
+        cur_u = self.factors[u]
+        if None not in cur_u or len(u.inputs) < 2:
+            return []
+        rule_u = self.rules[u]
+        others = []
+        for m, w in enumerate(u.inputs):
+            if w is v or w.is_literal or w.type.rank == 0 or rule_u.operands[m] is None:
+                continue
+            dims = self.dims.get(w)
+            if dims is None or None in dims or self.partial.get(w, ((), ""))[0]:
+                return []
+            prop = project(rule_u.operands[m], dims, rule_u, self.mesh)
+            if prop:
+                others.append((Source("operand", m, w, prop), self._honour_share(w)))
+        if not others:
+            return []
+        return [(u, n, tuple(others)) for n, x in enumerate(u.inputs) if x is v and rule_u.operands[n] is not None]
+
+    def _honour_share(self, w: Value, depth: int = 4) -> float:
+        """The bytes of the cheapest place to change ``w``'s layout, as a share of its
+        own: 1 once its producer has settled (or it is an input, or read elsewhere too);
+        for an open producer, the least of ``w`` and its producer's operands (each in
+        turn the same way)."""
+        p = self.producer.get(w)
+        if (p is None or None not in self.factors[p] or depth == 0 or not w.type.nbytes
+                or len(self.users.get(w, ())) > 1):   # a value others read too keeps its layout for them
+            return 1.0
+        upstream = sum(u.type.nbytes * self._honour_share(u, depth - 1)
+                       for u in p.inputs if not u.is_literal and u.type.rank)
+        return min(1.0, upstream / w.type.nbytes)
+
+    def _downstream_key(self, op: Op) -> tuple:
+        """Everything ``_downstream_charge`` reads, for the situation memo."""
+        anyway, made, hints, users = self.made, self._made_for_others, self.hints, self.users
+        return tuple(tuple((self.signature[u], n, tuple(self.factors[u]),
+                            made(v, u) if v in anyway else None,
+                            tuple((hints.get(r), bool(users.get(r)), made(r, u) if r in anyway else None)
+                                  for r in u.outputs),
+                            tuple((s.index, self.dims[s.value], round(share, 6),
+                                   made(s.value, u) if s.value in anyway else None) for s, share in others))
+                           for u, n, others in found)
+                     for v, found in zip(op.outputs, self._downstream(op)))
+
+    def _downstream_charge(self, v: Value, mine: list, found: tuple) -> float:
+        """What the open consumers of ``v`` will move if ``v`` comes out as ``mine``: the
+        cheaper of following their other operands (``v`` moves) and following ``v`` (those
+        operands move, each at its cheapest place), either way with what the consumer's
+        own results then cost against their hints."""
+        total = 0.0
+        for u, n, others in found:
+            rule_u, cur_u = self.rules[u], self.factors[u]
+            sources = [s for s, _ in others]
+            follow = self._complete(rule_u, cur_u, sources)
+            need = self._tensor_axes(rule_u, follow)[0][n]
+            have, want = self._layout_pair(mine, ((), "sum"), need, ((), "sum"))
+            move_v = self._redistribution(u, v, have, want) + self._hinted_results(u, rule_u, follow)
+            if move_v <= 0:
+                continue
+            if any(self.hints.get(r) is None or None in self.hints[r] for r in u.outputs if self.users.get(r)):
+                total += move_v   # what the consumer's readers want is not all known: no way round
+                continue
+            mine_src = Source("operand", n, v, project(rule_u.operands[n], tuple(mine), rule_u, self.mesh))
+            lead = self._complete(rule_u, cur_u, [mine_src] + sources)
+            needs = self._tensor_axes(rule_u, lead)[0]
+            move_others = self._hinted_results(u, rule_u, lead)
+            for s, share in others:
+                have, want = self._layout_pair(self.dims[s.value], ((), "sum"), needs[s.index], ((), "sum"))
+                move_others += share * self._redistribution(u, s.value, have, want)
+            total += min(move_v, move_others)
+        return total
+
+    def _hinted_results(self, u: Op, rule_u: FactorRule, factors: list) -> float:
+        """What ``u``'s results cost against their consumers' hints under ``factors``."""
+        total = 0.0
+        result_axes = self._tensor_axes(rule_u, factors)[1]
+        for v, mine in zip(u.outputs, result_axes):
+            hint = self.hints.get(v)
+            if hint is None or all(h is None for h in hint):
+                continue
+            have, want = self._layout_pair(mine, ((), "sum"), hint, ((), "sum"))
+            total += self._redistribution(u, v, have, want)
+        return total
+
     def _score(self, op, rule, c, pt) -> tuple:
         """How candidates compare: cost, then more sharding (less repeated work and
         memory), then axes spread over dims."""
@@ -401,6 +511,7 @@ class ChoiceMixin:
         red_axes = [a for f in rule.reduction if cand[f] for a in cand[f]]
         res_partial = (mesh.sort_axes(red_axes + list(pt_axes)),
                        pt_op if pt else (rule.reduce_op or "sum"))
+        downstream = None
         for n, v in enumerate(op.outputs):
             hint = self.hints.get(v)
             if hint is None or all(h is None for h in hint):
@@ -413,7 +524,15 @@ class ChoiceMixin:
                 continue
             mine = [dim_axes(d, cand, rule, mesh) for d in rule.results[n]]
             h, w = self._layout_pair(mine, res_partial, hint, ((), "sum"))
-            total += self._redistribution(op, v, h, w)
+            charge = self._redistribution(op, v, h, w)
+            if charge > 0 and not res_partial[0]:
+                # a hint is what consumers wished before anything settled; where every
+                # consumer is open beside operands of known layout, honouring it may be
+                # cheaper at those operands (a small weight the hint came from)
+                downstream = downstream or self._downstream(op)
+                if downstream[n]:
+                    charge = min(charge, self._downstream_charge(v, mine, downstream[n]))
+            total += charge
         if pt:
             total += self._growth_charge(op, rule, cand, pt_group, pt_axes)
         total += self._compute_time(op, rule, cand)

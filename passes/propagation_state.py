@@ -43,6 +43,7 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
         self.queue: deque = deque()
         self.queued: set = set()
         self.wishing = False   # in the wish phase (``soft`` counts only there)
+        self._down_cache: tuple = (None, ())   # (op being settled, its _downstream)
         if start is not None:
             for name in self._STATE:
                 d = getattr(start, name)
@@ -155,6 +156,7 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
         if op.kind == CONSTRAINT and op.pinned is None:
             self._alias(op, rule)
             return
+        self._down_cache = (None, ())   # read afresh: the state has moved on since
         # The choice, and what taking it writes, depend only on the situation:
         # repeated layers meet the same situations again and again, so each is
         # worked out once.
