@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import compare  # noqa: E402  (sets up 8 forced CPU devices before jax starts)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -46,6 +48,14 @@ def _mesh(shape, names):
     return Mesh(np.array(jax.devices()[:8]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def seed_one_all_reduce(x, w1, w2):
+    """The seed network as MindSpore 2.10 plans it (issue 15, item 6): the first matmul's
+    partial sum all-reduced once, relu ((2, 1)), the second matmul ((2, 1), (1, 4)) with its
+    output left split: one collective where the seed document's plan has two."""
+    h = zoo.annotate(jnp.matmul, (P("a", "b"), P("b", None)))(x, w1)
+    return zoo.annotate(jnp.matmul, (P("a", None), P(None, "b")))(jax.nn.relu(h), w2)
+
+
 def problems() -> dict:
     """{problem: [(plan name, case, annotate mode, mesh, parallelize kwargs)]}."""
     cases = {c.name: c for c in zoo.cases()}
@@ -58,6 +68,10 @@ def problems() -> dict:
                      ("semi_auto", c, "shardprop", m, dict(mode="semi_auto")),
                      ("data parallel", c, "plain", _mesh((8,), ("d",)), dict(mode="data_parallel", batch_argnums=batch)),
                      ("replicated", c, "plain", m, dict(mode="data_parallel", batch_argnums=()))]
+    seed = cases["seed_network"]
+    out["seed_network"].insert(2, ("one all_reduce (MindSpore 2.10)",
+                                   dataclasses.replace(seed, name="seed_one_all_reduce", fn=seed_one_all_reduce),
+                                   "shardprop", _mesh(*seed.mesh), {}))
     for name in ("megatron_mlp", "megatron_attention"):
         c = cases[name]
         m = _mesh(*c.mesh)
@@ -155,10 +169,10 @@ def main():
             rows.append(dict(problem=problem, plan=name, measured=t, collectives=predicted["profile"]["collectives"],
                              bytes=plan.bytes, **{f"{k}_{part}": p[part] for k, p in predicted.items()
                                                   for part in ("compute", "communication", "total")}))
-    print(f"{'problem':<20} {'plan':<27} {'colls':>5} {'bytes':>9} {'measured':>10} {'profile':>10} "
+    print(f"{'problem':<20} {'plan':<31} {'colls':>5} {'bytes':>9} {'measured':>10} {'profile':>10} "
           f"{'(comm)':>9} {'default':>10}")
     for r in rows:
-        print(f"{r['problem']:<20} {r['plan']:<27} {r['collectives']:>5} {compare.fmt_bytes(r['bytes']):>9} "
+        print(f"{r['problem']:<20} {r['plan']:<31} {r['collectives']:>5} {compare.fmt_bytes(r['bytes']):>9} "
               f"{r['measured'] * 1e3:>8.3f}ms {r['profile_total'] * 1e3:>8.3f}ms {r['profile_communication'] * 1e3:>7.3f}ms "
               f"{r['default_total'] * 1e6:>8.2f}us")
     print()
