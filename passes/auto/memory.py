@@ -8,6 +8,7 @@ from the forward to the backward that reads them), the outputs to the end.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Optional
 
@@ -59,3 +60,25 @@ def live_intervals(graph: Graph) -> dict:
         if v in out:
             out[v] = (out[v][0], end)
     return out
+
+
+def plan_peak(graph: Graph, ops: dict, inputs: dict) -> float:
+    """The modeled live peak, bytes per device, of a plan (op -> OpStrategy, input
+    index -> Layout)."""
+    import numpy as np
+    mesh = graph.mesh
+    intervals = live_intervals(graph)
+    diff = np.zeros(len(graph.ops) + 3)
+
+    def add(v, layout):
+        if v in intervals:
+            b, d = intervals[v]
+            n = math.prod(layout.local_shape(v.type.shape, mesh)) * v.type.itemsize
+            diff[b + 1] += n
+            diff[d + 2] -= n
+    for i, layout in inputs.items():
+        add(graph.inputs[i], layout)
+    for op in graph.ops:
+        for k, v in enumerate(op.outputs):
+            add(v, ops[op].result_layout(k, mesh))
+    return float(np.cumsum(diff).max())

@@ -24,6 +24,9 @@ import numpy as np
 from ...ir.errors import ShardingError
 
 
+TIE_BREAK_S_PER_BYTE = 1e-16   # far below any real cost: only decides between otherwise equal plans
+
+
 @dataclass
 class Reduced:
     unary: dict                      # template -> seconds per kept candidate
@@ -47,6 +50,9 @@ class Solution:
 def reduce(problem, memory_matters: bool) -> Reduced:
     """Fold separable edges into node costs, then drop dominated candidates."""
     unary = {t: u.copy() for t, u in problem.unary.items()}
+    # ties (a free slice of an argument fed whole) go to the plan that holds fewer bytes
+    for t, vec in problem.values.values():
+        unary[t] += vec * TIE_BREAK_S_PER_BYTE
     edges = {}
     for (a, b), mat in problem.edges.items():
         if not np.any(mat):
@@ -96,7 +102,7 @@ def _undominated(t: int, unary: dict, edges: dict, memory: dict) -> np.ndarray:
 
 
 def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
-          time_limit: Optional[float] = None, rel_gap: float = 1e-6) -> Solution:
+          time_limit: Optional[float] = None, rel_gap: float = 1e-9) -> Solution:
     """Solve the reduced problem; ``memory_rows``: dicts template -> bytes per kept
     candidate, each held to ``limit``."""
     try:
@@ -163,13 +169,15 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
     options = {"disp": False, "mip_rel_gap": rel_gap}
     if time_limit is not None:
         options["time_limit"] = float(time_limit)
-    res = milp(c, integrality=integrality, bounds=(0, 1), constraints=[LinearConstraint(A, lo, hi)],
+    # seconds are tiny numbers: scaled so that HiGHS's tolerances do not erase the differences
+    scale = float(np.abs(c).max()) or 1.0
+    res = milp(c / scale, integrality=integrality, bounds=(0, 1), constraints=[LinearConstraint(A, lo, hi)],
                options=options)
     seconds = time.perf_counter() - t0
     if res.x is None:
         return Solution({}, float("inf"), float("inf"), float("inf"), res.message, seconds, n, nx)
     x = res.x
     choice = {t: int(red.kept[t][int(np.argmax(x[xoff[t]:xoff[t] + len(red.unary[t])]))]) for t in temps}
-    bound = float(getattr(res, "mip_dual_bound", res.fun) or res.fun)
+    bound = float(getattr(res, "mip_dual_bound", res.fun) or res.fun) * scale
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
-    return Solution(choice, float(res.fun), bound, gap, res.message, seconds, n, nx)
+    return Solution(choice, float(res.fun) * scale, bound, gap, res.message, seconds, n, nx)

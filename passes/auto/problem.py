@@ -92,6 +92,7 @@ class Problem:
             self._new_node(i)
             self.owner[v] = (len(self.nodes) - 1, -1, 0)
         deferred = []   # ops that make a bigger tensor than they read: they follow a consumer
+        self._users = g.users()
         for op in g.ops:
             m = self._main_operand(op) if self.follow else None
             if m == EXPANDS:
@@ -105,7 +106,7 @@ class Problem:
                 node.members.append(op)
                 node.main.append(m)
             self._place(op, node)
-        users = g.users() if deferred else {}
+        users = self._users
         for op in reversed(deferred):   # a chain of them (broadcast of a broadcast) from its end
             consumer = next(((u, m) for v in op.outputs for u in users.get(v, ()) if u in self.node_of_op
                              for m, x in enumerate(u.inputs) if x is v), None)
@@ -136,6 +137,11 @@ class Problem:
         if op.kind in DECIDERS or op.subgraphs or op.kind in FIXED or op.region is not None:
             return None
         if op.kind == CONSTRAINT and op.pinned is not None:
+            return None
+        # a value two matmuls read (an activation: the next layer's and the weight
+        # gradient's) decides its own layout: following, it would be redistributed once
+        # per reader where one redistribution before this op serves both
+        if any(sum(u.kind in DECIDERS for u in self._users.get(v, ())) >= 2 for v in op.outputs):
             return None
         rule = self.rules(op)
         best = None
@@ -349,9 +355,6 @@ class Problem:
                                                     self.allow_rs, cost)[1] for k in range(len(pnode.candidates))])
             self.unary[T[pi]] += vec
         self._memory_terms()
-        # ties (a free slice of an argument fed whole) go to the plan that holds fewer bytes
-        for t, vec in self.values.values():
-            self.unary[t] += vec * TIE_BREAK_S_PER_BYTE
 
     def _add(self, tp: int, tc: int, mat: np.ndarray, same_node: bool) -> None:
         if same_node:
@@ -433,6 +436,46 @@ class Problem:
         total += sum(mat[choice[a], choice[b]] for (a, b), mat in self.edges.items())
         return float(total)
 
+    def evaluate(self, ops: dict, inputs: dict, breakdown: Optional[dict] = None) -> dict:
+        """What a plan (op -> OpStrategy, input index -> Layout) costs under this
+        problem's model, walked op by op (no candidates, no sharing): compute and
+        communication seconds, bytes moved and flops per device; ``breakdown`` gets
+        them per op kind."""
+        g, mesh = self.graph, self.mesh
+        layout = {g.inputs[i]: l for i, l in inputs.items()}
+        total = dict(compute=0.0, communication=0.0, bytes=0.0, flops=0.0)
+
+        def add(kind, what, x):
+            total[what] += x
+            if breakdown is not None:
+                b = breakdown.setdefault(kind, dict(compute=0.0, communication=0.0, bytes=0.0))
+                if what in b:
+                    b[what] += x
+        for op in g.ops:
+            st = ops[op]
+            add(op.kind, "compute", self.op_compute(op, st))
+            add(op.kind, "flops", self.op_work(op, st)[0])
+            for m, v in enumerate(op.inputs):
+                if v.literal is not None or v not in layout:
+                    continue
+                need = st.operand_layout(m, v.type.rank, mesh)
+                add(op.kind, "communication", self.redistribution(v, layout[v], need))
+                add(op.kind, "bytes", self.wire_bytes(v, layout[v], need))
+            for k, v in enumerate(op.outputs):
+                layout[v] = st.result_layout(k, mesh)
+        for i, v in enumerate(g.outputs):
+            if v.literal is not None or v not in layout:
+                continue
+            target = g.pinned_outputs.get(i)
+            if target is None and i in g.tied_outputs:
+                target = layout[g.inputs[g.tied_outputs[i]]]
+            if target is None:
+                target = cheapest_completion(v.type.shape, v.type.itemsize, layout[v], mesh, self.allow_rs,
+                                             self.cost)[0]
+            add("(outputs)", "communication", self.redistribution(v, layout[v], target))
+            add("(outputs)", "bytes", self.wire_bytes(v, layout[v], target))
+        return total
+
     def op_strategies(self, choice: dict) -> tuple[dict, dict]:
         """(op -> OpStrategy, input index -> Layout) of a choice."""
         ops, inputs = {}, {}
@@ -446,7 +489,6 @@ class Problem:
 
 
 IMPOSSIBLE = 1e6   # seconds: a redistribution that cannot exist
-TIE_BREAK_S_PER_BYTE = 1e-18   # far below any real cost: only decides between otherwise equal plans
 
 
 class _Rules:
@@ -482,38 +524,30 @@ def _op_token(op: Op) -> tuple:
 
 
 def _repeat_map(tokens: list) -> dict:
-    """position -> the position it repeats, in the first repetition of its run (and of
-    runs inside that one: the optimizer's update of each layer inside the update of
-    each of its states)."""
+    """position -> the position it repeats. Inside a run of repetitions (and runs
+    inside one repetition: the optimizer's update of each layer inside the update of
+    each state), every repetition but the first and the last maps to the second: the
+    layers at either end touch what comes before and after the stack (an embedding,
+    the loss) and may want another strategy, so they keep their own."""
     ids: dict = {}
     seq = [ids.setdefault(t, len(ids)) for t in tokens]
     out: dict = {}
 
-    def walk(repeats, base):
+    def walk(repeats, base, into):
         for r in repeats:
             start = base + r.start
             inner: dict = {}
-            walk_into(r.inner, start, inner)
+            walk(r.inner, start, inner)
             for rep in range(r.count):
+                like = rep if rep in (0, r.count - 1) else 1   # the repetition this one shares with
                 for i in range(r.period):
                     first = start + i
-                    target = inner.get(first, first)
-                    if rep or target != first:
-                        out[start + rep * r.period + i] = target
+                    own = start + rep * r.period + i
+                    target = inner.get(first, first) + like * r.period
+                    if target != own:
+                        into[own] = target
 
-    def walk_into(repeats, base, into):
-        for r in repeats:
-            start = base + r.start
-            deeper: dict = {}
-            walk_into(r.inner, start, deeper)
-            for rep in range(r.count):
-                for i in range(r.period):
-                    first = start + i
-                    target = deeper.get(first, first)
-                    if rep or target != first:
-                        into[start + rep * r.period + i] = target
-
-    walk(find_repeats(seq), 0)
+    walk(find_repeats(seq), 0, out)
     return out
 
 

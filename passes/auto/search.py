@@ -31,7 +31,8 @@ from ..loop_boundaries import boundary_layouts
 from ..propagate import PropagateSharding
 from ..rules import FIXED
 from . import milp
-from .memory import live_intervals
+from .memory import live_intervals, plan_peak
+from .refine import refine
 from .problem import DECIDERS, Problem
 
 MAX_MEMORY_ROUNDS = 25
@@ -101,7 +102,7 @@ class SearchStrategies:
         for mesh in self._arrangements(graph):
             graph.set_mesh(mesh)
             found = self.search(graph)
-            if found[1] is not None and (best is None or found[1].objective < best[2].objective - 1e-15):
+            if found[1] is not None and (best is None or best[2] is None or found[1].modeled < best[2].modeled - 1e-15):
                 best = (mesh,) + found
             elif best is None:
                 best = (mesh,) + found
@@ -131,7 +132,15 @@ class SearchStrategies:
             if limit is None or peak <= limit:
                 sol.seconds = total
                 sol.rounds = len(rows) + 1
+                sol.objective = problem.objective(sol.choice)   # (the solver's includes the tie-break)
+                sol.plan = problem.op_strategies(sol.choice)
+                refined = refine(problem, *sol.plan)
+                refined_peak = plan_peak(graph, *refined)
+                if limit is None or refined_peak <= limit:
+                    sol.plan, peak = refined, refined_peak
                 sol.peak = peak
+                e = problem.evaluate(*sol.plan)
+                sol.modeled = e["compute"] + e["communication"]
                 return problem, sol, peak
             rows.append(memory.row(at))
         return problem, None, None
@@ -150,7 +159,7 @@ class SearchStrategies:
 
     # -- the plan into the graph ------------------------------------------------------
     def _write(self, graph: Graph, problem: Problem, sol) -> None:
-        ops, inputs = problem.op_strategies(sol.choice)
+        ops, inputs = sol.plan
         for i, layout in inputs.items():
             graph.inputs[i].layout = layout
         for n in problem.nodes:
@@ -177,43 +186,11 @@ class SearchStrategies:
 
     # -- what the plan costs, and the decisions that matter ----------------------------
     def _result(self, problem: Problem, sol) -> SearchResult:
-        graph, mesh = problem.graph, problem.mesh
-        ops, inputs = problem.op_strategies(sol.choice)
-        compute = comm = moved = flops = 0.0
+        ops, inputs = sol.plan
         breakdown: dict = {}
-        layout = {graph.inputs[i]: l for i, l in inputs.items()}
-        for op in graph.ops:
-            st = ops[op]
-            b = breakdown.setdefault(op.kind, {"compute": 0.0, "communication": 0.0, "bytes": 0.0})
-            t = problem.op_compute(op, st)
-            flops += problem.op_work(op, st)[0]
-            compute += t
-            b["compute"] += t
-            for m, v in enumerate(op.inputs):
-                if v.literal is not None or v not in layout:
-                    continue
-                need = st.operand_layout(m, v.type.rank, mesh)
-                t = problem.redistribution(v, layout[v], need)
-                w = problem.wire_bytes(v, layout[v], need)
-                comm += t
-                moved += w
-                b["communication"] += t
-                b["bytes"] += w
-            for k, v in enumerate(op.outputs):
-                layout[v] = st.result_layout(k, mesh)
-        for i, v in enumerate(graph.outputs):
-            if v.literal is not None or v not in layout:
-                continue
-            target = graph.pinned_outputs.get(i)
-            if target is None and i in graph.tied_outputs:
-                target = layout[graph.inputs[graph.tied_outputs[i]]]
-            if target is None and layout[v].partial:
-                from ..insert_reshards import cheapest_completion
-                target = cheapest_completion(v.type.shape, v.type.itemsize, layout[v], mesh, self.allow_rs,
-                                             self.cost)[0]
-            if target is not None:
-                comm += problem.redistribution(v, layout[v], target)
-                moved += problem.wire_bytes(v, layout[v], target)
+        e = problem.evaluate(ops, inputs, breakdown)
+        compute, comm, moved, flops = e["compute"], e["communication"], e["bytes"], e["flops"]
+        mesh = problem.mesh
         solver = dict(status=sol.status, seconds=sol.seconds, objective=sol.objective, bound=sol.bound, gap=sol.gap,
                       variables=sol.variables, binaries=sol.binaries, nodes=len(problem.nodes),
                       decisions=len(problem.unary), memory_rounds=getattr(sol, "rounds", 1))

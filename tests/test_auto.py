@@ -1,0 +1,209 @@
+"""mode="auto": the strategy search (passes/auto).
+
+Correctness is differential (the searched plan's outputs and gradients equal one
+device's); the plans are checked for what a performance engineer would write
+(data parallel for a small model on a big batch, weights split when they do not
+fit), and for quality against the exact, un-coarsened ILP on small graphs.
+"""
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardprop as sp
+from shardprop.compiler.state import state_ties
+from shardprop.compiler.trace import import_jaxpr, input_names
+from shardprop.ir.mesh import Mesh
+from shardprop.passes.auto import SearchStrategies, milp, parse_memory_limit
+from shardprop.passes.auto.problem import Problem
+from shardprop.passes.bind_strategies import BindUserStrategies
+from shardprop.passes.cost import DEFAULT_COST
+
+
+def mlp_loss(params, x, y):
+    h = x
+    for w in params[:-1]:
+        h = jax.nn.relu(h @ w)
+    return jnp.mean((h @ params[-1] - y) ** 2)
+
+
+def sgd_step(params, x, y):
+    loss, grads = jax.value_and_grad(mlp_loss)(params, x, y)
+    return [p - 0.1 * g for p, g in zip(params, grads)], loss
+
+
+def problem_data(batch, width, layers, seed=0):
+    rng = np.random.default_rng(seed)
+    params = [(rng.standard_normal((width, width)) * 0.05).astype(np.float32) for _ in range(layers)]
+    x = rng.standard_normal((batch, width)).astype(np.float32)
+    y = rng.standard_normal((batch, width)).astype(np.float32)
+    return params, x, y
+
+
+def assert_close(a, b, tol=1e-5):
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=tol, atol=tol)
+
+
+def input_layout(plan, i):
+    return plan.graph.inputs[i].layout
+
+
+# -- differential correctness -----------------------------------------------------
+
+@pytest.mark.parametrize("mesh", [8, ((2, 4), ("dp", "mp"))])
+@pytest.mark.parametrize("batch,width", [(2048, 256), (32, 512)])
+def test_auto_plan_equals_one_device(mesh, batch, width):
+    params, x, y = problem_data(batch, width, 2)
+    pstep = sp.parallelize(sgd_step, mesh=mesh, mode="auto")
+    assert_close(pstep(params, x, y), jax.jit(sgd_step)(params, x, y))
+    plan = pstep.plan(params, x, y)
+    assert all(o.origin.startswith("auto") for o in plan.ops if o.primitive == "dot_general")
+
+
+def test_auto_gradients_equal_one_device():
+    params, x, y = problem_data(1024, 256, 3)
+    grad = jax.grad(mlp_loss)
+    pgrad = sp.parallelize(grad, mesh=((2, 4), ("dp", "mp")), mode="auto")
+    assert_close(pgrad(params, x, y), jax.jit(grad)(params, x, y))
+
+
+def test_auto_keeps_marks_as_constraints():
+    def net(x, w1, w2):
+        h = sp.shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)
+        return jnp.matmul(jax.nn.relu(h), w2)
+    rng = np.random.default_rng(0)
+    x, w1, w2 = (rng.standard_normal(s).astype(np.float32) for s in ((16, 32), (32, 16), (16, 16)))
+    p = sp.parallelize(net, mesh=8, mode="auto")
+    np.testing.assert_allclose(np.asarray(p(x, w1, w2)), np.asarray(jax.jit(net)(x, w1, w2)), rtol=1e-5, atol=1e-5)
+    plan = p.plan(x, w1, w2)
+    first = next(o for o in plan.ops if o.primitive == "dot_general")
+    assert first.in_strategy == ((2, 4), (4, 1))
+
+
+# -- the plans a performance engineer would write -------------------------------------
+
+def test_small_model_big_batch_is_data_parallel():
+    params, x, y = problem_data(16384, 256, 2)
+    pstep = sp.parallelize(sgd_step, mesh=8, mode="auto")
+    plan = pstep.plan(params, x, y)
+    mesh = plan.graph.mesh
+    n = len(params)
+    assert all(input_layout(plan, i).is_replicated() for i in range(n))          # weights replicated
+    assert mesh.axes_size(input_layout(plan, n).dims[0]) == 8                    # batch over all 8 devices
+    assert mesh.axes_size(input_layout(plan, n + 1).dims[0]) == 8
+    assert plan.counts().get("all_reduce", 0) >= 1 and "all_gather" not in plan.counts()
+    assert all(o.in_strategy[0][0] == 8 for o in plan.ops if o.primitive == "dot_general"
+               and len(o.in_strategy[0]) == 2 and o.out_strategy[0][0] == 8)
+    assert_close(pstep(params, x, y), jax.jit(sgd_step)(params, x, y))
+
+
+def test_weights_that_do_not_fit_get_split():
+    params, x, y = problem_data(4096, 1024, 2)     # 4 MiB weights
+    free = sp.parallelize(sgd_step, mesh=8, mode="auto").plan(params, x, y)
+    n = len(params)
+    assert any(free.graph.mesh.axes_size(input_layout(free, i).sharded_axes()) < 8 for i in range(n))
+    limit = int(free.cost.peak_memory * 0.45)      # the unlimited plan's peak does not fit
+    pstep = sp.parallelize(sgd_step, mesh=8, mode="auto", memory_limit=limit)
+    plan = pstep.plan(params, x, y)
+    mesh = plan.graph.mesh
+    assert all(mesh.axes_size(input_layout(plan, i).sharded_axes()) == 8 for i in range(n))   # split 8 ways
+    assert plan.cost.peak_memory <= limit < free.cost.peak_memory
+    assert plan.cost.memory_limit == limit and plan.cost.solver["memory_rounds"] > 1
+    assert plan.cost.step_time >= free.cost.step_time       # memory is paid for in time, never the reverse
+    assert_close(pstep(params, x, y), jax.jit(sgd_step)(params, x, y))
+
+
+def test_cost_and_explain():
+    params, x, y = problem_data(2048, 256, 2)
+    plan = sp.parallelize(sgd_step, mesh=((2, 4), ("dp", "mp")), mode="auto").plan(params, x, y)
+    cost = plan.cost
+    assert cost.step_time == pytest.approx(cost.compute_time + cost.communication_time)
+    assert cost.step_time > 0 and cost.flops > 0 and cost.peak_memory > 0
+    assert cost.bytes_moved == pytest.approx(sum(b["bytes"] for b in cost.breakdown.values()))
+    assert cost.breakdown["dot_general"]["compute"] > 0
+    text = plan.explain()
+    assert "chosen" in text and "rejected" in text and "dot_general" in text
+    # each decision's rejected alternative is no cheaper than the plan (the plan is optimal)
+    for d in cost.decisions:
+        assert d.rejected_time is None or d.rejected_time >= d.chosen_time * (1 - 1e-9)
+    # the model's bytes are what the compiled plan moves
+    assert cost.bytes_moved == pytest.approx(plan.bytes, rel=0.01)
+
+
+# -- quality against the exact ILP -----------------------------------------------------
+
+def traced_graph(fn, args, mesh: Mesh, tied=()):
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    g = import_jaxpr(closed, mesh, input_names(fn, args, {}), "fn")
+    if tied:
+        g.tied_outputs = state_ties(args, tied, out_shape)
+    return BindUserStrategies()(g)
+
+
+@pytest.mark.parametrize("layers,batch,width", [(2, 8192, 256), (3, 64, 1024), (4, 2048, 512)])
+def test_plan_within_one_percent_of_the_exact_ilp(layers, batch, width):
+    params, x, y = problem_data(batch, width, layers)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,))
+    exact = Problem(g, DEFAULT_COST, follow=False, share_layers=False)
+    coarse = Problem(g, DEFAULT_COST)
+    assert len(coarse.unary) < len(exact.unary)          # the coarsening did something
+    exact_sol = milp.solve(milp.reduce(exact, False))
+    _, coarse_sol, _ = SearchStrategies().search(g)      # what mode="auto" plans (solve, then refine)
+    e = exact.evaluate(*exact.op_strategies(exact_sol.choice))
+    c = exact.evaluate(*coarse_sol.plan)                 # the coarse plan priced op by op
+    e_time, c_time = e["compute"] + e["communication"], c["compute"] + c["communication"]
+    assert e_time == pytest.approx(exact.objective(exact_sol.choice), rel=1e-9)   # the ILP prices a plan as the walk does
+    assert c_time <= e_time * 1.01
+
+
+def test_repeated_layers_share_variables():
+    """Layers between the first and the last share one set of variables: the problem's
+    size does not grow with depth."""
+    sizes = {}
+    for layers in (6, 10):
+        params, x, y = problem_data(256, 64, layers)
+        g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,))
+        sizes[layers] = len(Problem(g, DEFAULT_COST).unary), len(Problem(g, DEFAULT_COST, share_layers=False).unary)
+    assert sizes[6][0] == sizes[10][0]
+    assert sizes[10][1] > sizes[6][1] > sizes[6][0]
+
+
+# -- bad input ----------------------------------------------------------------------
+
+def test_memory_limit_text():
+    assert parse_memory_limit("12MB") == 12 * 10 ** 6
+    assert parse_memory_limit("16GiB") == 16 * 2 ** 30
+    assert parse_memory_limit(" 1.5 KiB ") == 1536
+    assert parse_memory_limit(4096) == 4096
+    assert parse_memory_limit(None) is None
+
+
+@pytest.mark.parametrize("bad", ["12 parsecs", "GB", "-3MB", "", 0, True, 1.5j])
+def test_malformed_memory_limit_is_a_sharding_error(bad):
+    with pytest.raises(sp.ShardingError, match="memory_limit"):
+        sp.parallelize(sgd_step, mesh=8, mode="auto", memory_limit=bad)
+
+
+def test_memory_limit_outside_auto_is_an_error():
+    with pytest.raises(sp.ShardingError, match="mode='auto'"):
+        sp.parallelize(sgd_step, mesh=8, memory_limit="1GB")
+
+
+def test_impossible_memory_limit_names_the_peak_and_the_tensors():
+    params, x, y = problem_data(1024, 256, 2)
+    pstep = sp.parallelize(sgd_step, mesh=8, mode="auto", memory_limit="10KB")
+    with pytest.raises(sp.ShardingError) as e:
+        pstep.plan(params, x, y)
+    msg = str(e.value)
+    assert "no plan fits memory_limit=10,000 bytes" in msg and "smallest modeled peak found" in msg
+    assert "(1024, 256)" in msg or "(256, 256)" in msg     # the tensors that dominate it, by shape
+
+
+def test_missing_solver_is_a_sharding_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)   # import scipy.optimize now fails
+    params, x, y = problem_data(64, 64, 1)
+    with pytest.raises(sp.ShardingError, match="scipy"):
+        sp.parallelize(sgd_step, mesh=8, mode="auto").plan(params, x, y)
