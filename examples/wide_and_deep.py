@@ -10,11 +10,14 @@ The click log is deterministic and synthetic: categorical ids follow a Zipf law 
 ids are hot, most are rare, as in real logs), and a hidden logistic model of the
 features decides each click, so AUC says how much of that model was learned.
 
-    python examples/wide_and_deep.py                     # single device, default sizes
+    python examples/wide_and_deep.py                     # one device, default sizes
+    python examples/wide_and_deep.py --mode sync         # tables split by rows over 8 devices
+    python examples/wide_and_deep.py --mode geo --k-steps 10
+    python examples/wide_and_deep.py --compare-geo 10,100 --steps 600   # AUC and bytes side by side
     python examples/wide_and_deep.py --small --steps 50  # a quick run
 
 Everything a benchmark or test needs is importable: ``Config``, ``ClickLog``,
-``init_params``, ``logits``, ``loss_fn``, ``make_train_step``, ``auc``.
+``init_params``, ``logits``, ``loss_fn``, ``make_train_step``, ``auc``, ``train``.
 """
 from __future__ import annotations
 
@@ -173,30 +176,98 @@ def evaluate(params: dict, log: ClickLog, samples: int = 16384) -> tuple:
     return loss, auc(batch["label"], z)
 
 
+# -- training: one device, sync or GEO ------------------------------------------------
+
+TABLES = {"emb": "ids", "wide": "ids"}   # each table and the batch field of its ids
+
+
+def stacked(log: ClickLog, first: int, k: int, batch: int) -> dict:
+    """Batches first .. first + k - 1 of the log, stacked: every leaf [k, batch, ...]."""
+    return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *[log.batch(first + j, batch) for j in range(k)])
+
+
+def train(cfg: Config, mode: str = "single", *, k_steps: int = 1, steps: int = 300, batch: int = 1024,
+          lr: float = 0.5, devices: int = 8, print_every: int = 0, eval_samples: int = 16384) -> dict:
+    """Train ``steps`` global batches (the same samples in every mode) and evaluate.
+
+    mode "single": ``jax.jit`` on one device; "sync": ``sp.ps.sync``, the tables split by
+    rows over ``devices``; "geo": ``sp.ps.geo`` with ``k_steps`` local steps per replica
+    between averagings (``steps`` must be a multiple of it). Returns the eval AUC and
+    log loss, the last train loss, the plan's bytes sent per device per sample
+    (0 on one device) and the seconds spent training."""
+    import time
+    import shardprop as sp
+    log = ClickLog(cfg)
+    params = init_params(cfg)
+    optimizer = make_optimizer(lr)
+    opt_state = optimizer.init(params)
+    step = make_train_step(optimizer)
+    per_call = k_steps if mode == "geo" else 1
+    if steps % per_call:
+        raise ValueError(f"steps={steps} is not a multiple of k_steps={k_steps}")
+    if mode == "single":
+        run, bytes_per_sample = jax.jit(step), 0.0
+    elif mode == "sync":
+        run = sp.ps.sync(step, mesh=devices, tables=tuple(TABLES))
+        bytes_per_sample = run.plan(params, opt_state, log.batch(0, batch)).bytes / batch
+    elif mode == "geo":
+        run = sp.ps.geo(step, k_steps=k_steps, mesh=devices, tables=TABLES)
+        state = run.init(params, opt_state)
+        bytes_per_sample = run.bytes_per_sample(state, stacked(log, 0, k_steps, batch))
+    else:
+        raise ValueError(f"mode={mode!r}: 'single', 'sync' or 'geo'")
+    start = time.perf_counter()
+    for call in range(steps // per_call):
+        if mode == "geo":
+            state, losses = run(state, stacked(log, call * k_steps, k_steps, batch))
+            loss, params = losses[-1], state.params
+        else:
+            params, opt_state, loss = run(params, opt_state, log.batch(call, batch))
+        done = (call + 1) * per_call
+        if print_every and (done % print_every < per_call or done == steps):
+            eval_loss, eval_auc = evaluate(params, log, eval_samples)
+            print(f"{mode}{k_steps if mode == 'geo' else ''} step {done}: train loss {float(loss):.4f}  "
+                  f"eval loss {eval_loss:.4f}  AUC {eval_auc:.4f}", flush=True)
+    seconds = time.perf_counter() - start
+    eval_loss, eval_auc = evaluate(params, log, eval_samples)
+    return {"mode": mode, "k_steps": k_steps if mode == "geo" else None, "auc": eval_auc, "eval_loss": eval_loss,
+            "train_loss": float(loss), "bytes_per_sample": bytes_per_sample, "seconds": seconds,
+            "samples": steps * batch}
+
+
 # -- the script -------------------------------------------------------------------------
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("single", "sync", "geo"), default="single")
+    ap.add_argument("--k-steps", type=int, default=10, help="GEO: local steps between averagings")
+    ap.add_argument("--compare-geo", metavar="K,K,...",
+                    help="train sync and GEO with each k on the same samples and print AUC and bytes per sample")
     ap.add_argument("--small", action="store_true", help="26 x 96 rows instead of 26 x 40,000")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=300, help="global batches to train on")
+    ap.add_argument("--batch", type=int, default=1024, help="global batch size")
     ap.add_argument("--lr", type=float, default=0.5)
     ap.add_argument("--print-every", type=int, default=50)
     ap.add_argument("--gpu", action="store_true", help="use the machine's accelerators instead of 8 CPU devices")
     args = ap.parse_args(argv)
     cfg = Config.small() if args.small else Config()
-    log = ClickLog(cfg)
-    params = init_params(cfg)
-    optimizer = make_optimizer(args.lr)
-    opt_state = optimizer.init(params)
-    step = jax.jit(make_train_step(optimizer))
-    print(f"wide&deep: {cfg.rows:,} table rows, embed_dim {cfg.embed_dim}, batch {args.batch}, {args.steps} steps")
-    for i in range(args.steps):
-        params, opt_state, loss = step(params, opt_state, log.batch(i, args.batch))
-        if (i + 1) % args.print_every == 0 or i + 1 == args.steps:
-            eval_loss, eval_auc = evaluate(params, log)
-            print(f"step {i + 1}: train loss {float(loss):.4f}  eval loss {eval_loss:.4f}  AUC {eval_auc:.4f}")
-    return params
+    devices = len(jax.devices()) if args.gpu else 8
+    print(f"wide&deep: {cfg.rows:,} table rows, embed_dim {cfg.embed_dim}, global batch {args.batch}, "
+          f"{args.steps} steps ({args.steps * args.batch:,} samples)", flush=True)
+    if args.compare_geo:
+        runs = [train(cfg, "sync", steps=args.steps, batch=args.batch, lr=args.lr, devices=devices)]
+        for k in (int(k) for k in args.compare_geo.split(",")):
+            runs.append(train(cfg, "geo", k_steps=k, steps=args.steps, batch=args.batch, lr=args.lr,
+                              devices=devices))
+        sync_auc = runs[0]["auc"]
+        print(f"{'mode':<8} {'AUC':>7} {'vs sync':>8} {'eval loss':>9} {'bytes/sample':>13} {'wall s':>8}")
+        for r in runs:
+            name = "sync" if r["mode"] == "sync" else f"geo k={r['k_steps']}"
+            print(f"{name:<8} {r['auc']:7.4f} {100 * (r['auc'] / sync_auc - 1):+7.2f}% {r['eval_loss']:9.4f} "
+                  f"{r['bytes_per_sample']:13,.0f} {r['seconds']:8.1f}")
+        return runs
+    return train(cfg, args.mode, k_steps=args.k_steps, steps=args.steps, batch=args.batch, lr=args.lr,
+                 devices=devices, print_every=args.print_every)
 
 
 if __name__ == "__main__":
