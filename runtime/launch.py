@@ -5,6 +5,14 @@ devices each) that together form one JAX mesh, like ``fleetrun --gpus 0,1`` /
     shardprop launch --nproc 2 --devices-per-proc 4 train.py --epochs 3
     shardprop launch --gpus 0,1,2,3 train.py
     shardprop launch --ips 10.0.0.1,10.0.0.2 --gpus 0,1 train.py   # the same command on both hosts
+    shardprop launch --server-num 1 --worker-num 2 train.py        # parameter servers (sp.ps)
+
+With ``--server-num/--worker-num`` the same script runs in every role: asynchronous
+(the default ``--ps-mode async``) starts a Ray cluster, N server and M worker
+processes (runtime/ps/launcher.py; logs ``log/serverlog.<i>``, ``log/workerlog.<i>``);
+``--ps-mode sync`` starts M worker processes on jax.distributed, as ``--nproc M``
+does, the tables split by rows over their devices. ``sp.ps.is_server()`` /
+``sp.ps.is_worker()`` tell the script its role.
 
 Every rank's output goes to ``log/workerlog.<rank>``; rank 0's is also streamed
 to the console. When a rank fails or is killed, the others are stopped (SIGTERM,
@@ -23,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
@@ -47,6 +55,7 @@ class Config:
     log_dir: str
     script: str
     script_args: list[str]
+    role_env: dict = field(default_factory=dict)   # sync parameter-server runs: every rank is a worker
 
     @property
     def world(self) -> int:
@@ -78,7 +87,7 @@ def _local_addresses() -> set[str]:
     return names
 
 
-def parse(argv: list[str]) -> Config:
+def parse(argv: list[str]):
     ap = argparse.ArgumentParser(prog="shardprop launch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     group = ap.add_mutually_exclusive_group()
@@ -90,9 +99,15 @@ def parse(argv: list[str]) -> Config:
     ap.add_argument("--node-rank", type=int, default=None, help="this host's index in --ips (default: found)")
     ap.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     ap.add_argument("--log-dir", default="log")
+    ap.add_argument("--server-num", type=int, default=None, help="parameter servers (with --worker-num)")
+    ap.add_argument("--worker-num", type=int, default=None, help="parameter-server workers")
+    ap.add_argument("--ps-mode", choices=("async", "sync"), default="async",
+                    help="async: servers and workers on Ray; sync: workers on jax.distributed (default async)")
     ap.add_argument("script")
     ap.add_argument("script_args", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
+    if a.server_num is not None or a.worker_num is not None:
+        return _parse_ps(a)
 
     gpus = [g for g in a.gpus.split(",") if g] if a.gpus else None
     nproc = len(gpus) if gpus else (a.nproc if a.nproc is not None else 1)
@@ -131,12 +146,42 @@ def parse(argv: list[str]) -> Config:
                   a.script, a.script_args)
 
 
+@dataclass
+class PSConfig:
+    """``--server-num N --worker-num M`` with ``--ps-mode async``: roles on Ray."""
+    num_servers: int
+    num_workers: int
+    log_dir: str
+    script: str
+    script_args: list[str]
+
+
+def _parse_ps(a):
+    if a.worker_num is None or a.worker_num < 1:
+        raise LaunchError(f"--worker-num {a.worker_num}: a parameter-server run needs at least one worker")
+    if not os.path.isfile(a.script):
+        raise LaunchError(f"script {a.script!r} not found")
+    if a.nproc is not None or a.gpus or a.ips:
+        raise LaunchError("--server-num/--worker-num decide the processes; leave out --nproc, --gpus and --ips")
+    if a.ps_mode == "sync":
+        # the SPMD form: the workers' devices hold the tables' row blocks; no server processes
+        return Config(a.worker_num, 1, 0, a.devices_per_proc, None, f"127.0.0.1:{a.port or _free_port()}", a.log_dir,
+                      a.script, a.script_args, role_env={"SHARDPROP_PS_ROLE": "worker", "SHARDPROP_PS_MODE": "sync",
+                                                         "SHARDPROP_PS_SERVERS": "0",
+                                                         "SHARDPROP_PS_WORKERS": str(a.worker_num)})
+    if a.server_num is None or a.server_num < 1:
+        raise LaunchError(f"--server-num {a.server_num}: an async parameter-server run needs at least one server")
+    return PSConfig(a.server_num, a.worker_num, a.log_dir, a.script, a.script_args)
+
+
 def worker_env(cfg: Config, local_rank: int) -> dict:
     env = dict(os.environ)
     rank = cfg.node_rank * cfg.nproc + local_rank
     env[ENV_COORDINATOR] = cfg.coordinator
     env[ENV_NUM_PROCESSES] = str(cfg.world)
     env[ENV_PROCESS_ID] = str(rank)
+    if cfg.role_env:
+        env.update(cfg.role_env, SHARDPROP_PS_INDEX=str(rank))
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[local_rank]
     else:
@@ -284,6 +329,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     except LaunchError as e:
         print(f"shardprop launch: error: {e}", file=sys.stderr)
         return 2
+    if isinstance(cfg, PSConfig):
+        try:
+            from .ps.ray_env import require_ray
+            require_ray()
+        except ImportError as e:
+            print(f"shardprop launch: error: {e}", file=sys.stderr)
+            return 2
+        from .ps.launcher import run as run_ps
+        return run_ps(cfg.num_servers, cfg.num_workers, cfg.log_dir, cfg.script, cfg.script_args)
+    if cfg.role_env and cfg.role_env.get("SHARDPROP_PS_MODE") == "sync":
+        print("shardprop launch: sync parameter-server run on jax.distributed: the tables are split by rows over "
+              "the workers' devices (no separate server processes)", flush=True)
     return run(cfg)
 
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 from .compiler.geo import GeoState, GeoStep, geo  # noqa: F401
 from .compiler.ps_sync import SyncStep, pad_rows, sync  # noqa: F401
 from .runtime.ps.ray_env import ParameterServerError, require_ray  # noqa: F401
-from .runtime.ps.roles import is_server, is_worker, role, role_index  # noqa: F401
+from .runtime.ps.roles import RoleResult, is_server, is_worker, role, role_index, run  # noqa: F401
 
-_LAZY = {"Job": "job", "TrainResult": "job", "run": "roles"}
+_LAZY = {"Job": "job", "TrainResult": "job"}
 
 
 def __getattr__(name):

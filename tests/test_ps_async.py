@@ -214,3 +214,73 @@ def test_no_process_is_left_behind(session):
     for pid in _results(session)["pids"]["servers"] + _results(session)["pids"]["workers"]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# -- the launcher: shardprop launch --server-num N --worker-num M -----------------------
+
+def _launch(args, cwd, env_extra=None, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env_extra or {}))
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen([sys.executable, "-m", "shardprop.runtime.launch"] + [str(a) for a in args], cwd=cwd,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _role_pid(marker, role, index):
+    for pid in _processes_with(marker):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SHARDPROP_PS_ROLE={role}".encode() in env and f"SHARDPROP_PS_INDEX={index}".encode() in env:
+            return pid
+    return None
+
+
+@needs_ray
+def test_launch_servers_and_workers_a_killed_worker_is_reported(tmp_path):
+    """One script in every role on Ray; worker 1 is killed mid-run, worker 0 finishes
+    the budget, the server reports its staleness, nothing is left behind."""
+    marker = f"ps-launch-{uuid.uuid4()}"
+    p = _launch(["--server-num", 1, "--worker-num", 2, ROOT / "examples" / "ps_async.py", "--small",
+                 "--samples", 400_000, "--batch", 1024], tmp_path, {"SHARDPROP_TEST_MARK": marker})
+    log1 = tmp_path / "log" / "workerlog.1"
+    deadline = time.monotonic() + 200
+    while "worker 1: step 10," not in (log1.read_text() if log1.exists() else ""):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+        time.sleep(0.2)
+    pid = _role_pid(marker, "worker", 1)
+    os.kill(pid, 9)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    assert "worker 1 failed (killed by SIGKILL); the 1 server(s) and 1 other worker(s) carry on" in err
+    assert "done; 1 of 2 worker(s) finished, failed: 1" in out
+    assert "AUC" in out and "worker 0: done:" in (tmp_path / "log" / "workerlog.0").read_text()
+    server_log = (tmp_path / "log" / "serverlog.0").read_text()
+    assert "server 0: serving emb rows 0-2495" in server_log and "server 0: stopped after" in server_log
+    deadline = time.monotonic() + 15
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(marker) == []
+
+
+def test_launch_sync_roles_run_on_jax_distributed(tmp_path):
+    p = _launch(["--server-num", 1, "--worker-num", 2, "--ps-mode", "sync", ROOT / "tests" / "ps_scripts" /
+                 "show_role.py"], tmp_path)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    assert "tables are split by rows over the workers' devices" in out
+    for i in (0, 1):
+        assert f"role=worker server=False worker=True index={i} processes=2" in \
+            (tmp_path / "log" / f"workerlog.{i}").read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--worker-num", 0], "--worker-num 0: a parameter-server run needs at least one worker"),
+    (["--worker-num", 2], "--server-num None: an async parameter-server run needs at least one server"),
+    (["--server-num", 1, "--worker-num", 2, "--nproc", 2], "leave out --nproc, --gpus and --ips"),
+])
+def test_launch_bad_role_arguments(tmp_path, args, message):
+    p = _launch(args + [ROOT / "tests" / "ps_scripts" / "show_role.py"], tmp_path)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and message in err
+    assert not (tmp_path / "log").exists()

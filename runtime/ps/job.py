@@ -11,9 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import numpy as np
-
-from .layout import Layout, join_params, split_params
+from .layout import Layout, assemble, split_params
 from .ray_env import ParameterServerError, connect
 from .server import ParameterServer
 from .staleness import merge
@@ -84,7 +82,7 @@ class Job:
         ray = self.ray
         server_cls = ray.remote(num_cpus=0, max_restarts=0)(ParameterServer)
         for s in range(self.num_servers):
-            self.servers.append(server_cls.remote(s, *self._server_share(s), self.optimizer, self.mode,
+            self.servers.append(server_cls.remote(s, *self.server_share(s), self.optimizer, self.mode,
                                                   self.max_staleness))
         worker_cls = ray.remote(num_cpus=0, max_restarts=0)(Worker)
         for w in range(self.num_workers):
@@ -95,7 +93,7 @@ class Job:
         self._server_pids = ray.get([s.pid.remote() for s in self.servers])
         self._worker_pids = ray.get([w.pid.remote() for w in self.workers])
 
-    def _server_share(self, s: int) -> tuple:
+    def server_share(self, s: int) -> tuple:
         """Server ``s``'s initial rows of each table and its dense leaves."""
         tables, dense = self._init
         bounds = self.layout.table_bounds
@@ -112,7 +110,7 @@ class Job:
         if slow_workers is not None:
             self.slow_workers = dict(slow_workers)
         ray = self.ray
-        ray.get([server.reset.remote(*self._server_share(s), self.mode) for s, server in enumerate(self.servers)])
+        ray.get([server.reset.remote(*self.server_share(s), self.mode) for s, server in enumerate(self.servers)])
         ray.get([self.workers[w].reset.remote(self.slow_workers.get(w, 1.0)) for w in self.alive])
 
     def close(self) -> None:
@@ -219,9 +217,4 @@ class Job:
     # -- results ----------------------------------------------------------------------
     def params(self) -> dict:
         """The trained parameters, assembled from every server."""
-        states = self.ray.get([s.state.remote() for s in self.servers])
-        tables = {t: np.concatenate([st[1][t] for st in states]) for t in self.tables}
-        dense = {}
-        for _, _, d in states:
-            dense.update(d)
-        return join_params(self.dense_template, tables, dense)
+        return assemble(self.ray.get([s.state.remote() for s in self.servers]), self.dense_template)

@@ -81,3 +81,12 @@ def join_params(template: dict, tables: dict, dense: dict) -> dict:
     out = jax.tree_util.tree_unflatten(treedef, [dense[jax.tree_util.keystr(p)] for p, _ in paths])
     out.update(tables)
     return out
+
+
+def assemble(states: list, template: dict) -> dict:
+    """The whole parameters from every server's ``state()`` (first rows, table rows, dense leaves)."""
+    tables = {t: np.concatenate([st[1][t] for st in states]) for t in states[0][1]}
+    dense = {}
+    for _, _, d in states:
+        dense.update(d)
+    return join_params(template, tables, dense)

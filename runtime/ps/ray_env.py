@@ -36,14 +36,17 @@ def worker_env() -> dict:
     return env
 
 
-def connect(address: str | None = None):
-    """Join the Ray cluster at ``address`` (a launcher's), or start a local one.
+ENV_RAY_ADDRESS = "SHARDPROP_PS_RAY_ADDRESS"   # set by ``shardprop launch --server-num/--worker-num``
+
+
+def connect(namespace: str | None = None):
+    """Join the launcher's Ray cluster, or start a local one.
     Returns (ray, started_here): who started it stops it."""
     ray = require_ray()
     if ray.is_initialized():
         return ray, False
-    address = address or os.environ.get("SHARDPROP_PS_RAY_ADDRESS")
-    kwargs = dict(include_dashboard=False, log_to_driver=True, configure_logging=False,
+    address = os.environ.get(ENV_RAY_ADDRESS)
+    kwargs = dict(include_dashboard=False, log_to_driver=True, configure_logging=False, namespace=namespace,
                   runtime_env={"env_vars": worker_env()})
     if address:
         ray.init(address=address, **kwargs)

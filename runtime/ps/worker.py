@@ -115,12 +115,22 @@ class Worker:
         self.stats["last_step_at"] = time.time()
         return acks[0]
 
-    def run(self, samples_budget: int) -> dict:
-        """Async: step until the servers have seen ``samples_budget`` samples in all."""
+    def run(self, samples_budget: int, log_every: int = 0) -> dict:
+        """Async: step until the servers have seen ``samples_budget`` samples in all
+        (printing progress every ``log_every`` steps, if given)."""
         while True:
             ack = self.step()
+            if log_every and self.stats["steps"] % log_every == 0:
+                print(f"worker {self.index}: step {self.stats['steps']}, loss {self.stats['losses'][-1]:.4f}, "
+                      f"{ack['samples']} samples seen by the servers, staleness {ack['staleness']}", flush=True)
             if ack["samples"] >= samples_budget:
                 return self.report()
+
+    def params(self) -> dict:
+        """The servers' current parameters, whole (for evaluating; costs the tables' size)."""
+        import ray
+        from .layout import assemble
+        return assemble(ray.get([s.state.remote() for s in self.servers]), self.template)
 
     def report(self) -> dict:
         """Counters; ``samples_per_s`` over wall-clock time from this worker's first step to
