@@ -8,6 +8,7 @@ import sys
 
 USAGE = ("usage: shardprop launch [--nproc N | --gpus 0,1,...] [--devices-per-proc K] [--ips h1,h2] "
          "[--port P] [--log-dir log] script.py [args...]\n"
+         "       shardprop launch --server-num N --worker-num M [--ps-mode async|sync] script.py [args...]\n"
          "       shardprop report DUMP_DIR [-o plan.html] [--explain OP_OR_LINE]\n"
          "       shardprop calibrate [--mesh 8 | --mesh 2x4] [--cpu] [-o profile.json]\n\n"
          "shardprop launch --help, shardprop report --help, shardprop calibrate --help   for details")
