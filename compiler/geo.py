@@ -15,9 +15,11 @@ the devices. The rest is derived: the k local steps run without communication, a
 the mean over a split axis is a partial sum, so the averaging is an all_reduce, once
 per round.
 
-A sparse table moves only the rows a replica touched. Its averaged delta is written
-as a scatter-add of each replica's touched rows (divided by how often the replica
-saw each id, so that an id seen twice is counted once) into the table. Either every
+A sparse table moves only the rows a replica touched. The round's distinct ids per
+replica are found on the host from the batches (the worker's bookkeeping in a
+parameter server), padded with an id no row has to a power of two (or to every id
+looked up, if fewer) that only grows, so that rounds share one compiled program. The averaged delta is written as a
+scatter-add of each replica's touched rows into the table. Either every
 replica's rows travel to every replica (an all_gather of ids and rows: small k,
 few rows), or each replica adds its own rows into a zero table and the tables are
 summed (an all_reduce of the table: large k, when most rows are touched anyway).
@@ -76,6 +78,7 @@ class GeoStep:
         self._mesh = mesh
         self._kwargs = parallelize_kwargs
         self._fn = None
+        self._buckets: dict = {}  # table -> rows pushed per replica (a power of two, only grows)
         self.pushes: dict = {}   # table -> "rows" (touched rows gathered) or "table" (table summed), once traced
 
     # -- state ----------------------------------------------------------------------
@@ -92,19 +95,43 @@ class GeoStep:
         how = self.tables[name]
         return batch[how] if isinstance(how, str) else how(batch)
 
-    def _round(self, params, opt_leaves, batches):
+    def _check_batches(self, batches) -> None:
+        R, k = self.replicas, self.k_steps
+        for x in jax.tree_util.tree_leaves(batches):
+            if np.ndim(x) < 2 or np.shape(x)[0] != k:
+                raise sharding_error(f"every leaf of the batches needs k_steps={k} batches on its first dim",
+                                     operator="sp.ps.geo", source=self.source, shapes=tuple(np.shape(x)),
+                                     fix=f"stack {k} batches: jax.tree.map(lambda *b: np.stack(b), *batches)")
+            if np.shape(x)[1] % R:
+                raise sharding_error(f"the global batch must divide over the {R} replicas",
+                                     operator="sp.ps.geo", source=self.source, shapes=tuple(np.shape(x)),
+                                     fix=f"use a global batch size that is a multiple of {R}")
+
+    def _touched(self, params, batches) -> dict:
+        """Per table, each replica's distinct looked-up rows this round: int32 [R, U],
+        padded with the table's row count (an id no row has)."""
+        R, out = self.replicas, {}
+        for name in self.tables:
+            ids = np.asarray(self._ids(batches, name))
+            k, n = ids.shape[:2]
+            per_replica = np.swapaxes(ids.reshape((k, R, n // R) + ids.shape[2:]), 0, 1).reshape(R, -1)
+            distinct = [np.unique(r) for r in per_replica]
+            most = max(len(d) for d in distinct)
+            # a power of two, at most every id the replica looked up, and never smaller than before
+            bucket = min(1 << max(0, most - 1).bit_length(), per_replica.shape[1])
+            bucket = self._buckets[name] = max(self._buckets.get(name, 1), bucket)
+            rows = np.shape(params[name])[0]
+            touched = np.full((R, bucket), rows, np.int32)
+            for r, d in enumerate(distinct):
+                touched[r, :len(d)] = d
+            out[name] = touched
+        return out
+
+    def _round(self, params, opt_leaves, batches, touched):
         R, k = self.replicas, self.k_steps
         opt_state = jax.tree_util.tree_unflatten(self._opt_tree, opt_leaves)
 
         def to_replicas(x):   # [k, R * b, ...] -> [R, k, b, ...]: replica r reads slice r of each batch
-            if x.shape[0] != k:
-                raise sharding_error(f"every leaf of the batches needs k_steps={k} batches on its first dim",
-                                     operator="sp.ps.geo", source=self.source, shapes=tuple(x.shape),
-                                     fix=f"stack {k} batches: jax.tree.map(lambda *b: np.stack(b), *batches)")
-            if x.ndim < 2 or x.shape[1] % R:
-                raise sharding_error(f"the global batch must divide over the {R} replicas",
-                                     operator="sp.ps.geo", source=self.source, shapes=tuple(x.shape),
-                                     fix=f"use a global batch size that is a multiple of {R}")
             return jnp.swapaxes(x.reshape((k, R, x.shape[1] // R) + x.shape[2:]), 0, 1)
         local_batches = jax.tree_util.tree_map(to_replicas, batches)
         local_params = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (R,) + jnp.shape(x)), params)
@@ -123,10 +150,9 @@ class GeoStep:
             merged = {}
             for name, anchor in params.items():
                 if name in self.tables:
-                    ids = self._ids(local_batches, name).reshape(R, -1)   # every id a replica looked up
-                    gathered = push_rows(anchor.shape, anchor.dtype.itemsize, ids.shape[1], R)
+                    gathered = push_rows(anchor.shape, anchor.dtype.itemsize, touched[name].shape[1], R)
                     self.pushes[name] = "rows" if gathered else "table"
-                    merged[name] = _merge_rows(anchor, trained[name], ids, gathered)
+                    merged[name] = _merge_rows(anchor, trained[name], touched[name], gathered)
                 else:
                     merged[name] = jax.tree_util.tree_map(average, anchor, trained[name])
         else:
@@ -143,21 +169,22 @@ class GeoStep:
             # optax NamedTuples; a flat list keeps the in_strategy prefix plain)
             per_replica = [row_split(x, R) for x in jax.tree_util.tree_leaves(state.opt_state)]
             batch_split = jax.tree_util.tree_map(lambda x: (1, R) + (1,) * (np.ndim(x) - 2), batches)
+            touched_split = {name: (R, 1) for name in self.tables}
             self._fn = parallelize(self._round, mesh=self._mesh, donate_argnums=(0, 1),
-                                   in_strategy=(replicated, per_replica, batch_split), **self._kwargs)
+                                   in_strategy=(replicated, per_replica, batch_split, touched_split), **self._kwargs)
         return self._fn
 
-    def _opt_leaves(self, state: GeoState) -> list:
+    def _args(self, state: GeoState, batches) -> tuple:
+        self._check_batches(batches)
         leaves, self._opt_tree = jax.tree_util.tree_flatten(state.opt_state)
-        return leaves
+        return state.params, leaves, batches, self._touched(state.params, batches)
 
     def __call__(self, state: GeoState, batches):
-        opt_leaves = self._opt_leaves(state)
-        params, opt_leaves, losses = self._compiled(state, batches)(state.params, opt_leaves, batches)
+        params, opt_leaves, losses = self._compiled(state, batches)(*self._args(state, batches))
         return GeoState(params, jax.tree_util.tree_unflatten(self._opt_tree, opt_leaves)), losses
 
     def plan(self, state: GeoState, batches):
-        return self._compiled(state, batches).plan(state.params, self._opt_leaves(state), batches)
+        return self._compiled(state, batches).plan(*self._args(state, batches))
 
     def bytes_per_sample(self, state: GeoState, batches) -> float:
         """Bytes each device sends per training sample (the plan's collectives over one
@@ -177,25 +204,23 @@ def push_rows(table_shape, itemsize: int, touched: int, replicas: int) -> bool:
 
 
 def _add_rows(table, ids, rows, replicas: int, gathered: bool):
-    """table.at[ids].add(rows), marked: rows whole (gathered to every replica) or split
-    by replica (a partial table per replica, then summed)."""
+    """table.at[ids].add(rows) (ids past the end dropped), marked: rows whole (gathered to
+    every replica) or split by replica (a partial table per replica, then summed)."""
     whole = lambda x: (1,) * x.ndim  # noqa: E731
     split = lambda x: (replicas,) + (1,) * (x.ndim - 1)  # noqa: E731
     strategy = (whole(table), whole(ids), whole(rows)) if gathered else (whole(table), split(ids), split(rows))
-    return shard(lambda t, i, r: t.at[i].add(r), strategy)(table, ids, rows)
+    return shard(lambda t, i, r: t.at[i].add(r, mode="drop"), strategy)(table, ids, rows)
 
 
-def _merge_rows(anchor, local, ids, gathered: bool):
+def _merge_rows(anchor, local, touched, gathered: bool):
     """``anchor`` plus the replicas' mean delta on the rows they touched.
-    anchor [V, ...], local [R, V, ...] (each replica's trained copy), ids [R, K]."""
+    anchor [V, ...], local [R, V, ...] (each replica's trained copy), touched [R, U]
+    (distinct rows per replica, padded with V: looked up as zeros, dropped when added)."""
     R = local.shape[0]
-    V = anchor.shape[0]
-    seen = jax.vmap(lambda i: jnp.zeros(V, anchor.dtype).at[i].add(1))(ids)        # [R, V]: how often
-    times = jax.vmap(lambda s, i: s[i])(seen, ids)                                 # [R, K]
-    delta = jax.vmap(lambda t, i: t[i])(local, ids) - anchor[ids]                  # [R, K, ...]
-    scale = (times * R).reshape(times.shape + (1,) * (anchor.ndim - 1))
-    rows = (delta / scale).reshape((-1,) + anchor.shape[1:])
-    return _add_rows(anchor, ids.reshape(-1), rows, R, gathered)
+    mine = jax.vmap(lambda t, i: t.at[i].get(mode="fill", fill_value=0))(local, touched)   # [R, U, ...]
+    delta = mine - anchor.at[touched].get(mode="fill", fill_value=0)
+    rows = (delta / R).reshape((-1,) + anchor.shape[1:])
+    return _add_rows(anchor, touched.reshape(-1), rows, R, gathered)
 
 
 def geo(step: Callable, *, k_steps: int, mesh, tables: Optional[Mapping[str, IdsOf]] = None,

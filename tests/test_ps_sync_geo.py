@@ -150,7 +150,7 @@ def test_geo_round_equals_replicas_trained_by_hand():
     looked up, which pushing touched rows needs); the small tables push the emb's touched
     rows and sum the wide table (each form chosen by its bytes)."""
     import optax
-    cfg = wd.Config.small(vocab=160)
+    cfg = wd.Config.small(vocab=96)
     log = wd.ClickLog(cfg)
     opt = optax.adagrad(0.1)
     step = wd.make_train_step(opt)
