@@ -5,10 +5,13 @@ all_to_all, permute) is timed over every distinct group of devices the mesh's ax
 make (each axis, and each set of axes), at a few buffer sizes; latency and
 bandwidth are fitted per group and per kind by non-negative least squares
 (``scipy.optimize.nnls``: time = latency + wire bytes / bandwidth, wire bytes as the
-planner counts them). A matmul and an elementwise op running on every device at
+planner counts them); a kind keeps a fit of its own only where the group's fit
+over every kind misses its times by more than 50% on average (timings on a busy
+machine are noisy, and a kind's three points alone would follow the noise). A matmul and an elementwise op running on every device at
 once give the roofline's two rates. Each time is the median of repetitions; a
 collective's is the difference between a program that runs it 9 times in a row and
-one that runs it once, over 8 (what a program costs to start is no collective's).
+one that runs it once, over 8 (what a program costs to start is no collective's), the
+two run in turns.
 
     shardprop calibrate --mesh 8 -o profile.json        # 2x2x2, prices any mesh of 8 devices
     shardprop calibrate --mesh 2x4 --cpu                # forced CPU devices
@@ -31,6 +34,7 @@ MATMUL_SIZES = (128, 256)            # n of an n x n by n x n matmul per device
 ELEMENTWISE_SIZES = (1 << 18, 1 << 21)
 FUSED_CHAIN = 6                      # elementwise ops in a row, one multiply or add each
 CHAIN = 8                            # collectives in a row, against one alone
+KIND_APART = 0.5                     # a kind gets its own fit where the group's misses it by more
 
 
 def parse_mesh(text: str) -> tuple:
@@ -47,16 +51,20 @@ def parse_mesh(text: str) -> tuple:
     return tuple(sizes)
 
 
-def _median_time(fn, x, reps: int) -> float:
+def _median_time(fns, x, reps: int) -> list:
+    """Median seconds of each of ``fns`` on ``x``, run in turns (A, B, A, B, ...) so that a
+    busy spell of the machine hits them alike."""
     import jax
-    for _ in range(2):
-        jax.block_until_ready(fn(x))
-    times = []
+    for f in fns:
+        for _ in range(2):
+            jax.block_until_ready(f(x))
+    times = [[] for _ in fns]
     for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for f, ts in zip(fns, times):
+            t = time.perf_counter()
+            jax.block_until_ready(f(x))
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
 
 
 def _program(jmesh, body):
@@ -112,6 +120,11 @@ def _fit(samples) -> Link:
     return Link(max(float(alpha), 1e-9), 1.0 / inv_beta if inv_beta > 0 else 1e15)
 
 
+def _miss(link: Link, samples) -> float:
+    """How far ``link`` is from measured times, on average, relative to them."""
+    return statistics.mean(abs(link.time(b) - t) / max(t, 1e-9) for b, t in samples)
+
+
 def _rate(samples) -> float:
     """Work per second from (work, seconds) samples: the slope, past a fixed cost."""
     link = _fit(samples)
@@ -134,10 +147,11 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
     say = log or (lambda *_: None)
     t_start = time.perf_counter()
 
-    def timed(body, local_elems: int) -> float:
+    def timed(body, local_elems: int, *more) -> float:
         x = np.ones(n * local_elems, np.float32)
         x = jax.device_put(x, jax.sharding.NamedSharding(jmesh, jax.sharding.PartitionSpec(names)))
-        return _median_time(_program(jmesh, body), x, reps)
+        out = _median_time([_program(jmesh, f) for f in (body, *more)], x, reps)
+        return out if more else out[0]
 
     links, pooled_all = [], []
     seen = set()
@@ -148,22 +162,27 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
             continue
         seen.add(group)
         g = mesh.axes_size(axes)
-        pooled = []
+        by_kind = {}
         for kind in kinds:
             samples = []
             for s in sizes:
                 # one more collective in a row is what one collective costs (the program's
                 # dispatch and the rest cancel)
-                t = (timed(_collective_body(kind, axes, g, 1 + CHAIN), s) -
-                     timed(_collective_body(kind, axes, g, 1), s)) / CHAIN
+                long, short = timed(_collective_body(kind, axes, g, 1 + CHAIN), s, _collective_body(kind, axes, g, 1))
+                t = (long - short) / CHAIN
                 samples.append((wire_bytes(kind, 4 * s, g), max(t, 0.0)))
-            link = _fit(samples)
-            links.append((group, kind, link))
-            pooled += samples
-            say(f"  {kind:<15} axes {','.join(axes):<9} group {group}: latency {link.latency_s * 1e6:8.1f} us, "
-                f"{link.bytes_per_s / 1e9:7.2f} GB/s")
-        links.append((group, "", _fit(pooled)))
-        pooled_all += pooled
+            by_kind[kind] = samples
+        pooled = _fit([x for samples in by_kind.values() for x in samples])
+        links.append((group, "", pooled))
+        say(f"  {'(every kind)':<15} axes {','.join(axes):<9} group {group}: latency {pooled.latency_s * 1e6:8.1f} "
+            f"us, {pooled.bytes_per_s / 1e9:7.2f} GB/s")
+        for kind, samples in by_kind.items():
+            own = _fit(samples)
+            if _miss(pooled, samples) > KIND_APART:   # a kind of its own only where the group's fit misses it
+                links.append((group, kind, own))
+                say(f"  {kind:<15} axes {','.join(axes):<9} group {group}: latency {own.latency_s * 1e6:8.1f} us, "
+                    f"{own.bytes_per_s / 1e9:7.2f} GB/s")
+        pooled_all += [x for samples in by_kind.values() for x in samples]
     default = _fit(pooled_all) if pooled_all else Link(5e-6, 100e9)
 
     def matmul(x):

@@ -64,15 +64,17 @@ def test_planner_prices_bundled_axes_as_the_real_group():
 def test_latency_term_changes_a_redistribution():
     # a sum pending over a, wanted split over (a, b) on dim 1: with no latency, slice b,
     # reduce-scatter a quarter of the bytes and move them with an all_to_all (224 B, two
-    # collectives); where a collective's latency dominates, one reduce_scatter (512 B)
+    # collectives); where a collective's latency dominates, one collective over a (a
+    # reduce_scatter of 512 B, or an all_reduce where the profile prices that lower)
     src, dst = Layout(((), ()), ("a",)), Layout(((), ("a", "b")))
     no_latency = plan_redistribution((16, 16), 4, src, dst, MESH_2x4, True, CostModel(latency_s=0.0))
     cpu = plan_redistribution((16, 16), 4, src, dst, MESH_2x4, True, CostModel.builtin("cpu", MESH_2x4))
     kinds = lambda steps: [s.kind for s in steps if s.kind != "slice"]  # noqa: E731
     assert kinds(no_latency) == ["reduce_scatter", "all_to_all"]
     assert sum(s.wire_bytes for s in no_latency) == 224
-    assert kinds(cpu) == ["reduce_scatter"]
-    assert sum(s.wire_bytes for s in cpu) == 512
+    assert len(kinds(cpu)) == 1 and cpu[0].param("axes") == ("a",)
+    assert kinds(plan_redistribution((16, 16), 4, src, dst, MESH_2x4, True, CostModel(latency_s=1e-3))) == \
+        ["reduce_scatter"]
 
 
 def test_save_load_round_trip(tmp_path):
@@ -153,7 +155,7 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path):
     model = CostModel.load(out, Mesh(("x",), (2,)))
     assert model.device_count == 2 and model.mesh_shape == (2,)
     kinds = {kind for group, kind, _ in model.links if group == ((2, 1),)}
-    assert kinds == {"all_reduce", "all_gather", ""}
+    assert "" in kinds and kinds <= {"all_reduce", "all_gather", ""}   # a kind of its own where it differs
     assert all(link.latency_s > 0 and link.bytes_per_s > 0 for _, _, link in model.links)
     assert model.flops_per_s > 0 and model.memory_bytes_per_s > 0
     with pytest.raises(sp.ShardingError, match="cannot price a mesh of 8 devices"):
