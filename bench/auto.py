@@ -29,6 +29,7 @@ import gpt_megatron as M  # noqa: E402
 from shardprop.compiler.pipeline import Options, gc_paused, run_pipeline  # noqa: E402
 from shardprop.compiler.state import state_ties  # noqa: E402
 from shardprop.compiler.trace import import_jaxpr, input_names  # noqa: E402
+from shardprop.passes.redistribute import plan_redistribution  # noqa: E402
 from shardprop.runtime.mesh import resolve_mesh  # noqa: E402
 
 M.sp = types.SimpleNamespace(shard=lambda fn, *a, **k: fn)   # the model without a single mark
@@ -47,6 +48,7 @@ def traced(layers: int, heads: int, head_dim: int, batch: int, seq: int):
 
 
 def plan_once(step, args, closed, out_shape, mesh) -> dict:
+    plan_redistribution.cache_clear()   # every run pays for its redistribution costs (no warm cache)
     spec = resolve_mesh(mesh)
     with gc_paused():
         graph = import_jaxpr(closed, spec.ir_mesh, input_names(step, args, {}), "train_step")

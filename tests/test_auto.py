@@ -163,12 +163,12 @@ def test_repeated_layers_share_variables():
     """Layers between the first and the last share one set of variables: the problem's
     size does not grow with depth."""
     sizes = {}
-    for layers in (6, 10):
+    for layers in (8, 12):
         params, x, y = problem_data(256, 64, layers)
         g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,))
         sizes[layers] = len(Problem(g, DEFAULT_COST).unary), len(Problem(g, DEFAULT_COST, share_layers=False).unary)
-    assert sizes[6][0] == sizes[10][0]
-    assert sizes[10][1] > sizes[6][1] > sizes[6][0]
+    assert sizes[8][0] == sizes[12][0]
+    assert sizes[12][1] > sizes[8][1] > sizes[8][0]
 
 
 # -- bad input ----------------------------------------------------------------------

@@ -30,7 +30,7 @@ TIE_BREAK_S_PER_BYTE = 1e-16   # far below any real cost: only decides between o
 @dataclass
 class Reduced:
     unary: dict                      # template -> seconds per kept candidate
-    edges: dict                      # (a, b) -> seconds per pair of kept candidates
+    edges: list                      # Edge (problem.py) over the kept candidates
     kept: dict                       # template -> original indices of the kept candidates
     memory: dict = field(default_factory=dict)   # template -> list of bytes vectors (kept candidates)
 
@@ -47,41 +47,71 @@ class Solution:
     binaries: int
 
 
-def reduce(problem, memory_matters: bool) -> Reduced:
-    """Fold separable edges into node costs, then drop dominated candidates."""
+def reduce(problem, memory_matters: bool, upper: Optional[float] = None) -> Reduced:
+    """Fold separable edges into node costs, then drop dominated candidates, and, given
+    the time of some plan that fits (``upper``), every candidate that no plan taking it
+    can beat that with (a lower bound on each: its own cost, the cheapest side of each
+    of its edges, the cheapest of every other node)."""
+    from .problem import Edge
     unary = {t: u.copy() for t, u in problem.unary.items()}
     # ties (a free slice of an argument fed whole) go to the plan that holds fewer bytes
     for t, vec in problem.values.values():
         unary[t] += vec * TIE_BREAK_S_PER_BYTE
-    edges = {}
-    for (a, b), mat in problem.edges.items():
-        if not np.any(mat):
+    edges = []
+    for e in problem.edges:
+        m = e.cost
+        if not np.any(m):
             continue
-        row, col = mat[:, :1], mat[:1, :]
-        if np.allclose(mat, row + col - mat[0, 0], rtol=0, atol=1e-15):
-            unary[a] += mat[:, 0] - mat[0, 0]
-            unary[b] += mat[0, :]
+        if np.allclose(m, m[:, :1] + m[:1, :] - m[0, 0], rtol=0, atol=1e-15):
+            unary[e.a] += (m[:, 0] - m[0, 0])[e.rows]
+            unary[e.b] += m[0, :][e.cols]
             continue
-        edges[(a, b)] = mat
+        edges.append(e)
     memory: dict = {}
     if memory_matters:
         for t, vec in problem.values.values():
             memory.setdefault(t, {})[vec.tobytes()] = vec   # equal vectors compare alike
     kept = {t: _undominated(t, unary, edges, memory.get(t, {})) for t in unary}
-    return Reduced({t: unary[t][kept[t]] for t in unary},
-                   {(a, b): m[np.ix_(kept[a], kept[b])] for (a, b), m in edges.items()}, kept,
+    if upper is not None:
+        kept = _bounded(unary, edges, kept, upper)
+    out = []
+    for e in edges:
+        rows, rmap = _compact(e.rows[kept[e.a]])
+        cols, cmap = _compact(e.cols[kept[e.b]])
+        out.append(Edge(e.a, e.b, rows, cols, e.cost[np.ix_(rmap, cmap)]))
+    return Reduced({t: unary[t][kept[t]] for t in unary}, out, kept,
                    {t: [v[kept[t]] for v in vs.values()] for t, vs in memory.items()})
 
 
-def _undominated(t: int, unary: dict, edges: dict, memory: dict) -> np.ndarray:
+def _bounded(unary: dict, edges: list, kept: dict, upper: float) -> dict:
+    lower = {t: unary[t].copy() for t in unary}
+    for e in edges:   # each edge counted once, at its first node, at its cheapest partner
+        lower[e.a] += e.cost[:, np.unique(e.cols[kept[e.b]])].min(axis=1)[e.rows]
+    floor = {t: lower[t][kept[t]].min() for t in lower}
+    total = sum(floor.values())
+    slack = upper * (1 + 1e-9) + 1e-15
+    out = {}
+    for t, k in kept.items():
+        keep = k[total - floor[t] + lower[t][k] <= slack]
+        out[t] = keep if len(keep) else k
+    return out
+
+
+def _compact(classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Renumber the classes that occur 0..n-1: (new class per candidate, old class per new)."""
+    old, new = np.unique(classes, return_inverse=True)
+    return new.reshape(-1), old
+
+
+def _undominated(t: int, unary: dict, edges: list, memory: dict) -> np.ndarray:
     """Candidates of ``t`` that no other candidate beats or ties on every cost (its own,
     each edge's against every neighbour candidate) and every value's bytes."""
     cols = [unary[t][:, None]]
-    for (a, b), m in edges.items():
-        if a == t:
-            cols.append(m)
-        elif b == t:
-            cols.append(m.T)
+    for e in edges:
+        if e.a == t:
+            cols.append(e.cost[e.rows])
+        elif e.b == t:
+            cols.append(e.cost[:, e.cols].T)
     cols += [v[:, None] for v in memory.values()]
     feats = np.hstack(cols)
     k = feats.shape[0]
@@ -119,15 +149,15 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
         xoff[t] = n
         n += len(red.unary[t])
     nx = n
-    eoff = {}
-    for e, m in red.edges.items():
-        eoff[e] = n
-        n += m.size
+    eoff = []
+    for e in red.edges:
+        eoff.append(n)
+        n += e.cost.size
     c = np.zeros(n)
     for t in temps:
         c[xoff[t]:xoff[t] + len(red.unary[t])] = red.unary[t]
-    for e, m in red.edges.items():
-        c[eoff[e]:eoff[e] + m.size] = m.ravel()
+    for e, base in zip(red.edges, eoff):
+        c[base:base + e.cost.size] = e.cost.ravel()
     rows, cols, vals, lo, hi = [], [], [], [], []
     r = 0
     for t in temps:                       # one candidate per node
@@ -138,20 +168,21 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
         lo.append(1.0)
         hi.append(1.0)
         r += 1
-    for (a, b), m in red.edges.items():   # y's marginals are the x's
-        ka, kb = m.shape
-        base = eoff[(a, b)]
+    for e, base in zip(red.edges, eoff):  # y's marginals are the x's, summed over each layout class
+        ka, kb = e.cost.shape
         for i in range(ka):
-            rows += [r] * (kb + 1)
-            cols += [base + i * kb + j for j in range(kb)] + [xoff[a] + i]
-            vals += [1.0] * kb + [-1.0]
+            members = np.nonzero(e.rows == i)[0]
+            rows += [r] * (kb + len(members))
+            cols += [base + i * kb + j for j in range(kb)] + [xoff[e.a] + int(k) for k in members]
+            vals += [1.0] * kb + [-1.0] * len(members)
             lo.append(0.0)
             hi.append(0.0)
             r += 1
         for j in range(kb):
-            rows += [r] * (ka + 1)
-            cols += [base + i * kb + j for i in range(ka)] + [xoff[b] + j]
-            vals += [1.0] * ka + [-1.0]
+            members = np.nonzero(e.cols == j)[0]
+            rows += [r] * (ka + len(members))
+            cols += [base + i * kb + j for i in range(ka)] + [xoff[e.b] + int(k) for k in members]
+            vals += [1.0] * ka + [-1.0] * len(members)
             lo.append(0.0)
             hi.append(0.0)
             r += 1

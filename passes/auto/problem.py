@@ -41,7 +41,28 @@ from ..sharding import OpStrategy, factors_from_operands, project
 from .candidates import factor_assignments, tensor_layouts
 
 DECIDERS = ("dot_general", "conv_general_dilated")   # ops that always decide for themselves
+ENDS_FREE_UP_TO = 6   # repetitions: see _repeat_map
 EXPANDS = "expands"   # _main_operand: the op makes a bigger tensor than it reads (it follows a consumer)
+
+
+@dataclass
+class Edge:
+    """The cost between two template nodes' candidates, by class: candidate i of node
+    ``a`` makes the value in layout class ``rows[i]``, candidate j of ``b`` needs class
+    ``cols[j]``; ``cost[rows[i], cols[j]]`` seconds (summed over every real edge it
+    stands for). Classes keep the solver's pair variables few: a value has far
+    fewer layouts than its producer has candidates."""
+    a: int
+    b: int
+    rows: np.ndarray
+    cols: np.ndarray
+    cost: np.ndarray
+
+    def dense(self) -> np.ndarray:
+        return self.cost[np.ix_(self.rows, self.cols)]
+
+    def at(self, i: int, j: int) -> float:
+        return float(self.cost[self.rows[i], self.cols[j]])
 
 
 @dataclass
@@ -60,8 +81,8 @@ class Node:
 
 class Problem:
     """The nodes, their candidates and every cost, summed onto template nodes:
-    ``unary[t]`` (seconds per candidate), ``edges[(t, u)]`` (seconds per pair of
-    candidates), ``values`` (per value: template node, local bytes per candidate)."""
+    ``unary[t]`` (seconds per candidate), ``edges`` (``Edge``: seconds per pair of
+    candidates, by layout class), ``values`` (per value: template node, local bytes per candidate)."""
 
     def __init__(self, graph: Graph, cost: CostModel, *, follow: bool = True, share_layers: bool = True,
                  allow_reduce_scatter: bool = True):
@@ -310,7 +331,7 @@ class Problem:
         T = [n.template for n in self.nodes]
         self.unary = {t: np.zeros(len(self.nodes[t].candidates)) for t in set(T)}
         self.compute = {t: np.zeros(len(self.nodes[t].candidates)) for t in set(T)}
-        self.edges: dict = {}
+        self._terms: dict = {}   # real edge key -> [(tp, tc), matrix by class, count]
         cache: dict = {}
         compute_cache: dict = {}
         for op in g.ops:
@@ -333,7 +354,7 @@ class Problem:
                 if mat is None:
                     mat = cache[key] = self._matrix(v, self.nodes[pi], cnode, lambda row: row[pc].operand_layout(
                         m, v.type.rank, mesh), same=pi == ci)
-                self._add(tp, tc, mat, pi == ci)
+                self._add(key, tp, tc, mat, pi == ci)
         for i, v in enumerate(g.outputs):
             if v.literal is not None or v not in self.owner:
                 continue
@@ -345,7 +366,7 @@ class Problem:
                 ji = self.owner[g.inputs[j]][0]
                 jnode = self.nodes[ji]
                 mat = self._matrix(v, pnode, jnode, None, same=pi == ji, target_node_layouts=jnode.candidates)
-                self._add(T[pi], T[ji], mat, pi == ji)
+                self._add(("tied", T[pi], pp, out, T[ji]), T[pi], T[ji], mat, pi == ji)
                 continue
             if target is not None:
                 vec = np.array([self.redistribution(v, self.layout_of(v, pnode, k), target)
@@ -355,18 +376,34 @@ class Problem:
                                                     self.allow_rs, cost)[1] for k in range(len(pnode.candidates))])
             self.unary[T[pi]] += vec
         self._memory_terms()
+        self._edges()
 
-    def _add(self, tp: int, tc: int, mat: np.ndarray, same_node: bool) -> None:
+    def _add(self, key, tp: int, tc: int, mat, same_node: bool) -> None:
         if same_node:
             self.unary[tc] += mat          # (a vector: source and target share the candidate)
-        elif tp == tc:
-            self.unary[tc] += np.diag(mat)
-        elif (tp, tc) in self.edges:
-            self.edges[(tp, tc)] += mat
-        elif (tc, tp) in self.edges:
-            self.edges[(tc, tp)] += mat.T
+            return
+        small, rows, cols = mat
+        if tp == tc:
+            self.unary[tc] += small[rows, cols]
+            return
+        term = self._terms.get(key)
+        if term is None:
+            self._terms[key] = [tp, tc, mat, 1]
         else:
-            self.edges[(tp, tc)] = mat.copy()
+            term[3] += 1
+
+    def _edges(self) -> None:
+        """The real edges' terms, those with the same two nodes and classes summed."""
+        merged: dict = {}
+        for tp, tc, (small, rows, cols), count in self._terms.values():
+            if tp > tc:
+                tp, tc, small, rows, cols = tc, tp, small.T, cols, rows
+            key = (tp, tc, rows.tobytes(), cols.tobytes())
+            if key in merged:
+                merged[key].cost = merged[key].cost + small * count
+            else:
+                merged[key] = Edge(tp, tc, rows, cols, small * count)
+        self.edges = list(merged.values())
 
     def _matrix(self, v: Value, pnode: Node, cnode: Node, need_of, same: bool, target_node_layouts=None):
         """Seconds to take ``v`` from what ``pnode``'s candidate i makes to what ``cnode``'s
@@ -378,13 +415,18 @@ class Problem:
         us, si = _unique(src)
         ud, di = _unique(dst)
         small = np.array([[self.redistribution(v, a, b) for b in ud] for a in us])
-        return small[np.ix_(si, di)]
+        return small, si, di
 
     def redistribution(self, v: Value, src: Layout, dst: Layout) -> float:
         if src == dst:
             return 0.0
         key = (v.type, src, dst)
         t = self._redistribution_cache.get(key)
+        if t is None and not src.partial and not dst.partial and all(
+                d[:len(s)] == s for s, d in zip(src.dims, dst.dims)):
+            t = self._redistribution_cache[key] = 0.0   # only slicing: no communication
+        if t is None and not set(dst.partial) <= set(src.partial):
+            t = self._redistribution_cache[key] = IMPOSSIBLE   # nothing makes a partial value
         if t is None:
             try:
                 t = redistribution_cost(v.type.shape, v.type.itemsize, src, dst, self.mesh, self.allow_rs, self.cost)
@@ -433,7 +475,7 @@ class Problem:
     def objective(self, choice: dict) -> float:
         """Modeled step time of a choice (template node -> candidate index)."""
         total = sum(self.unary[t][choice[t]] for t in self.unary)
-        total += sum(mat[choice[a], choice[b]] for (a, b), mat in self.edges.items())
+        total += sum(e.at(choice[e.a], choice[e.b]) for e in self.edges)
         return float(total)
 
     def evaluate(self, ops: dict, inputs: dict, breakdown: Optional[dict] = None) -> dict:
@@ -526,9 +568,12 @@ def _op_token(op: Op) -> tuple:
 def _repeat_map(tokens: list) -> dict:
     """position -> the position it repeats. Inside a run of repetitions (and runs
     inside one repetition: the optimizer's update of each layer inside the update of
-    each state), every repetition but the first and the last maps to the second: the
-    layers at either end touch what comes before and after the stack (an embedding,
-    the loss) and may want another strategy, so they keep their own."""
+    each state), every repetition maps to the first. In a short run (up to
+    ``ENDS_FREE_UP_TO`` repetitions) the first and the last keep their own and the
+    others map to the second: the layers at either end touch what comes before and
+    after the stack (an embedding, the loss) and may want another strategy, which
+    matters most when they are a large part of it; a deep stack shares one set (the
+    problem's size then does not grow with depth at all)."""
     ids: dict = {}
     seq = [ids.setdefault(t, len(ids)) for t in tokens]
     out: dict = {}
@@ -539,7 +584,8 @@ def _repeat_map(tokens: list) -> dict:
             inner: dict = {}
             walk(r.inner, start, inner)
             for rep in range(r.count):
-                like = rep if rep in (0, r.count - 1) else 1   # the repetition this one shares with
+                # the repetition this one shares with: in a short run the ends keep their own
+                like = (rep if rep in (0, r.count - 1) else 1) if r.count <= ENDS_FREE_UP_TO else 0
                 for i in range(r.period):
                     first = start + i
                     own = start + rep * r.period + i

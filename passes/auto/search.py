@@ -120,8 +120,12 @@ class SearchStrategies:
         problem = Problem(graph, self.cost, follow=follow, share_layers=share_layers,
                           allow_reduce_scatter=self.allow_rs)
         limit = self.memory_limit
-        red = milp.reduce(problem, memory_matters=limit is not None)
         memory = _Liveness(graph, problem)
+        # a plan to beat: every decision at its first candidate (the whole tensor, or what
+        # the marks fix), if it fits; no candidate that cannot beat it is searched
+        first = {t: 0 for t in problem.unary}
+        upper = problem.objective(first) if limit is None or memory.peak(first)[0] <= limit else None
+        red = milp.reduce(problem, memory_matters=limit is not None, upper=upper)
         rows, total = [], 0.0
         for _ in range(MAX_MEMORY_ROUNDS):
             sol = milp.solve(red, [{t: r[t][red.kept[t]] for t in r} for r in rows], limit, self.time_limit)
@@ -206,20 +210,28 @@ class SearchStrategies:
         counts: dict = {}
         for n in problem.nodes:
             counts[n.template] = counts.get(n.template, 0) + 1
+        touching: dict = {}
+        for e in problem.edges:
+            touching.setdefault(e.a, []).append(e)
+            touching.setdefault(e.b, []).append(e)
         for n in problem.nodes:
             if n.template != n.index or n.is_input or n.root.kind not in DECIDERS:
                 continue
             t = n.index
             k = sol.choice[t]
             best = None
-            for j in range(len(n.candidates)):
-                if j == k:
-                    continue
-                trial = dict(sol.choice)
-                trial[t] = j
-                cost = problem.objective(trial)
-                if best is None or cost < best[0]:
-                    best = (cost, j)
+            # the plan with only this decision changed: its own cost and its edges' differ
+            delta = problem.unary[t] - problem.unary[t][k]
+            for e in touching.get(t, ()):
+                if e.a == t:
+                    col = e.cost[:, e.cols[sol.choice[e.b]]][e.rows]
+                else:
+                    col = e.cost[e.rows[sol.choice[e.a]], :][e.cols]
+                delta = delta + col - col[k]
+            for j in np.argsort(delta, kind="stable"):
+                if j != k:
+                    best = (base + float(delta[j]), int(j))
+                    break
             op = n.root
             where = f"{op.kind} at {op.source}" if op.source else op.kind
             chosen = _words(n.strategies[k][0], op, problem.mesh)
