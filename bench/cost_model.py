@@ -66,7 +66,8 @@ def problems() -> dict:
         out[name] = [("marks", c, "shardprop", m, {}),
                      ("marks, all_reduce + slice", c, "shardprop", m, dict(fuse_reduce_scatter=False)),
                      ("semi_auto", c, "shardprop", m, dict(mode="semi_auto")),
-                     ("data parallel", c, "plain", _mesh((8,), ("d",)), dict(mode="data_parallel", batch_argnums=batch)),
+                     ("data parallel", c, "plain", _mesh((8,), ("d",)),
+                      dict(mode="data_parallel", batch_argnums=batch)),
                      ("replicated", c, "plain", m, dict(mode="data_parallel", batch_argnums=()))]
     seed = cases["seed_network"]
     out["seed_network"].insert(2, ("one all_reduce (MindSpore 2.10)",
@@ -173,7 +174,8 @@ def main():
           f"{'(comm)':>9} {'default':>10}")
     for r in rows:
         print(f"{r['problem']:<20} {r['plan']:<31} {r['collectives']:>5} {compare.fmt_bytes(r['bytes']):>9} "
-              f"{r['measured'] * 1e3:>8.3f}ms {r['profile_total'] * 1e3:>8.3f}ms {r['profile_communication'] * 1e3:>7.3f}ms "
+              f"{r['measured'] * 1e3:>8.3f}ms {r['profile_total'] * 1e3:>8.3f}ms "
+              f"{r['profile_communication'] * 1e3:>7.3f}ms "
               f"{r['default_total'] * 1e6:>8.2f}us")
     print()
     for k in models:

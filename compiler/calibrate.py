@@ -7,8 +7,9 @@ bandwidth are fitted per group and per kind by non-negative least squares
 (``scipy.optimize.nnls``: time = latency + wire bytes / bandwidth, wire bytes as the
 planner counts them); a kind keeps a fit of its own only where the group's fit
 over every kind misses its times by more than 50% on average (timings on a busy
-machine are noisy, and a kind's three points alone would follow the noise). A matmul and an elementwise op running on every device at
-once give the roofline's two rates. Each time is the median of repetitions; a
+machine are noisy, and a kind's three points alone would follow the noise). A
+matmul and a chain of elementwise ops running on every device at once give the
+roofline's two rates. Each time is the median of repetitions; a
 collective's is the difference between a program that runs it 9 times in a row and
 one that runs it once, over 8 (what a program costs to start is no collective's), the
 two run in turns.
