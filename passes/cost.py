@@ -297,23 +297,29 @@ def modeled_step_time(graph, cost: CostModel) -> dict:
     """What ``cost`` says a planned (localized) graph's step takes per device:
     {"compute": s, "communication": s, "total": s, "collectives": n}. Each op's work is
     its rule's flops and the bytes it touches, divided over the devices its strategy
-    splits it on; each collective is priced by its kind, axes and wire bytes."""
+    splits it on (a loop's or branch's rule already holds its body's work); each
+    collective is priced by its kind, axes and wire bytes, once per iteration of a
+    scan around it (a while loop's count is unknown: once; every branch of a cond)."""
+    out = {"compute": 0.0, "communication": 0.0, "collectives": 0}
+    _add_step_time(graph, cost, graph.mesh, 1, True, out)
+    out["total"] = out["compute"] + out["communication"]
+    return out
+
+
+def _add_step_time(graph, cost: CostModel, mesh, times: int, compute: bool, out: dict) -> None:
     from ..ir.graph import is_collective
-    mesh = graph.mesh
-    compute = comm = 0.0
-    count = 0
-    for _, op in graph.walk_ops():
+    for op in graph.ops:
         if is_collective(op):
-            if op.kind == "slice":
-                continue
-            count += 1
-            axes = op.params.get("axes") or ()
-            comm += cost.collective_time(op.params.get("wire_bytes", 0), op.kind, axes, mesh)
+            if op.kind != "slice":
+                out["collectives"] += times
+                out["communication"] += times * cost.collective_time(op.params.get("wire_bytes", 0), op.kind,
+                                                                     op.params.get("axes") or (), mesh)
             continue
         st = op.strategy
-        if st is None:
-            continue
-        degree = math.prod(mesh.axes_size(a) for a in st.factors if a)
-        touched = sum(v.type.nbytes for v in (*op.inputs, *op.outputs))
-        compute += cost.compute_time(st.rule.flops / degree, touched / degree)
-    return {"compute": compute, "communication": comm, "total": compute + comm, "collectives": count}
+        if compute and st is not None:
+            degree = math.prod(mesh.axes_size(a) for a in st.factors if a)
+            touched = sum(v.type.nbytes for v in (*op.inputs, *op.outputs))
+            out["compute"] += times * cost.compute_time(st.rule.flops / degree, touched / degree)
+        for sub in op.subgraphs:
+            n = op.params.get("length", 1) if op.kind == "scan" else 1
+            _add_step_time(sub, cost, mesh, times * n, False, out)
