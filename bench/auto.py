@@ -32,7 +32,9 @@ from shardprop.compiler.trace import import_jaxpr, input_names  # noqa: E402
 from shardprop.passes.redistribute import plan_redistribution  # noqa: E402
 from shardprop.runtime.mesh import resolve_mesh  # noqa: E402
 
-M.sp = types.SimpleNamespace(shard=lambda fn, *a, **k: fn)   # the model without a single mark
+REAL_SP = M.sp
+NO_MARKS = types.SimpleNamespace(shard=lambda fn, *a, **k: fn)
+M.sp = NO_MARKS   # the model without a single mark
 
 MESHES = {"8": 8, "2x4": ((2, 4), ("dp", "mp")), "4x2": ((4, 2), ("dp", "mp"))}
 
@@ -64,6 +66,46 @@ def plan_once(step, args, closed, out_shape, mesh) -> dict:
                 peak=auto.peak_memory, mesh=auto.mesh, gap=auto.solver["gap"], ops=len(graph.ops))
 
 
+def hand_vs_auto(layers, heads, head_dim, batch, seq, mesh) -> dict:
+    """Modeled step time of Megatron's hand plan (dp x mp marks, propagated) and of the
+    auto plan, both priced op by op on the unmarked program by the same cost model."""
+    from shardprop.ir.graph import CONSTRAINT
+    from shardprop.passes.auto.memory import plan_peak
+    from shardprop.passes.auto.problem import Problem
+    from shardprop.passes.bind_strategies import BindUserStrategies
+    from shardprop.passes.cost import DEFAULT_COST
+    from shardprop.passes.propagate import PropagateSharding
+    from shardprop.passes.auto import SearchStrategies
+    spec = resolve_mesh(mesh)
+    cfg = M.Config(layers=layers, heads=heads, head_dim=head_dim, batch=batch, seq=seq)
+    params = M.init_params(cfg)
+    tokens, targets = M.make_batch(cfg)
+    graphs = {}
+    for name, sp_module in (("hand", REAL_SP), ("auto", NO_MARKS)):
+        M.sp = sp_module
+        step, opt = M.make_train_step(M.Parallelism.data_and_tensor(), cfg)
+        args = (params, opt.init(params), tokens, targets)
+        with jax.set_mesh(spec.trace_mesh()):
+            closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*args)
+        g = import_jaxpr(closed, spec.ir_mesh, input_names(step, args, {}), "train_step")
+        g.tied_outputs = state_ties(args, (0, 1), out_shape)
+        graphs[name] = BindUserStrategies()(g)
+    M.sp = NO_MARKS
+    hand, auto = graphs["hand"], graphs["auto"]
+    PropagateSharding()(hand)
+    marked_ops = [op for op in hand.ops if op.kind != CONSTRAINT]
+    assert [op.kind for op in marked_ops] == [op.kind for op in auto.ops], "the two traces differ beyond the marks"
+    ops = {u: h.strategy for h, u in zip(marked_ops, auto.ops)}
+    inputs = {i: v.layout for i, v in enumerate(hand.inputs)}
+    problem = Problem(auto, DEFAULT_COST)
+    e = problem.evaluate(ops, inputs)
+    t0 = time.perf_counter()
+    SearchStrategies()(auto)
+    return dict(hand=e["compute"] + e["communication"], hand_bytes=e["bytes"], hand_peak=plan_peak(auto, ops, inputs),
+                auto=auto.auto.step_time, auto_bytes=auto.auto.bytes_moved, auto_peak=auto.auto.peak_memory,
+                seconds=time.perf_counter() - t0)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs="+", default=[12, 48])
@@ -73,7 +115,19 @@ def main():
     ap.add_argument("--head-dim", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--hand", action="store_true", help="also price Megatron's dp x mp hand plan on the named meshes")
     args = ap.parse_args()
+    if args.hand:
+        print("modeled step (ms), bytes moved (MB) and peak (MB) per device: Megatron dp x mp marks vs auto")
+        for layers in args.layers:
+            for name in args.meshes:
+                if name == "8":
+                    continue
+                r = hand_vs_auto(layers, args.heads, args.head_dim, args.batch, args.seq, MESHES[name])
+                print(f"{layers:>3} layers {name}: hand {r['hand'] * 1e3:.3f} ms {r['hand_bytes'] / 1e6:.1f} MB "
+                      f"peak {r['hand_peak'] / 1e6:.1f} | auto {r['auto'] * 1e3:.3f} ms {r['auto_bytes'] / 1e6:.1f} MB "
+                      f"peak {r['auto_peak'] / 1e6:.1f} | auto/hand {r['auto'] / r['hand']:.3f}", flush=True)
+        return
     print(f"GPT training step (Adam), no marks; heads {args.heads} x {args.head_dim}, batch {args.batch}, "
           f"seq {args.seq}; medians of {args.repeat}")
     print(f"{'layers':>6} {'mesh':>5} {'ops':>6} {'search s':>9} {'solver s':>9} {'pipeline s':>10} {'nodes':>6} "

@@ -80,7 +80,8 @@ class SearchResult:
                  + (f" (limit {self.memory_limit:,})" if self.memory_limit else "")
                  + f"; flops per device {self.flops:,.0f}",
                  f"solver: {self.solver.get('status', '')} in {self.solver.get('seconds', 0):.2f} s, "
-                 f"gap {self.solver.get('gap', 0):.2%}"]
+                 f"gap {self.solver.get('gap', 0):.2%}; decisions below are priced on the solver's problem "
+                 f"(step {self.solver.get('objective', 0) * 1e3:.4f} ms before refinement)"]
         for kind, b in sorted(self.breakdown.items(), key=lambda kv: -(kv[1]["compute"] + kv[1]["communication"])):
             lines.append(f"  {kind:<22} compute {b['compute'] * 1e6:10.2f} us  communication "
                          f"{b['communication'] * 1e6:10.2f} us  bytes {b['bytes']:,.0f}")
