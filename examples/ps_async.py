@@ -2,6 +2,7 @@
 the way Fleet users launch it: one script serves every role.
 
     shardprop launch --server-num 1 --worker-num 2 examples/ps_async.py --small
+    shardprop launch --server-num 1 --worker-num 2 examples/ps_async.py --small --k-steps 10   # GEO
     python examples/ps_async.py --small          # the same job, local: 1 server and 2 worker actors
 
 Servers hold row ranges of the embedding tables (and the dense layers) and apply each
@@ -44,13 +45,14 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=0.5)
     ap.add_argument("--max-staleness", type=int, default=16)
+    ap.add_argument("--k-steps", type=int, default=None, help="GEO: local steps between a worker's pushes")
     ap.add_argument("--servers", type=int, default=1, help="without the launcher: server actors")
     ap.add_argument("--workers", type=int, default=2, help="without the launcher: worker actors")
     args = ap.parse_args(argv)
     cfg = wd.Config.small() if args.small else wd.Config()
     out = sp.ps.run(wd.loss_fn, wd.init_params(cfg), {"emb": "ids", "wide": "ids"}, Batches(cfg, args.batch),
                     optax.sgd(args.lr), samples=args.samples, num_servers=args.servers, num_workers=args.workers,
-                    max_staleness=args.max_staleness)
+                    max_staleness=args.max_staleness, k_steps=args.k_steps)
     if out.role == "driver":
         r = out.report
         for w in sorted(r.workers, key=lambda w: w["worker"]):

@@ -162,6 +162,37 @@ def test_one_sync_step_equals_the_single_device_step(session):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@needs_ray
+def test_geo_round_of_one_worker_equals_k_sgd_steps(session):
+    """k_steps=3 on one worker: three local SGD steps (rows pulled when a batch first needs
+    them), then the delta pushed: the servers hold what three plain steps give."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import wide_and_deep as wd
+    assert _results(session)["geo_k3"]["samples"] == 3 * BATCH
+    cfg = wd.Config.small()
+    log = wd.ClickLog(cfg)
+    params = wd.init_params(cfg)
+    opt = optax.sgd(0.5)
+    state = opt.init(params)
+    step = jax.jit(wd.make_train_step(opt))
+    for i in range(3):
+        params, state, _ = step(params, state, log.batch(i, BATCH))
+    got = np.load(session["out"] / "geo_k3.npz")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        np.testing.assert_allclose(got[jax.tree_util.keystr(path)], np.asarray(leaf), rtol=1e-5, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_geo_arguments():
+    params = {"emb": np.zeros((4, 2), np.float32)}
+    with pytest.raises(ValueError, match="k_steps=0: each GEO worker trains k_steps local steps"):
+        sp.ps.Job(lambda p, b: 0.0, params, {"emb": "ids"}, None, optax.sgd(0.1), mode="geo", k_steps=0)
+    with pytest.raises(ValueError, match="optimizer keeps per-row state"):
+        sp.ps.Job(lambda p, b: 0.0, params, {"emb": "ids"}, None, optax.adam(0.1), mode="geo", k_steps=10)
+    with pytest.raises(ValueError, match="k_steps=10 is for mode='geo'"):
+        sp.ps.Job(lambda p, b: 0.0, params, {"emb": "ids"}, None, optax.sgd(0.1), k_steps=10)
+
+
 def _fast(run):
     """Median samples/s of the workers that were not slowed down (worker 1 is the slow one)."""
     return float(np.median([v for w, v in run["per_worker"].items() if w != "1"]))

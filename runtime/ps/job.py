@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .layout import Layout, assemble, split_params
-from .ray_env import ParameterServerError, connect
+from .ray_env import ParameterServerError, actor_options, connect
 from .server import ParameterServer
 from .staleness import merge
+from .geo_worker import GeoWorker, check_stateless
 from .worker import ServerLost, Worker
 
 POLL_S = 0.2
+MODES = ("async", "sync", "geo")   # geo: k local steps per worker, then its delta (asynchronous GEO)
 
 
 @dataclass
@@ -48,10 +50,16 @@ class Job:
 
     def __init__(self, loss_fn: Callable, params: dict, tables: dict, batches: Callable, optimizer, *,
                  num_servers: int = 1, num_workers: int = 2, mode: str = "async",
-                 max_staleness: Optional[int] = 16, slow_workers: Optional[dict] = None,
-                 log: Callable = None):
-        if mode not in ("async", "sync"):
-            raise ValueError(f"mode={mode!r}: 'async' or 'sync'")
+                 max_staleness: Optional[int] = 16, k_steps: Optional[int] = None,
+                 slow_workers: Optional[dict] = None, log: Callable = None):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: one of {MODES}")
+        if mode == "geo":
+            GeoWorker.check_k_steps(k_steps)
+            check_stateless(optimizer)
+        elif k_steps is not None:
+            raise ValueError(f"k_steps={k_steps} is for mode='geo' (this job's mode is {mode!r})")
+        self.k_steps = k_steps
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: need at least one worker")
         self.loss_fn, self.tables, self.batches, self.optimizer = loss_fn, dict(tables), batches, optimizer
@@ -80,15 +88,17 @@ class Job:
     def start(self) -> None:
         self.ray, self._owns_cluster = connect()
         ray = self.ray
-        server_cls = ray.remote(num_cpus=0, max_restarts=0)(ParameterServer)
+        server_cls = ray.remote(**actor_options())(ParameterServer)
         for s in range(self.num_servers):
             self.servers.append(server_cls.remote(s, *self.server_share(s), self.optimizer, self.mode,
                                                   self.max_staleness))
-        worker_cls = ray.remote(num_cpus=0, max_restarts=0)(Worker)
+        geo = self.mode == "geo"
+        worker_cls = ray.remote(**actor_options())(GeoWorker if geo else Worker)
+        extra = {"optimizer": self.optimizer, "k_steps": self.k_steps} if geo else {}
         for w in range(self.num_workers):
             self.workers.append(worker_cls.remote(w, self.num_workers, self.servers, self.layout, self.loss_fn,
                                                   self.dense_template, self.batches,
-                                                  self.slow_workers.get(w, 1.0)))
+                                                  self.slow_workers.get(w, 1.0), **extra))
         self.alive = list(range(self.num_workers))
         self._server_pids = ray.get([s.pid.remote() for s in self.servers])
         self._worker_pids = ray.get([w.pid.remote() for w in self.workers])
@@ -104,8 +114,11 @@ class Job:
         """Start over from the initial parameters on the same actors (no restart): for
         comparing modes, or a slow worker against none, side by side in one run."""
         if mode is not None:
-            if mode not in ("async", "sync"):
-                raise ValueError(f"mode={mode!r}: 'async' or 'sync'")
+            if (mode == "geo") != (self.mode == "geo"):
+                raise ValueError(f"reset(mode={mode!r}): a {self.mode!r} job's workers cannot switch to {mode!r} "
+                                 f"(GEO workers keep their own copies); start another Job")
+            if mode not in MODES:
+                raise ValueError(f"mode={mode!r}: one of {MODES}")
             self.mode = mode
         if slow_workers is not None:
             self.slow_workers = dict(slow_workers)
@@ -135,7 +148,7 @@ class Job:
     def train(self, samples: int) -> TrainResult:
         """Train until the servers have seen ``samples`` samples (from all workers)."""
         start = time.perf_counter()
-        reports, failures = (self._train_async if self.mode == "async" else self._train_sync)(samples)
+        reports, failures = (self._train_sync if self.mode == "sync" else self._train_async)(samples)
         stats = self.ray.get([s.stats.remote() for s in self.servers])
         return TrainResult(self.mode, time.perf_counter() - start, reports, failures,
                            merge([s["staleness"] for s in stats]))

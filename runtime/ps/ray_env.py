@@ -22,6 +22,13 @@ def require_ray():
     return ray
 
 
+def actor_options() -> dict:
+    """Ray options of every server and worker actor: no CPU reservation (they share the
+    machine's cores, however many there are) and the environment below, set per actor
+    so it holds on a cluster someone else started too."""
+    return {"num_cpus": 0, "max_restarts": 0, "runtime_env": {"env_vars": worker_env()}}
+
+
 def worker_env() -> dict:
     """Environment for Ray's worker processes: the driver's import path (so a loss
     function from a script's folder unpickles there), JAX on the CPU unless the driver
@@ -46,8 +53,7 @@ def connect(namespace: str | None = None):
     if ray.is_initialized():
         return ray, False
     address = os.environ.get(ENV_RAY_ADDRESS)
-    kwargs = dict(include_dashboard=False, log_to_driver=True, configure_logging=False, namespace=namespace,
-                  runtime_env={"env_vars": worker_env()})
+    kwargs = dict(include_dashboard=False, log_to_driver=True, configure_logging=False, namespace=namespace)
     if address:
         ray.init(address=address, **kwargs)
         return ray, False

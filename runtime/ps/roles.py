@@ -62,23 +62,25 @@ class RoleResult:
 
 
 def run(loss_fn, params: dict, tables: dict, batches, optimizer, *, samples: int, num_servers: int = 1,
-        num_workers: int = 2, max_staleness=16):
-    """Train ``loss_fn`` asynchronously until the servers have seen ``samples`` samples.
+        num_workers: int = 2, max_staleness=16, k_steps=None):
+    """Train ``loss_fn`` asynchronously until the servers have seen ``samples`` samples;
+    with ``k_steps``, GEO (each worker trains k steps on its own copy, then pushes the delta).
     Returns a RoleResult."""
+    mode = "async" if k_steps is None else "geo"
     if role() is None:
         from .job import Job
         with Job(loss_fn, params, tables, batches, optimizer, num_servers=num_servers, num_workers=num_workers,
-                 mode="async", max_staleness=max_staleness) as job:
+                 mode=mode, max_staleness=max_staleness, k_steps=k_steps) as job:
             result = job.train(samples)
             trained = job.params()
             return RoleResult("driver", 0, result, lambda: trained)
     if os.environ.get(ENV_MODE, "async") != "async":
-        raise RuntimeError(f"sp.ps.run trains asynchronously on Ray; this process was launched for "
+        raise RuntimeError(f"sp.ps.run trains asynchronously (or GEO) on Ray; this process was launched for "
                            f"{os.environ[ENV_MODE]!r} (use sp.ps.sync / sp.ps.geo there)")
     from .job import Job
     num_servers, num_workers = int(os.environ[ENV_SERVERS]), int(os.environ[ENV_WORKERS])
     plan = Job(loss_fn, params, tables, batches, optimizer, num_servers=num_servers, num_workers=num_workers,
-               mode="async", max_staleness=max_staleness)   # the layout; its actors are not started here
+               mode=mode, max_staleness=max_staleness, k_steps=k_steps)   # the layout; no actors started here
     from .ray_env import connect
     ray, _ = connect(namespace=NAMESPACE)
     if is_server():
@@ -87,10 +89,10 @@ def run(loss_fn, params: dict, tables: dict, batches, optimizer, *, samples: int
 
 
 def _serve(ray, plan, index: int) -> dict:
-    from .ray_env import ParameterServerError
+    from .ray_env import ParameterServerError, actor_options
     from .server import ParameterServer
-    server = ray.remote(ParameterServer).options(name=f"server{index}", num_cpus=0, max_restarts=0).remote(
-        index, *plan.server_share(index), plan.optimizer, "async", plan.max_staleness)
+    server = ray.remote(**actor_options())(ParameterServer).options(name=f"server{index}").remote(
+        index, *plan.server_share(index), plan.optimizer, plan.mode, plan.max_staleness)
     pid = ray.get(server.pid.remote())
     rows = ", ".join(f"{t} rows {b[index]}-{b[index + 1] - 1}" for t, b in plan.layout.table_bounds.items())
     _say(f"serving {rows} and {len(plan.layout.dense_on(index))} dense leaves (actor pid {pid})")
@@ -111,10 +113,12 @@ def _serve(ray, plan, index: int) -> dict:
 
 
 def _work(ray, plan, index: int, samples: int) -> dict:
+    from .geo_worker import GeoWorker
     from .worker import Worker
     servers = [_find(ray, f"server{s}") for s in range(plan.num_servers)]
-    worker = Worker(index, plan.num_workers, servers, plan.layout, plan.loss_fn, plan.dense_template,
-                    plan.batches)
+    args = (index, plan.num_workers, servers, plan.layout, plan.loss_fn, plan.dense_template, plan.batches)
+    worker = (GeoWorker(*args, optimizer=plan.optimizer, k_steps=plan.k_steps) if plan.mode == "geo"
+              else Worker(*args))
     report = worker.run(samples, log_every=LOG_EVERY)
     _say(f"done: {report['samples']} samples in {report['steps']} steps, {report['samples_per_s']:.0f} samples/s, "
          f"last loss {report['losses'][-1]:.4f}, {report['refused']} stale pushes refused")

@@ -46,10 +46,10 @@ class ParameterServer:
     def ping(self) -> int:
         return self.version
 
-    def pull(self, ids: dict) -> tuple:
-        """(version, dense leaves held here, {table: rows at these global ids})."""
+    def pull(self, ids: dict, dense: bool = True) -> tuple:
+        """(version, dense leaves held here (or {} when not asked), {table: rows at these global ids})."""
         rows = {n: self.tables[n][np.asarray(i) - self.first_row[n]] for n, i in ids.items()}
-        return self.version, self.dense, rows
+        return self.version, (self.dense if dense else {}), rows
 
     def push(self, worker: int, base_version: int, dense_grads: dict, sparse: dict, samples: int) -> dict:
         """``sparse``: table -> (distinct global ids, row gradients or deltas)."""

@@ -22,7 +22,7 @@ class ServerLost(RuntimeError):
 
 class Worker:
     def __init__(self, index: int, num_workers: int, servers: list, layout: Layout, loss_fn, dense_template: dict,
-                 batches, delay_factor: float = 1.0):
+                 batches, delay_factor: float = 1.0, optimizer=None):
         """``batches(worker, num_workers)`` is this worker's iterable of batch dicts.
         ``delay_factor`` > 1 makes each step that many times slower (a slow machine,
         for the benchmark and tests)."""
@@ -35,12 +35,14 @@ class Worker:
         self.num_workers = num_workers
         self.make_batches = batches
         self.grad = jax.jit(jax.value_and_grad(loss_fn))
+        self.optimizer = optimizer        # GEO: the worker's own optimizer
         self.reset(delay_factor)
 
     def reset(self, delay_factor: float = 1.0) -> None:
         """Back to the first batch, with fresh counters (the servers are reset by the driver)."""
         self.batches = iter(self.make_batches(self.index, self.num_workers))
         self.delay_factor = delay_factor
+        self.last_ack = {"applied": None, "staleness": 0, "version": 0, "samples": 0}
         self.stats = {"worker": self.index, "pid": os.getpid(), "steps": 0, "samples": 0, "refused": 0,
                       "bytes_pulled": 0, "bytes_pushed": 0, "first_step_at": None, "last_step_at": None,
                       "losses": []}

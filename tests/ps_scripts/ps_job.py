@@ -1,5 +1,5 @@
 """One Ray session for tests/test_ps_async.py (starting Ray and the actors is the
-slow part): a slow worker against none, async and sync, side by side; then a
+slow part): one sync step, one GEO round; a slow worker against none, async and sync, side by side; then a
 worker killed mid-run; then a server killed mid-run (the job stops with
 ParameterServerError, so this script ends with it). Writes results.json."""
 import json
@@ -61,6 +61,12 @@ def main(out_dir, budget, batch):
         job.reset("sync", {})
         job.train(3 * batch)
         np.savez(os.path.join(out_dir, "sync_one_step.npz"), **flat(job.params()))
+        # GEO on Ray, one worker: a round of k=3 local steps (rows pulled as batches need them) is 3 SGD steps
+        with sp.ps.Job(wd.loss_fn, params, {"emb": "ids", "wide": "ids"}, Batches(cfg, batch), optax.sgd(0.5),
+                       num_servers=2, num_workers=1, mode="geo", k_steps=3) as geo:
+            r = geo.train(3 * batch)
+            np.savez(os.path.join(out_dir, "geo_k3.npz"), **flat(geo.params()))
+            results["geo_k3"] = {"samples": r.samples, "pushed": r.workers[0]["bytes_pushed"]}
         for mode in ("async", "sync"):
             for slow in ({}, {1: 3.0}):
                 job.reset(mode, slow)
