@@ -127,10 +127,11 @@ class ChoiceMixin:
     def _situation(self, op: Op, cur: list) -> tuple:
         """Everything settling this op reads: its rule and what is decided of it, and
         the known dims, consumers' hints, pending partial and layouts other ops make anyway
-        of every operand and result, and what its open consumers' other operands are."""
+        of every operand and result (what its open consumers' other operands are is added
+        only where the choice reads it: ``_downstream_key``)."""
         dims, partial, hints, anyway, made = self.dims, self.partial, self.hints, self.made, self._made_for_others
         # the signature names the rule, the types and which operands are literals
-        return (self.signature[op], tuple(cur), self.passthrough.get(op, "open"), self._downstream_key(op),
+        return (self.signature[op], tuple(cur), self.passthrough.get(op, "open"),
                 tuple([(dims.get(v), hints.get(v), partial.get(v), made(v, op) if v in anyway else None)
                        for v in op.inputs]),
                 tuple([(dims.get(v), hints.get(v), partial.get(v), made(v, op) if v in anyway else None)
@@ -248,37 +249,74 @@ class ChoiceMixin:
             for axes in itertools.chain(self.dims.get(v) or (), self.hints.get(v) or ()):
                 near.update(axes or ())
         comm = key[0] - self._compute_time(op, rule, c)
+        # results only the caller reads, in no layout in particular: nothing downstream
+        # can need an idle axis back, so one may be taken for compute alone
+        caller_only = not any(self.users.get(v) or any(self.hints.get(v) or ()) for v in op.outputs)
         if comm <= 0:
             return best   # nothing moves: a step could only trade compute, which we leave to neighbours
+        free = set(reserved) | pt_axes
         while True:
-            step = None
-            for cand, idle in self._neighbour_candidates(rule, cur, c, set(reserved) | pt_axes, near):
-                k = self._score(op, rule, cand, pt)
-                if not k < key:
-                    continue
-                # ties between steps: axes in mesh order within a dim, as layouts mostly
-                # come, so that a later step can still reach a plain all_to_all
-                k2 = k + (self._inversions(cand),)
-                if step is not None and not k2 < step[0] + (self._inversions(step[1]),):
-                    continue
-                cand_comm = k[0] - self._compute_time(op, rule, cand)
-                if idle and not cand_comm < comm - 1e-15:
-                    continue
-                step = (k, cand, cand_comm)
+            # moves of several axes at once only where an operand moves already: an op that
+            # takes every operand as it comes follows its producers (what its own partial
+            # result costs is for its readers to weigh, or the caller's, as the seed
+            # network's second matmul does in the MindSpore document)
+            several = self._operands_cost(op, rule, c, pt if pt is not None else self.passthrough.get(op)) > 0
+            step = self._best_step(op, rule, pt, key, comm,
+                                   self._neighbour_candidates(rule, cur, c, free, near, groups=several), False,
+                                   caller_only)
+            if step is None and several:
+                # no single step is cheaper: two at once (axes swapped between dims; a move
+                # whose first half alone would split a merged dim's minor part under a major
+                # one not fully split). Taken only where communication drops.
+                step = self._best_step(op, rule, pt, key, comm, self._two_steps(rule, cur, c, free, near), True,
+                                       caller_only)
             if step is None:
                 return key, c, pt, s
             key, c, comm = step
+
+    def _best_step(self, op, rule, pt, key, comm, candidates, must_cut_comm: bool, caller_only: bool):
+        """The cheapest of ``candidates`` that beats ``key``: (key, candidate, its
+        communication), or None. ``caller_only``: an idle axis may be taken for compute."""
+        step = None
+        for cand, idle in candidates:
+            k = self._score(op, rule, cand, pt)
+            if not k < key:
+                continue
+            # ties between steps: axes in mesh order within a dim, as layouts mostly
+            # come, so that a later step can still reach a plain all_to_all
+            k2 = k + (self._inversions(cand),)
+            if step is not None and not k2 < step[0] + (self._inversions(step[1]),):
+                continue
+            cand_comm = k[0] - self._compute_time(op, rule, cand)
+            if (idle and not caller_only or must_cut_comm) and not cand_comm < comm - 1e-15:
+                continue
+            step = (k, cand, cand_comm)
+        return step
+
+    def _two_steps(self, rule, cur, c, reserved, near):
+        """Candidates two steps from ``c`` (the first may break a merged dim's nesting,
+        the second must mend it), each once."""
+        seen = {tuple(c)}
+        for mid, idle in self._neighbour_candidates(rule, cur, c, reserved, near, check=False, groups=True):
+            for cand, idle2 in self._neighbour_candidates(rule, cur, mid, reserved, near, groups=True):
+                key = tuple(cand)
+                if key not in seen:
+                    seen.add(key)
+                    yield cand, idle or idle2
 
     def _inversions(self, cand) -> int:
         order = self.mesh.axis_index
         return sum(1 for axes in cand if axes for i, a in enumerate(axes) for b in axes[i + 1:]
                    if order(a) > order(b))
 
-    def _neighbour_candidates(self, rule, cur, c, reserved, near):
+    def _neighbour_candidates(self, rule, cur, c, reserved, near, check: bool = True, groups: bool = True):
         """Candidates one step from ``c``: a mesh axis it leaves free inserted into an
         open factor (at any place in its order), or one of its axes moved to another
-        place (another open factor, another place in the same one, or dropped).
-        Yields (candidate, whether it takes an axis no neighbour splits over)."""
+        place (another open factor, another place in the same one, or dropped), or all
+        of an open factor's axes moved together into another (what one all_to_all of
+        a dim split several ways does). Yields (candidate, whether it takes an axis no
+        neighbour splits over). ``check``: only candidates whose merged dims nest;
+        ``groups``: with the moves of a factor's axes together."""
         mesh = self.mesh
         open_f = [f for f in range(len(c)) if cur[f] is None and rule.shardable(f)]
         used = {a for axes in c if axes for a in axes}
@@ -295,7 +333,7 @@ class ChoiceMixin:
                     yield cand
 
         def valid(cand):
-            return all(may_shard(f, cand, rule, mesh) for f, x in enumerate(cand) if x)
+            return not check or all(may_shard(f, cand, rule, mesh) for f, x in enumerate(cand) if x)
 
         for a in mesh.axis_names:
             if a in reserved:
@@ -315,6 +353,22 @@ class ChoiceMixin:
             for cand in placements(without, a):
                 if cand != list(c) and valid(cand):
                     yield cand, False
+        for f in open_f if groups else ():
+            group = c[f]
+            if not group or len(group) < 2 or reserved.intersection(group):
+                continue
+            for g in open_f:
+                if g == f:
+                    continue
+                axes = c[g] or ()
+                for p in range(len(axes) + 1):
+                    grown = axes[:p] + tuple(group) + axes[p:]
+                    if rule.sizes[g] % mesh.axes_size(grown):
+                        continue
+                    cand = list(c)
+                    cand[f], cand[g] = (), grown
+                    if valid(cand):
+                        yield cand, False
 
     def _downstream(self, op: Op) -> tuple:
         """Per result: (consumer, its operand slot, sources from its other operands, what
@@ -331,6 +385,10 @@ class ChoiceMixin:
         out = []
         for v in op.outputs:
             found = []
+            hint = self.hints.get(v)
+            if hint is None or all(h is None for h in hint):
+                out.append(())   # no hint to weigh (``_cost`` reads this only against a hint)
+                continue
             for u in self.users.get(v, ()):
                 got = self._open_consumer(u, v)
                 if not got:
@@ -492,7 +550,8 @@ class ChoiceMixin:
         after = max(reduce_time(v, rule.results[k]) for k, v in enumerate(op.outputs))
         return max(0.0, after - before)
 
-    def _cost(self, op: Op, rule: FactorRule, cand: list, pt) -> float:
+    def _operands_cost(self, op: Op, rule: FactorRule, cand: list, pt) -> float:
+        """Time to move every operand into what ``cand`` needs."""
         mesh = self.mesh
         total = 0.0
         pt_group = rule.linear[pt[0]][0] if pt else ()
@@ -508,6 +567,14 @@ class ChoiceMixin:
             have_partial = self.partial.get(v, ((), "sum"))
             h, w = self._layout_pair(have, have_partial, want, want_partial)
             total += self._redistribution(op, v, h, w)
+        return total
+
+    def _cost(self, op: Op, rule: FactorRule, cand: list, pt) -> float:
+        mesh = self.mesh
+        total = self._operands_cost(op, rule, cand, pt)
+        pt_group = rule.linear[pt[0]][0] if pt else ()
+        pt_axes = mesh.sort_axes(pt[1]) if pt else ()
+        pt_op = rule.linear[pt[0]][1] if pt else "sum"
         red_axes = [a for f in rule.reduction if cand[f] for a in cand[f]]
         res_partial = (mesh.sort_axes(red_axes + list(pt_axes)),
                        pt_op if pt else (rule.reduce_op or "sum"))
@@ -530,6 +597,7 @@ class ChoiceMixin:
                 # consumer is open beside operands of known layout, honouring it may be
                 # cheaper at those operands (a small weight the hint came from)
                 downstream = downstream or self._downstream(op)
+                self.read_downstream = True
                 if downstream[n]:
                     charge = min(charge, self._downstream_charge(v, mine, downstream[n]))
             total += charge

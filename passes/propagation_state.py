@@ -26,6 +26,10 @@ from .sharding import dim_axes, factors_from_operands, project, result_partial
 _OPEN = object()   # a passthrough not decided yet
 
 
+class _ByDownstream(dict):
+    """A memo entry whose choice read the open consumers' state: that state -> outcome."""
+
+
 class Propagation(WishMixin, ChoiceMixin, PlanMixin):
     def __init__(self, graph: Graph, cfg, made: Optional[dict] = None,
                  seeds: Optional[dict] = None, start: Optional["Propagation"] = None, copy: bool = True):
@@ -44,6 +48,7 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
         self.queued: set = set()
         self.wishing = False   # in the wish phase (``soft`` counts only there)
         self._down_cache: tuple = (None, ())   # (op being settled, its _downstream)
+        self.read_downstream = False   # did settling this op read its consumers' state?
         if start is not None:
             for name in self._STATE:
                 d = getattr(start, name)
@@ -159,7 +164,9 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
         self._down_cache = (None, ())   # read afresh: the state has moved on since
         # The choice, and what taking it writes, depend only on the situation:
         # repeated layers meet the same situations again and again, so each is
-        # worked out once.
+        # worked out once. What the open consumers' other operands are is part of
+        # the situation only where the choice read it (pricing a hint, rarely):
+        # such entries hold one outcome per state of those consumers.
         memo = self.cfg.memo
         if memo is None:
             outcome = self._outcome(op, rule, cur)
@@ -167,7 +174,14 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
             key = self._situation(op, cur)
             outcome = memo.get(key)
             if outcome is None:
-                outcome = memo[key] = self._outcome(op, rule, cur)
+                self.read_downstream = False
+                outcome = self._outcome(op, rule, cur)
+                memo[key] = _ByDownstream({self._downstream_key(op): outcome}) if self.read_downstream else outcome
+            elif type(outcome) is _ByDownstream:
+                by = outcome
+                outcome = by.get(self._downstream_key(op))
+                if outcome is None:
+                    outcome = by[self._downstream_key(op)] = self._outcome(op, rule, cur)
         self._take(op, outcome)
 
     def _outcome(self, op: Op, rule: FactorRule, cur: list) -> tuple:
