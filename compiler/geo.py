@@ -18,8 +18,9 @@ per round.
 A sparse table moves only the rows a replica touched. The round's distinct ids per
 replica are found on the host from the batches (the worker's bookkeeping in a
 parameter server), padded with an id no row has to a power of two (or to every id
-looked up, if fewer) that only grows, so that rounds share one compiled program. The averaged delta is written as a
-scatter-add of each replica's touched rows into the table. Either every
+looked up, if fewer) that only grows, so that rounds share one compiled program.
+The averaged delta is written as a scatter-add of each replica's touched rows into
+the table. Either every
 replica's rows travel to every replica (an all_gather of ids and rows: small k,
 few rows), or each replica adds its own rows into a zero table and the tables are
 summed (an all_reduce of the table: large k, when most rows are touched anyway).

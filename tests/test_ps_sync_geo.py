@@ -191,3 +191,16 @@ def test_geo_averages_once_per_round(model):
 def test_geo_rejects_bad_k_steps(k):
     with pytest.raises(sp.ShardingError, match=rf"k_steps={k!r}.*at least 1"):
         sp.ps.geo(lambda p, o, b: (p, o, 0.0), k_steps=k, mesh=8)
+
+
+def test_auc_counts_every_pair():
+    """The example's rank-based AUC is the fraction of (click, non-click) pairs ranked
+    right, ties counted half."""
+    rng = np.random.default_rng(3)
+    labels = rng.random(200) < 0.3
+    scores = np.round(rng.standard_normal(200) + labels, 1)      # rounding makes ties
+    pos, neg = scores[labels], scores[~labels]
+    pairs = (pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean()
+    assert wd.auc(labels, scores) == pytest.approx(pairs, abs=1e-12)
+    with pytest.raises(ValueError, match="both clicks and non-clicks"):
+        wd.auc(np.ones(4), np.arange(4.0))
