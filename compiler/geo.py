@@ -85,8 +85,8 @@ class GeoStep:
     # -- state ----------------------------------------------------------------------
     def init(self, params, opt_state) -> GeoState:
         """The starting state: ``params`` and one copy of ``opt_state`` per replica."""
-        if self.tables:
-            check_tables(params, self.tables, self.replicas, operator="sp.ps.geo", source=self.source)
+        if self.tables:   # each replica holds whole tables: any row count will do
+            check_tables(params, self.tables, None, operator="sp.ps.geo", source=self.source)
         copies = jax.tree_util.tree_map(
             lambda x: np.broadcast_to(np.asarray(x), (self.replicas,) + np.shape(x)).copy(), opt_state)
         return GeoState(params, copies)

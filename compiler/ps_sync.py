@@ -24,8 +24,9 @@ def mesh_devices(mesh) -> int:
     return len(resolve_mesh(mesh).devices)
 
 
-def check_tables(params, tables: Mapping, devices: int, *, operator: str, source=None) -> None:
-    """Every table is a top-level entry of the params dict with rows that divide over the devices."""
+def check_tables(params, tables: Mapping, devices: Optional[int], *, operator: str, source=None) -> None:
+    """Every table is a top-level entry of the params dict, with rows that divide over
+    the devices when it is split by rows over them (``devices``; None: not split)."""
     if not isinstance(params, Mapping):
         raise sharding_error("the parameters must be a dict whose top-level entries include the tables",
                              operator=operator, source=source, shapes=type(params).__name__,
@@ -36,12 +37,15 @@ def check_tables(params, tables: Mapping, devices: int, *, operator: str, source
                                  f"(they have {sorted(params)})", operator=operator, source=source,
                                  fix="name the tables by their keys in the params dict")
         shape = tuple(np.shape(params[name]))
-        if len(shape) < 1 or shape[0] % devices:
-            padded = -(-shape[0] // devices) * devices if shape else devices
+        if len(shape) < 1:
+            raise sharding_error(f"table {name!r} is a scalar; a table has rows", operator=operator, source=source,
+                                 shapes={name: shape}, fix="name only embedding tables ([rows, ...] arrays)")
+        if devices and shape[0] % devices:
+            padded = -(-shape[0] // devices) * devices
             raise sharding_error(
-                f"table {name!r} has {shape[0] if shape else 0:,} rows, which do not split evenly over {devices} "
+                f"table {name!r} has {shape[0]:,} rows, which do not split evenly over {devices} "
                 f"devices (each device holds an equal block of rows)", operator=operator, source=source,
-                shapes={name: shape}, strategy={name: (devices,) + (1,) * max(0, len(shape) - 1)},
+                shapes={name: shape}, strategy={name: (devices,) + (1,) * (len(shape) - 1)},
                 fix=f"pad the table to {padded:,} rows (sp.ps.pad_rows(table, {devices})); ids never reach the "
                     f"padding, so the model computes the same")
 
