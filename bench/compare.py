@@ -157,6 +157,69 @@ def run_case(case: zoo.Case, reps: int) -> dict:
     return row
 
 
+def run_auto(case: zoo.Case, reps: int, cost_model) -> dict:
+    """(c) shardprop's ``mode="auto"`` on the unmarked program against (b) XLA with the
+    marks: the modeled and measured step, bytes and memory, interleaved with XLA's step."""
+    shape, names = case.mesh
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
+    n = mesh.devices.size
+    args = case.args()
+    zoo.annotate.mode = "plain"
+    reference = jax.jit(case.fn)(*args)
+    row = {"case": case.name}
+    pf = sp.parallelize(case.fn, mesh=mesh, mode="auto", donate_argnums=case.state_argnums, progress=False,
+                        cost_model=cost_model)
+    plan = pf.plan(*args)
+    row.update(search_s=plan.pass_seconds["search-strategies"], modeled_ms=plan.cost.step_time * 1e3,
+               modeled_bytes=plan.cost.bytes_moved, modeled_peak=plan.cost.peak_memory)
+    comp_c = pf.lower(*args).compile()
+    compiled = pf._compile(args, {})
+    step_c = feedback(comp_c, pf._flat_inputs(compiled, args, {}), plan.graph.tied_outputs)
+    out_c = jax.tree_util.tree_unflatten(compiled.out_tree, list(step_c()))
+    row["correct_c"] = close(out_c, reference, case.train)
+    cc = collectives(comp_c.as_text(), n)
+    row.update(summary_c=cc.summary(), bytes_c=cc.bytes, memory_c=peak_memory(comp_c))
+
+    # (b) XLA with the marks, its state arriving in the layouts auto keeps it in
+    zoo.annotate.mode, zoo.annotate.mesh = "xla", mesh
+    replicated = NamedSharding(mesh, P())
+    flat_b, tree = jax.tree_util.tree_flatten(args)
+    ties = plan.graph.tied_outputs
+    out_shardings = None
+    if case.train:
+        in_b = compiled.in_shardings[:len(flat_b)]
+        outs = [in_b[ties[o]] if o in ties else replicated for o in range(len(jax.tree_util.tree_leaves(out_c)))]
+        out_shardings = jax.tree_util.tree_unflatten(compiled.out_tree, outs)
+    else:
+        in_b = [replicated] * len(flat_b)
+    args_b = jax.tree_util.tree_unflatten(tree, [jax.device_put(x, s) for x, s in zip(flat_b, in_b)])
+    with jax.set_mesh(mesh):
+        jitted = jax.jit(case.fn, out_shardings=out_shardings, donate_argnums=case.state_argnums) if case.train \
+            else jax.jit(case.fn)
+        comp_b = jitted.lower(*args_b).compile()
+        step_b = feedback(comp_b, list(args_b),
+                          {o: i for o, i in enumerate(case.state_argnums)})
+        step_b()
+        row.update(bytes_b=collectives(comp_b.as_text(), n).bytes, memory_b=peak_memory(comp_b))
+        tc, tb = median_interleaved(step_c, step_b, reps)
+    row.update(step_c_ms=tc * 1e3, step_b_ms=tb * 1e3, step_ratio_c=tc / tb)
+    return row
+
+
+def auto_table(rows: list[dict]) -> str:
+    head = (f"{'case':<22} {'auto collectives':<34} {'search':>7} {'model ms':>9} {'bytes C':>9} {'bytes B':>9} "
+            f"{'mem C/B':>8} {'step C/B':>9} ok")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['case']:<22} auto failed: {r['error']}")
+            continue
+        lines.append(f"{r['case']:<22} {r['summary_c'][:34]:<34} {r['search_s']:>6.2f}s {r['modeled_ms']:>9.4f} "
+                     f"{fmt_bytes(r['bytes_c']):>9} {fmt_bytes(r['bytes_b']):>9} {r['memory_c'] / r['memory_b']:>8.2f} "
+                     f"{r['step_ratio_c']:>9.2f} {'yes' if r['correct_c'] else 'NO'}")
+    return "\n".join(lines)
+
+
 def fmt_bytes(b) -> str:
     if b is None:
         return "-"
@@ -207,8 +270,31 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="5 timing repetitions instead of 21")
     ap.add_argument("--cases", nargs="*", help="run only these cases")
+    ap.add_argument("--auto", action="store_true", help="mode='auto' on the unmarked program (C) against XLA "
+                    "with the marks (B), instead of the marked comparison")
+    ap.add_argument("--cost-model", default="cpu", help="(--auto) the cost model auto plans with: a built-in "
+                    "profile name (default 'cpu': these forced CPU devices) or a `shardprop calibrate` file")
     args = ap.parse_args()
     reps = 5 if args.quick else 21
+    if args.auto:
+        if args.cost_model not in ("cpu", "h100", "default"):
+            args.cost_model = sp.CostModel.load(args.cost_model)
+        elif args.cost_model == "default":
+            args.cost_model = None
+        rows = []
+        for case in zoo.cases():
+            if args.cases and case.name not in args.cases:
+                continue
+            print(f"... {case.name} (auto)", file=sys.stderr, flush=True)
+            try:
+                rows.append(run_auto(case, reps, args.cost_model))
+            except sp.ShardingError as e:
+                rows.append({"case": case.name, "error": str(e).splitlines()[0]})
+        print(auto_table(rows))
+        print(f"\nsearch: the strategy search's seconds; model ms: auto's modeled step; bytes: per device per step "
+              f"(ring formulas); mem C/B: peak per-device memory, auto / XLA with marks; step C/B: median of {reps} "
+              "interleaved runs, auto / XLA with marks.")
+        return
     start = time.perf_counter()
     rows = []
     for case in zoo.cases():

@@ -94,7 +94,8 @@ class SearchStrategies:
     def __init__(self, cost: CostModel = DEFAULT_COST, memory_limit: Optional[int] = None,
                  time_limit: Optional[float] = 60.0, allow_reduce_scatter: bool = True):
         self.cost = cost
-        self.memory_limit = memory_limit
+        # the user's limit (or the device's memory, as parallelize found it), else the profile's
+        self.memory_limit = memory_limit if memory_limit is not None else getattr(cost, "memory_capacity_bytes", None)
         self.time_limit = time_limit
         self.allow_rs = allow_reduce_scatter
 
