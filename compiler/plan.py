@@ -157,6 +157,10 @@ class Plan:
         if not self.pass_texts and self._regenerate_texts is not None and write_global:
             self.pass_texts = self._regenerate_texts()
         write_dumps(dump_dir, self.graph, self.pass_texts, ranks, write_global)
+        if self.graph.auto is not None and write_global:   # mode="auto": what the search chose and why
+            import os
+            with open(os.path.join(dump_dir, "search.txt"), "w") as f:
+                f.write(_explain.search_text(self.graph.auto) + "\n")
 
     def __str__(self):
         lines = [f"plan on mesh {self.mesh} ({self.mesh.size} devices)", "operators:"]

@@ -141,7 +141,7 @@ def test_weights_that_do_not_fit_get_split():
     assert_close(pstep(params, x, y), jax.jit(sgd_step)(params, x, y))
 
 
-def test_cost_and_explain():
+def test_cost_and_explain(tmp_path):
     params, x, y = problem_data(2048, 256, 2)
     plan = sp.parallelize(sgd_step, mesh=((2, 4), ("dp", "mp")), mode="auto").plan(params, x, y)
     cost = plan.cost
@@ -156,6 +156,9 @@ def test_cost_and_explain():
         assert d.rejected_time is None or d.rejected_time >= d.chosen_time * (1 - 1e-9)
     # the model's bytes are what the compiled plan moves
     assert cost.bytes_moved == pytest.approx(plan.bytes, rel=0.01)
+    # the dumps carry the same explanation
+    plan.dump(str(tmp_path))
+    assert (tmp_path / "search.txt").read_text().strip() == text
 
 
 # -- quality against the exact ILP -----------------------------------------------------
