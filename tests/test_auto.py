@@ -95,6 +95,24 @@ def test_gpt_loss_and_gradients_without_marks_equal_one_device(monkeypatch):
     assert_trees_close(pfn(params, tokens, targets), jax.jit(loss_and_grads)(params, tokens, targets))
 
 
+def test_layers_stacked_with_scan():
+    """A scan over stacked weights is one decision (its summary rule); its body is then
+    planned with the boundary pinned to the searched layouts."""
+    def loss(ws, x, y):
+        h, _ = jax.lax.scan(lambda h, w: (jax.nn.relu(h @ w), None), x, ws)
+        return jnp.mean((h - y) ** 2)
+
+    def step(ws, x, y):
+        l, g = jax.value_and_grad(loss)(ws, x, y)
+        return ws - 0.1 * g, l
+    rng = np.random.default_rng(0)
+    ws = (rng.standard_normal((4, 256, 256)) * 0.05).astype(np.float32)
+    x, y = (rng.standard_normal((2048, 256)).astype(np.float32) for _ in range(2))
+    pstep = sp.parallelize(step, mesh=((2, 4), ("dp", "mp")), mode="auto")
+    assert pstep.plan(ws, x, y).counts().get("all_reduce", 0) >= 1      # batch split: gradients reduced
+    assert_close(pstep(ws, x, y), jax.jit(step)(ws, x, y))
+
+
 def test_auto_keeps_marks_as_constraints():
     def net(x, w1, w2):
         h = sp.shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)
