@@ -226,7 +226,8 @@ def train(cfg: Config, mode: str = "single", *, k_steps: int = 1, steps: int = 3
         done = (call + 1) * per_call
         if print_every and (done % print_every < per_call or done == steps):
             eval_loss, eval_auc = evaluate(params, log, eval_samples)
-            print(f"{mode}{k_steps if mode == 'geo' else ''} step {done}: train loss {float(loss):.4f}  "
+            name = f"geo k={k_steps}" if mode == "geo" else mode
+            print(f"{name} step {done}: train loss {float(loss):.4f}  "
                   f"eval loss {eval_loss:.4f}  AUC {eval_auc:.4f}", flush=True)
     seconds = time.perf_counter() - start
     eval_loss, eval_auc = evaluate(params, log, eval_samples)
