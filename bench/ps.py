@@ -9,8 +9,8 @@ table size at which splitting the tables by rows beats replicating them.
 
 sync and GEO are SPMD programs (sp.ps.sync, sp.ps.geo) over 2 or 4 of 8 forced CPU
 devices, one replica per device; their bytes are what the plan's collectives send per
-device, divided by the samples of a step (a GEO round: k steps). async runs on Ray
-(sp.ps.Job): 2 servers, the workers' pulls and pushes are counted, divided by the
+device, divided by the samples of a step (a GEO round: k steps). async and GEO-async
+run on Ray (sp.ps.Job, 2 servers): the bytes of every pull and push, divided by the
 samples trained. Figures are medians of --reps repetitions; the machine's cores are
 shared by every process (Ray's actors included), so compare within one run.
 """
@@ -105,17 +105,18 @@ def bench_geo(cfg, log, devices, per_worker, k, reps):
 
 # -- async (Ray) ------------------------------------------------------------------------
 
-def make_job(cfg, workers, per_worker, servers=2):
+def make_job(cfg, workers, per_worker, servers=2, k_steps=None):
     return sp.ps.Job(wd.loss_fn, wd.init_params(cfg), TABLES, Batches(cfg, per_worker), wd.make_optimizer(LR),
-                     num_servers=servers, num_workers=workers, mode="async", max_staleness=16)
+                     num_servers=servers, num_workers=workers, mode="geo" if k_steps else "async",
+                     max_staleness=16, k_steps=k_steps)
 
 
-def bench_async(cfg, workers, per_worker, budget, reps):
-    with make_job(cfg, workers, per_worker) as job:
-        job.train(per_worker * workers * 8)   # compile the bucket sizes
+def bench_async(cfg, workers, per_worker, budget, reps, k_steps=None):
+    with make_job(cfg, workers, per_worker, k_steps=k_steps) as job:
+        job.train(per_worker * workers * max(8, k_steps or 0))   # compile the bucket sizes
         rates, per_sample = [], []
         for _ in range(reps):
-            job.reset("async", {})
+            job.reset()
             r = job.train(budget)
             rates.append(r.samples / r.seconds)
             per_sample.append(r.bytes_per_sample())
@@ -136,6 +137,9 @@ def part_modes(cfg, args):
             print(f"{rows[-1][0]:<14}{n:>8}{fmt_rate(rows[-1][2]):>12}{rows[-1][3]:>14,.1f}", flush=True)
         rows.append(("async (Ray)", n) + bench_async(cfg, n, args.per_worker, args.budget, args.reps))
         print(f"{'async (Ray)':<14}{n:>8}{fmt_rate(rows[-1][2]):>12}{rows[-1][3]:>14,.1f}", flush=True)
+        for k in (10, 100):
+            rows.append((f"GEO-async k={k}", n) + bench_async(cfg, n, args.per_worker, args.budget, args.reps, k))
+            print(f"{rows[-1][0]:<16}{n:>6}{fmt_rate(rows[-1][2]):>12}{rows[-1][3]:>14,.1f}", flush=True)
     return rows
 
 

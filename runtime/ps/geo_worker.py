@@ -20,27 +20,49 @@ from .worker import Worker
 
 
 class RowCache:
-    """One table's rows pulled this round: sorted ids, values as pulled, values now."""
+    """One table's rows pulled this round: where each id sits (a slot per table row,
+    -1 when not pulled: constant-time lookups however many rows a round touches), the
+    values as pulled and the values now (grown by doubling)."""
 
-    def __init__(self):
+    def __init__(self, rows: int):
+        self.slot = np.full(rows, -1, np.int64)
         self.ids = np.zeros(0, np.int64)
-        self.base = None
-        self.cur = None
+        self.base = self.cur = None
+        self.size = 0
 
     def missing(self, ids: np.ndarray) -> np.ndarray:
-        return ids[~np.isin(ids, self.ids)]
+        return ids[self.slot[ids] < 0]
 
     def add(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        if not len(ids):
+        n = len(ids)
+        if not n:
             return
-        all_ids = np.concatenate([self.ids, ids])
-        order = np.argsort(all_ids, kind="stable")
-        base = rows if self.base is None else np.concatenate([self.base, rows])
-        cur = rows.copy() if self.cur is None else np.concatenate([self.cur, rows])
-        self.ids, self.base, self.cur = all_ids[order], base[order], cur[order]
+        if self.base is None:
+            self.base = np.empty((max(n, 1024),) + rows.shape[1:], np.float32)
+            self.cur = np.empty_like(self.base)
+            self.ids = np.empty(len(self.base), np.int64)
+        while self.size + n > len(self.base):
+            grow = len(self.base)
+            self.base = np.concatenate([self.base, np.empty_like(self.base[:grow])])
+            self.cur = np.concatenate([self.cur, np.empty_like(self.cur[:grow])])
+            self.ids = np.concatenate([self.ids, np.empty(grow, np.int64)])
+        end = self.size + n
+        self.ids[self.size:end] = ids
+        self.base[self.size:end] = rows
+        self.cur[self.size:end] = rows
+        self.slot[ids] = np.arange(self.size, end)
+        self.size = end
 
     def positions(self, ids: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.ids, ids)
+        return self.slot[ids]
+
+    def touched(self) -> tuple:
+        """(ids, current values, values as pulled) of every row pulled this round."""
+        return self.ids[:self.size], self.cur[:self.size], self.base[:self.size]
+
+    def clear(self) -> None:
+        self.slot[self.ids[:self.size]] = -1
+        self.size = 0
 
 
 def check_stateless(optimizer, table_dim=(1,)) -> None:
@@ -77,7 +99,10 @@ class GeoWorker(Worker):
         for _, d, _ in pulled:
             self.dense_base.update(d)
         self.dense_cur = {k: np.array(v) for k, v in self.dense_base.items()}
-        self.caches = {t: RowCache() for t in self.layout.table_ids}
+        if not hasattr(self, "caches"):
+            self.caches = {t: RowCache(int(b[-1])) for t, b in self.layout.table_bounds.items()}
+        for cache in self.caches.values():
+            cache.clear()
         self.round_samples = 0
         self.stats["bytes_pulled"] += sum(a.nbytes for a in self.dense_base.values())
 
@@ -95,7 +120,7 @@ class GeoWorker(Worker):
         for t, f in lay.table_ids.items():
             uniq = rows.unique[f]
             cache = self.caches[t]
-            table = np.zeros((rows.padded_rows(f),) + cache.cur.shape[1:], np.float32)
+            table = np.zeros((rows.padded_rows(f),) + cache.cur.shape[1:], np.float32)   # cur: all rows are pulled
             table[:len(uniq)] = cache.cur[cache.positions(uniq)]
             local[t] = table
         params = join_params(self.template, local, self.dense_cur)
@@ -136,7 +161,7 @@ class GeoWorker(Worker):
         for t, (miss, own) in wanted.items():
             for s in range(lay.num_servers):
                 got = pulled[s][2][t]
-                self.caches[t].add(requests[s][t], got)
+                self.caches[t].add(np.asarray(requests[s][t], np.int64), got)
                 self.stats["bytes_pulled"] += got.nbytes
 
     def _push_deltas(self) -> dict:
@@ -147,9 +172,9 @@ class GeoWorker(Worker):
         for s in range(lay.num_servers):
             sparse = {}
             for t in lay.table_ids:
-                c = self.caches[t]
-                mine = owners(c.ids, lay.table_bounds[t]) == s
-                sparse[t] = (c.ids[mine], ((c.cur[mine] - c.base[mine]) * scale).astype(np.float32))
+                ids, cur, base = self.caches[t].touched()
+                mine = owners(ids, lay.table_bounds[t]) == s
+                sparse[t] = (ids[mine], ((cur[mine] - base[mine]) * scale).astype(np.float32))
             dg = {k: dense_delta[k] for k in lay.dense_on(s)}
             self.stats["bytes_pushed"] += sum(g.nbytes for g in dg.values()) + sum(
                 i.nbytes + g.nbytes for i, g in sparse.values())
