@@ -92,6 +92,8 @@ class Problem:
         self.rules = _Rules()
         self._strategy_cache: dict = {}
         self._redistribution_cache: dict = {}
+        self._compute_cache: dict = {}
+        self._touched_cache: dict = {}
         self._build_nodes()
         self._map_templates()
         for n in self.nodes:
@@ -444,12 +446,21 @@ class Problem:
     def op_compute(self, op: Op, st: OpStrategy) -> float:
         """The op's work per device (as propagation prices it): what its factors split
         is divided, the rest is repeated on every device that holds it."""
-        return self.cost.compute_time(*self.op_work(op, st))
+        key = (st.rule.flops, st.factors, self._touched(op))   # all the time depends on
+        t = self._compute_cache.get(key)
+        if t is None:
+            t = self._compute_cache[key] = self.cost.compute_time(*self.op_work(op, st))
+        return t
+
+    def _touched(self, op: Op) -> int:
+        t = self._touched_cache.get(op)
+        if t is None:
+            t = self._touched_cache[op] = sum(v.type.nbytes for v in op.inputs) + sum(v.type.nbytes for v in op.outputs)
+        return t
 
     def op_work(self, op: Op, st: OpStrategy) -> tuple[float, float]:
         degree = math.prod(self.mesh.axes_size(a) for a in st.factors if a)
-        touched = sum(v.type.nbytes for v in op.inputs) + sum(v.type.nbytes for v in op.outputs)
-        return st.rule.flops / degree, touched / degree
+        return st.rule.flops / degree, self._touched(op) / degree
 
     def _memory_terms(self) -> None:
         """Per value: (template node, local bytes per candidate)."""
