@@ -206,6 +206,10 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
                options=options)
     seconds = time.perf_counter() - t0
     if res.x is None:
+        if res.status == 1:   # the time limit, before any plan was found
+            raise ShardingError(f"the strategy search found no plan within its time limit of {time_limit} s "
+                                f"({nx} decisions' candidates, {n} variables): {res.message}; give it more time "
+                                "(SearchStrategies(time_limit=...)) or mark the big matmuls")
         return Solution({}, float("inf"), float("inf"), float("inf"), res.message, seconds, n, nx)
     x = res.x
     choice = {t: int(red.kept[t][int(np.argmax(x[xoff[t]:xoff[t] + len(red.unary[t])]))]) for t in temps}
