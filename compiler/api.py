@@ -65,7 +65,8 @@ def _scalar_strategies_as_specs(prefix, tree_value):
         return PartitionSpec()
     if isinstance(prefix, (tuple, list)) and not _is_tensor_strategy(prefix) \
             and isinstance(tree_value, (tuple, list)) and len(prefix) == len(tree_value):
-        return type(prefix)(_scalar_strategies_as_specs(p, v) for p, v in zip(prefix, tree_value))
+        items = [_scalar_strategies_as_specs(p, v) for p, v in zip(prefix, tree_value)]
+        return type(prefix)(*items) if hasattr(prefix, "_fields") else type(prefix)(items)  # a NamedTuple
     if isinstance(prefix, dict) and isinstance(tree_value, dict) and prefix.keys() == tree_value.keys():
         return {k: _scalar_strategies_as_specs(prefix[k], tree_value[k]) for k in prefix}
     return prefix

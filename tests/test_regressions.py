@@ -215,3 +215,22 @@ def test_a_scalar_argument_takes_the_empty_strategy():
         assert_trees_close(pf(s, x), jax.jit(f)(s, x))
     with pytest.raises(sp.ShardingError, match="rank 0"):
         sp.parallelize(f, mesh=8, in_strategy=((2,), (8,)))(s, x)
+
+
+def test_in_strategy_for_optimizer_state_namedtuples():
+    """optax states are NamedTuples: a strategy tree shaped like one, with () for the
+    step count, is read leaf by leaf (rebuilding it once failed on the NamedTuple)."""
+    import optax
+    rng = np.random.default_rng(3)
+    w, x = rand(rng, 16, 4), rand(rng, 16, 4)
+    opt = optax.adam(1e-2)
+    state = opt.init(w)
+
+    def step(w, state, x):
+        g = jax.grad(lambda w: jnp.sum(jnp.tanh(w * x)))(w)
+        u, state = opt.update(g, state, w)
+        return optax.apply_updates(w, u), state
+
+    strategy = jax.tree_util.tree_map(lambda a: () if np.ndim(a) == 0 else (8, 1), state)
+    pf = sp.parallelize(step, mesh=8, in_strategy=((8, 1), strategy, (8, 1)))
+    assert_trees_close(pf(w, state, x), jax.jit(step)(w, state, x))
