@@ -7,6 +7,7 @@ below): one sync step equals the single-device step; a 3x slower worker holds
 the others back in sync, not in async; async AUC keeps up with sync's; a killed
 worker is reported and the job goes on; a killed server stops the job with a
 clear error; no process is left behind."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -30,11 +31,7 @@ SCRIPT = ROOT / "tests" / "ps_scripts" / "ps_job.py"
 BATCH = 1024
 BUDGET = 60 * 1024
 
-try:
-    import ray  # noqa: F401
-    HAVE_RAY = True
-except ImportError:
-    HAVE_RAY = False
+HAVE_RAY = importlib.util.find_spec("ray") is not None    # not imported here: the jobs run in subprocesses
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (the 'ps' extra: pip install -e '.[ps]')")
 
 

@@ -110,8 +110,9 @@ def run(num_servers: int, num_workers: int, log_dir: str, script: str, script_ar
             print(f"shardprop launch: the Ray cluster did not start; see {log_dir}/raylog", file=sys.stderr)
             _show_tail(os.path.join(log_dir, "raylog"))
             return 1
-        base = dict(os.environ, PYTHONUNBUFFERED="1", **AUTH, **{ENV_RAY_ADDRESS: address, ENV_SERVERS: str(num_servers),
-                                                         ENV_WORKERS: str(num_workers), ENV_MODE: "async"})
+        base = dict(os.environ, PYTHONUNBUFFERED="1", **AUTH)
+        base.update({ENV_RAY_ADDRESS: address, ENV_SERVERS: str(num_servers), ENV_WORKERS: str(num_workers),
+                     ENV_MODE: "async"})
         cmd = [sys.executable, "-u", script] + list(script_args)
         for name, count in (("server", num_servers), ("worker", num_workers)):
             for i in range(count):
@@ -138,7 +139,8 @@ def _watch(roles, stopping, log_dir, show_tail, describe_status) -> int:
     while True:
         if stopping["signal"] is not None:
             name = signal.Signals(stopping["signal"]).name
-            print(f"shardprop launch: received {name}; stopping every server and worker", file=sys.stderr, flush=True)
+            print(f"shardprop launch: received {name}; stopping every server and worker", file=sys.stderr,
+                  flush=True)
             return 128 + stopping["signal"]
         for r in servers:
             code = r.proc.poll()
