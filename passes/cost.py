@@ -293,6 +293,47 @@ def wire_bytes(kind: str, local_bytes: float, group: int) -> float:
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
+def touched_bytes(op) -> int:
+    """Bytes an op reads and writes, whole tensors (before any split)."""
+    return sum(v.type.nbytes for v in op.inputs) + sum(v.type.nbytes for v in op.outputs)
+
+
+def strategy_work(flops: float, factors, touched: float, mesh) -> tuple[float, float]:
+    """An op's work per device under a strategy (its factors' mesh axes): what the
+    factors split is divided over those devices, the rest is repeated on each."""
+    degree = math.prod(mesh.axes_size(a) for a in factors if a)
+    return flops / degree, touched / degree
+
+
+class ComputeTimes:
+    """What a strategy costs in compute: the one definition propagation, the search
+    and the step model share (``CostModel.compute_time`` of ``strategy_work``),
+    memoized for one cost model and mesh."""
+
+    def __init__(self, cost: CostModel, mesh):
+        self.cost, self.mesh = cost, mesh
+        self._touched: dict = {}   # op -> touched_bytes(op)
+        self._memo: dict = {}      # (flops, factors, touched) -> seconds: all the time depends on
+
+    def touched(self, op) -> int:
+        t = self._touched.get(op)
+        if t is None:
+            t = self._touched[op] = touched_bytes(op)
+        return t
+
+    def work(self, op, flops: float, factors) -> tuple[float, float]:
+        """(flops, bytes touched) per device."""
+        return strategy_work(flops, factors, self.touched(op), self.mesh)
+
+    def time(self, op, flops: float, factors) -> float:
+        """Seconds per device."""
+        key = (flops, tuple(factors), self.touched(op))
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = self.cost.compute_time(*strategy_work(flops, key[1], key[2], self.mesh))
+        return t
+
+
 def modeled_step_time(graph, cost: CostModel) -> dict:
     """What ``cost`` says a planned (localized) graph's step takes per device:
     {"compute": s, "communication": s, "total": s, "collectives": n}. Each op's work is
@@ -317,9 +358,8 @@ def _add_step_time(graph, cost: CostModel, mesh, times: int, compute: bool, out:
             continue
         st = op.strategy
         if compute and st is not None:
-            degree = math.prod(mesh.axes_size(a) for a in st.factors if a)
-            touched = sum(v.type.nbytes for v in (*op.inputs, *op.outputs))
-            out["compute"] += times * cost.compute_time(st.rule.flops / degree, touched / degree)
+            out["compute"] += times * cost.compute_time(*strategy_work(st.rule.flops, st.factors,
+                                                                       touched_bytes(op), mesh))
         for sub in op.subgraphs:
             n = op.params.get("length", 1) if op.kind == "scan" else 1
             _add_step_time(sub, cost, mesh, times * n, False, out)

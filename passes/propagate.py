@@ -44,8 +44,7 @@ class PropagateSharding:
         # which must give the same plan: a test holds the memo to that)
         self.memo: Optional[dict] = {} if memoize else None
         self.wish_memo: Optional[dict] = {} if memoize else None  # situation -> wishes passed on
-        self.touched: dict = {}      # op -> bytes it reads and writes (whole tensors)
-        self.compute_memo: dict = {}  # (rule, factors, bytes) -> compute time per device
+        self.compute_times: dict = {}  # id(mesh) -> cost.ComputeTimes (what a strategy costs in compute)
         self.partial_memo: dict = {}  # (rule, factors, passthrough) -> the results' pending partial
         self.strategies: dict = {}  # (rule, factors, passthrough) -> the one OpStrategy ops share
         # (signature, factors, passthrough) -> (strategy, layout each operand needs or None

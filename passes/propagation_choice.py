@@ -18,7 +18,7 @@ from typing import Optional
 from ..ir.graph import CONSTRAINT, Op, Value
 from ..ir.layout import Layout
 
-from .cost import wire_bytes
+from .cost import ComputeTimes, wire_bytes
 from .insert_reshards import cheapest_completion
 from .redistribute import redistribution_cost
 from .rules.base import FactorRule
@@ -524,17 +524,11 @@ class ChoiceMixin:
                                    self.cfg.cost)[1]
 
     def _compute_time(self, op: Op, rule: FactorRule, factors) -> float:
-        """The op's own work per device: whatever its factors split is divided, the rest
-        is repeated on every device that holds it."""
-        touched = self.cfg.touched.get(op)
-        if touched is None:
-            touched = self.cfg.touched[op] = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
-        key = (id(rule), tuple(factors), touched)
-        t = self.cfg.compute_memo.get(key)
-        if t is None:
-            degree = math.prod(self.mesh.axes_size(a) for a in factors if a)
-            t = self.cfg.compute_memo[key] = self.cfg.cost.compute_time(rule.flops / degree, touched / degree)
-        return t
+        """The op's own work per device, as the search prices it (``cost.ComputeTimes``)."""
+        times = self.cfg.compute_times.get(id(self.mesh))
+        if times is None or times.mesh is not self.mesh:
+            times = self.cfg.compute_times[id(self.mesh)] = ComputeTimes(self.cfg.cost, self.mesh)
+        return times.time(op, rule.flops, factors)
 
     def _growth_charge(self, op: Op, rule: FactorRule, cand: list, group, axes) -> float:
         """Carrying a partial on defers its reduction; through an op that makes the

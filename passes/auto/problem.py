@@ -33,7 +33,7 @@ from ...ir.layout import Layout
 from ...ir.mesh import Mesh
 from ...runtime.repeats import find_repeats
 
-from ..cost import CostModel
+from ..cost import ComputeTimes, CostModel
 from ..insert_reshards import cheapest_completion
 from ..redistribute import plan_redistribution, redistribution_cost
 from ..rules import FIXED, rule_for
@@ -92,8 +92,7 @@ class Problem:
         self.rules = _Rules()
         self._strategy_cache: dict = {}
         self._redistribution_cache: dict = {}
-        self._compute_cache: dict = {}
-        self._touched_cache: dict = {}
+        self.compute_times = ComputeTimes(cost, self.mesh)
         self._build_nodes()
         self._map_templates()
         for n in self.nodes:
@@ -444,23 +443,11 @@ class Problem:
         return sum(s.wire_bytes for s in steps)
 
     def op_compute(self, op: Op, st: OpStrategy) -> float:
-        """The op's work per device (as propagation prices it): what its factors split
-        is divided, the rest is repeated on every device that holds it."""
-        key = (st.rule.flops, st.factors, self._touched(op))   # all the time depends on
-        t = self._compute_cache.get(key)
-        if t is None:
-            t = self._compute_cache[key] = self.cost.compute_time(*self.op_work(op, st))
-        return t
-
-    def _touched(self, op: Op) -> int:
-        t = self._touched_cache.get(op)
-        if t is None:
-            t = self._touched_cache[op] = sum(v.type.nbytes for v in op.inputs) + sum(v.type.nbytes for v in op.outputs)
-        return t
+        """The op's compute seconds per device (``cost.ComputeTimes``, as propagation prices it)."""
+        return self.compute_times.time(op, st.rule.flops, st.factors)
 
     def op_work(self, op: Op, st: OpStrategy) -> tuple[float, float]:
-        degree = math.prod(self.mesh.axes_size(a) for a in st.factors if a)
-        return st.rule.flops / degree, self._touched(op) / degree
+        return self.compute_times.work(op, st.rule.flops, st.factors)
 
     def _memory_terms(self) -> None:
         """Per value: (template node, local bytes per candidate)."""
