@@ -15,6 +15,15 @@ from .staleness import StalenessBook
 MODES = ("async", "sync", "geo")
 
 
+def sum_rows(ids: np.ndarray, rows: np.ndarray, scale: float = 1.0) -> tuple:
+    """(distinct ids, the rows of each id summed, times ``scale``): sorted, then reduced in
+    runs (np.add.at, the obvious way, is several times slower)."""
+    order = np.argsort(ids, kind="stable")
+    ids, rows = ids[order], rows[order]
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if len(ids) else np.zeros(0, np.int64)
+    return ids[starts], np.add.reduceat(rows, starts, axis=0) * np.float32(scale) if len(ids) else rows
+
+
 class ParameterServer:
     def __init__(self, index: int, tables: dict, dense: dict, optimizer, mode: str, max_staleness):
         """``tables``: name -> (first row, rows array of this server's range)."""
@@ -74,12 +83,8 @@ class ParameterServer:
             parts = [p[1][name] for p in self.pending if name in p[1] and len(p[1][name][0])]
             if not parts:
                 continue
-            ids = np.concatenate([i for i, _ in parts])
-            grads = np.concatenate([g for _, g in parts])
-            uniq, inverse = np.unique(ids, return_inverse=True)
-            summed = np.zeros((len(uniq),) + grads.shape[1:], np.float32)
-            np.add.at(summed, inverse, grads)
-            sparse[name] = (uniq, summed / n)
+            sparse[name] = sum_rows(np.concatenate([i for i, _ in parts]), np.concatenate([g for _, g in parts]),
+                                    scale=1.0 / n)
         self.pending = []
         self._apply(dense, sparse)
         self.book.admit(self.version, self.version)
