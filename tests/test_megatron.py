@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
 import shardprop as sp
 from tests.helpers import assert_trees_close
@@ -101,3 +104,92 @@ def test_sequence_parallel_training_step_equals_single_device():
     pstep = sp.parallelize(step, mesh=8, donate_argnums=(0, 1))
     want = jax.jit(step)(PARAMS, state, TOKENS, TARGETS)
     assert_trees_close(pstep(PARAMS, state, TOKENS, TARGETS), want)
+
+
+# -- post-LN (BERT) and fused-QKV (GPT-2) layers, with the same two marks per layer ------------
+def post_ln_forward(params, tokens, par, cfg):
+    """BERT's order: each block's residual sum is normalized after it (x = LN(x + f(x)))."""
+    x = jax.nn.one_hot(tokens, cfg.vocab, dtype=jnp.float32) @ params["wte"] + params["wpe"]
+    b, s, e = x.shape
+    project = sp.shard(lambda a, w: jnp.einsum("bse,ehd->bshd", a, w), par.heads)
+    for p in params["layers"]:
+        q, k, v = project(x, p["wq"]), project(x, p["wk"]), project(x, p["wv"])
+        weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(cfg.head_dim), axis=-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, e)
+        x = M.layer_norm(x + out @ p["wo"], p["ln1_g"], p["ln1_b"])
+        h = sp.shard(jnp.matmul, par.columns)(x, p["w1"])
+        x = M.layer_norm(x + jax.nn.gelu(h) @ p["w2"], p["ln2_g"], p["ln2_b"])
+    return x @ params["wte"].T
+
+
+def fused_qkv_forward(params, tokens, par, cfg):
+    """GPT-2's attention: one column-split projection to [q|k|v], split, then heads."""
+    x = jax.nn.one_hot(tokens, cfg.vocab, dtype=jnp.float32) @ params["wte"] + params["wpe"]
+    b, s, e = x.shape
+    for p in params["layers"]:
+        qkv = sp.shard(jnp.matmul, par.columns)(M.layer_norm(x, p["ln1_g"], p["ln1_b"]), p["wqkv"])
+        q, k, v = (t.reshape(b, s, cfg.heads, cfg.head_dim) for t in jnp.split(qkv, 3, axis=-1))
+        causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
+        scores = jnp.where(causal, jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(cfg.head_dim), -1e9)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(b, s, e)
+        x = x + out @ p["wo"]
+        h = sp.shard(jnp.matmul, par.columns)(M.layer_norm(x, p["ln2_g"], p["ln2_b"]), p["w1"])
+        x = x + jax.nn.gelu(h) @ p["w2"]
+    return M.layer_norm(x, params["lnf_g"], params["lnf_b"]) @ params["wte"].T
+
+
+def fused_qkv_params(cfg):
+    params = M.init_params(cfg)
+    for layer in params["layers"]:
+        layer["wqkv"] = np.concatenate([layer.pop(n).reshape(cfg.embed, cfg.embed) for n in ("wq", "wk", "wv")], 1)
+    return params
+
+
+def train_step_of(forward, par, cfg):
+    opt = optax.adam(1e-3)
+
+    def loss_fn(params, tokens, targets):
+        logp = jax.nn.log_softmax(forward(params, tokens, par, cfg), axis=-1)
+        return -jnp.mean(jnp.sum(jax.nn.one_hot(targets, cfg.vocab) * logp, axis=-1))
+
+    def step(params, opt_state, tokens, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return step, opt
+
+
+def test_post_ln_training_step_has_megatrons_all_reduce_count():
+    """Backward, jax adds each of q, k, v's partial input gradients into a sum that already
+    holds the residual's complete gradient; the partials are summed first and reduced once:
+    4 all_reduces per layer as in Megatron (it was 6: one per projection)."""
+    step, opt = train_step_of(post_ln_forward, M.Parallelism.tensor(8), CFG)
+    state = opt.init(PARAMS)
+    pstep = sp.parallelize(step, mesh=8, donate_argnums=(0, 1))
+    plan = pstep.plan(PARAMS, state, TOKENS, TARGETS)
+    assert [(c.kind, c.in_shape) for c in plan.collectives] == [("all_reduce", ACTIVATION)] * (4 * CFG.layers)
+    assert_trees_close(pstep(PARAMS, state, TOKENS, TARGETS), jax.jit(step)(PARAMS, state, TOKENS, TARGETS))
+
+
+def test_post_ln_training_step_2x4_keeps_megatrons_count_in_mp_groups():
+    step, opt = train_step_of(post_ln_forward, M.Parallelism.data_and_tensor(), CFG)
+    state = opt.init(PARAMS)
+    plan = sp.parallelize(step, mesh=((2, 4), ("dp", "mp")), donate_argnums=(0, 1)).plan(PARAMS, state, TOKENS,
+                                                                                        TARGETS)
+    tp = [(c.kind, c.in_shape) for c in plan.collectives if c.groups == ((0, 1, 2, 3), (4, 5, 6, 7))]
+    assert tp == [("all_reduce", (CFG.batch // 2, CFG.seq, CFG.embed))] * (4 * CFG.layers)
+
+
+def test_fused_qkv_column_split_gathers_once_per_layer():
+    """GPT-2's fused [q|k|v] projection split on columns meets the q/k/v split: one
+    all_gather of the projection per layer (not one per q, k and v), and the step equals
+    one device's."""
+    params = fused_qkv_params(CFG)
+    step, opt = train_step_of(fused_qkv_forward, M.Parallelism.tensor(8), CFG)
+    state = opt.init(params)
+    pstep = sp.parallelize(step, mesh=8, donate_argnums=(0, 1))
+    plan = pstep.plan(params, state, TOKENS, TARGETS)
+    kinds = [c.kind for c in plan.collectives]
+    assert kinds.count("all_gather") == CFG.layers and "all_to_all" not in kinds
+    assert kinds.count("all_reduce") <= 4 * CFG.layers
+    assert_trees_close(pstep(params, state, TOKENS, TARGETS), jax.jit(step)(params, state, TOKENS, TARGETS))

@@ -112,3 +112,18 @@ def test_moves_of_several_axes_at_once():
     # in the first (256 B) instead of moving the second to it (512 B)
     y, z = rand(rng, 4, 8, 16), rand(rng, 4, 8, 16)
     assert _plan(lambda y, z: y * z, (y, z), mesh=8, in_strategy=((1, 2, 4), (1, 1, 2))).bytes == 256
+
+
+def test_partials_are_summed_before_a_complete_value_joins_them():
+    """``r + a @ w1 + b @ w2`` with both matmuls contracting a split dim: jax adds the
+    first partial into the complete ``r`` first. The partials are summed first and
+    reduced once (one all_reduce, not two)."""
+    rng = np.random.default_rng(9)
+    r, a, w1, b, w2 = rand(rng, 16, 32), rand(rng, 16, 64), rand(rng, 64, 32), rand(rng, 16, 64), rand(rng, 64, 32)
+
+    def fn(r, a, w1, b, w2):
+        row_parallel = sp.shard(jnp.matmul, ((1, 8), (8, 1)))
+        return r + row_parallel(a, w1) + row_parallel(b, w2)
+    plan = _plan(fn, (r, a, w1, b, w2), mesh=8, in_strategy=((1, 1), (1, 8), (8, 1), (1, 8), (8, 1)),
+                 out_strategy=((1, 1),))
+    assert [c.kind for c in plan.collectives] == ["all_reduce"]
