@@ -170,7 +170,9 @@ def _parse_ps(a):
                                                          "SHARDPROP_PS_SERVERS": "0",
                                                          "SHARDPROP_PS_WORKERS": str(a.worker_num)})
     if a.server_num is None or a.server_num < 1:
-        raise LaunchError(f"--server-num {a.server_num}: an async parameter-server run needs at least one server")
+        given = "missing" if a.server_num is None else f"{a.server_num}"
+        raise LaunchError(f"--server-num {given}: an async parameter-server run needs at least one server "
+                          f"(--ps-mode sync needs none)")
     return PSConfig(a.server_num, a.worker_num, a.log_dir, a.script, a.script_args)
 
 

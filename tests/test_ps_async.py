@@ -304,7 +304,7 @@ def test_launch_sync_roles_run_on_jax_distributed(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--worker-num", 0], "--worker-num 0: a parameter-server run needs at least one worker"),
-    (["--worker-num", 2], "--server-num None: an async parameter-server run needs at least one server"),
+    (["--worker-num", 2], "--server-num missing: an async parameter-server run needs at least one server"),
     (["--server-num", 1, "--worker-num", 2, "--nproc", 2], "leave out --nproc, --gpus and --ips"),
 ])
 def test_launch_bad_role_arguments(tmp_path, args, message):
