@@ -4,7 +4,9 @@ The modeled peak per device is the largest, over program points, of the local
 bytes of every value alive there: the function's arguments (parameters,
 optimizer state, batch) for the whole step, every other value from the op that
 makes it to its last reader (the saved activations of a training step are alive
-from the forward to the backward that reads them), the outputs to the end.
+from the forward to the backward that reads them), the outputs to the end; and at
+each op, the copies redistributions make of its operands (a weight gathered for its
+matmul lives while the matmul runs).
 """
 from __future__ import annotations
 
@@ -62,23 +64,46 @@ def live_intervals(graph: Graph) -> dict:
     return out
 
 
-def plan_peak(graph: Graph, ops: dict, inputs: dict) -> float:
-    """The modeled live peak, bytes per device, of a plan (op -> OpStrategy, input
-    index -> Layout)."""
+def local_bytes(v, layout, mesh) -> int:
+    return math.prod(layout.local_shape(v.type.shape, mesh)) * v.type.itemsize
+
+
+def plan_profile(graph: Graph, ops: dict, inputs: dict):
+    """Modeled live bytes per device at each program point of a plan (op -> OpStrategy,
+    input index -> Layout): the values alive there, plus, at each op, the copy a
+    redistribution makes of an operand the op needs in another layout (a weight
+    gathered for its matmul), alive at the op itself."""
     import numpy as np
     mesh = graph.mesh
     intervals = live_intervals(graph)
     diff = np.zeros(len(graph.ops) + 3)
+    layout = {}
 
-    def add(v, layout):
+    def add(v, lay):
+        layout[v] = lay
         if v in intervals:
             b, d = intervals[v]
-            n = math.prod(layout.local_shape(v.type.shape, mesh)) * v.type.itemsize
+            n = local_bytes(v, lay, mesh)
             diff[b + 1] += n
             diff[d + 2] -= n
-    for i, layout in inputs.items():
-        add(graph.inputs[i], layout)
-    for op in graph.ops:
+    for i, lay in inputs.items():
+        add(graph.inputs[i], lay)
+    for t, op in enumerate(graph.ops):
+        st = ops[op]
+        for m, v in enumerate(op.inputs):
+            have = layout.get(v)
+            if have is None or v.literal is not None:
+                continue
+            need = st.operand_layout(m, v.type.rank, mesh)
+            if need != have:
+                n = local_bytes(v, need, mesh)
+                diff[t + 1] += n
+                diff[t + 2] -= n
         for k, v in enumerate(op.outputs):
-            add(v, ops[op].result_layout(k, mesh))
-    return float(np.cumsum(diff).max())
+            add(v, st.result_layout(k, mesh))
+    return np.cumsum(diff)[:len(graph.ops) + 2]
+
+
+def plan_peak(graph: Graph, ops: dict, inputs: dict) -> float:
+    """The modeled live peak, bytes per device, of a plan (``plan_profile``'s largest)."""
+    return float(plan_profile(graph, ops, inputs).max())

@@ -36,6 +36,18 @@ class Reduced:
 
 
 @dataclass
+class MemoryRow:
+    """Bytes per device alive at one program point, held to the limit: per template,
+    bytes per candidate (the values alive there, copies made within one decision),
+    and per pair of decisions a copy between them makes (``(a, b, rows, cols,
+    bytes)``: candidate i of ``a`` makes class ``rows[i]``, candidate j of ``b``
+    needs class ``cols[j]``, the copy holds ``bytes[rows[i], cols[j]]``); candidates
+    in the problem's numbering."""
+    nodes: dict
+    pairs: list = field(default_factory=list)
+
+
+@dataclass
 class Solution:
     choice: dict                     # template -> candidate index (in the problem's numbering)
     objective: float                 # modeled step time of the choice (seconds)
@@ -97,6 +109,16 @@ def _bounded(unary: dict, edges: list, kept: dict, upper: float) -> dict:
     return out
 
 
+@dataclass
+class _CopyEdge:
+    """Pair variables for a copy a memory row counts (no cost of its own)."""
+    a: int
+    b: int
+    rows: np.ndarray
+    cols: np.ndarray
+    cost: np.ndarray
+
+
 def _compact(classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Renumber the classes that occur 0..n-1: (new class per candidate, old class per new)."""
     old, new = np.unique(classes, return_inverse=True)
@@ -133,8 +155,8 @@ def _undominated(t: int, unary: dict, edges: list, memory: dict) -> np.ndarray:
 
 def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
           time_limit: Optional[float] = None, rel_gap: float = 1e-9) -> Solution:
-    """Solve the reduced problem; ``memory_rows``: dicts template -> bytes per kept
-    candidate, each held to ``limit``."""
+    """Solve the reduced problem; ``memory_rows``: ``MemoryRow``s, each held to ``limit``
+    (a copy between two decisions gets pair variables of its own, tied like an edge's)."""
     try:
         from scipy.optimize import LinearConstraint, milp
         from scipy.sparse import coo_matrix
@@ -149,14 +171,23 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
         xoff[t] = n
         n += len(red.unary[t])
     nx = n
+    edges = list(red.edges)
+    copies = []   # per memory row: [(edge index, bytes by kept class)]
+    for row in memory_rows:
+        copies.append([])
+        for a, b, rows_a, cols_b, nbytes in row.pairs:
+            ra, rmap = _compact(rows_a[red.kept[a]])
+            cb, cmap = _compact(cols_b[red.kept[b]])
+            copies[-1].append((len(edges), nbytes[np.ix_(rmap, cmap)]))
+            edges.append(_CopyEdge(a, b, ra, cb, np.zeros((len(rmap), len(cmap)))))
     eoff = []
-    for e in red.edges:
+    for e in edges:
         eoff.append(n)
         n += e.cost.size
     c = np.zeros(n)
     for t in temps:
         c[xoff[t]:xoff[t] + len(red.unary[t])] = red.unary[t]
-    for e, base in zip(red.edges, eoff):
+    for e, base in zip(edges, eoff):
         c[base:base + e.cost.size] = e.cost.ravel()
     rows, cols, vals, lo, hi = [], [], [], [], []
     r = 0
@@ -168,7 +199,7 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
         lo.append(1.0)
         hi.append(1.0)
         r += 1
-    for e, base in zip(red.edges, eoff):  # y's marginals are the x's, summed over each layout class
+    for e, base in zip(edges, eoff):  # y's marginals are the x's, summed over each layout class
         ka, kb = e.cost.shape
         for i in range(ka):
             members = np.nonzero(e.rows == i)[0]
@@ -186,11 +217,16 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
             lo.append(0.0)
             hi.append(0.0)
             r += 1
-    for row in memory_rows:
-        for t, vec in row.items():
+    for row, row_copies in zip(memory_rows, copies):
+        for t, vec in row.nodes.items():
+            vec = vec[red.kept[t]]
             rows += [r] * len(vec)
             cols += range(xoff[t], xoff[t] + len(vec))
             vals += list(vec)
+        for ei, nbytes in row_copies:
+            rows += [r] * nbytes.size
+            cols += range(eoff[ei], eoff[ei] + nbytes.size)
+            vals += list(nbytes.ravel())
         lo.append(-np.inf)
         hi.append(float(limit))
         r += 1

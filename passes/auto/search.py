@@ -31,9 +31,9 @@ from ..loop_boundaries import boundary_layouts
 from ..propagate import PropagateSharding
 from ..rules import FIXED
 from . import milp
-from .memory import live_intervals, plan_peak
+from .memory import live_intervals, local_bytes, plan_peak, plan_profile
 from .refine import refine
-from .problem import DECIDERS, Problem
+from .problem import DECIDERS, Problem, _unique
 
 MAX_MEMORY_ROUNDS = 25
 
@@ -130,7 +130,7 @@ class SearchStrategies:
         red = milp.reduce(problem, memory_matters=limit is not None, upper=upper)
         rows, total = [], 0.0
         for _ in range(MAX_MEMORY_ROUNDS):
-            sol = milp.solve(red, [{t: r[t][red.kept[t]] for t in r} for r in rows], limit, self.time_limit)
+            sol = milp.solve(red, rows, limit, self.time_limit)
             total += sol.seconds
             if not sol.choice:
                 return problem, None, None
@@ -277,40 +277,77 @@ def _words(st, op, mesh) -> str:
 
 
 class _Liveness:
-    """Modeled live bytes per program point, per choice; and the constraint of one point."""
+    """Modeled live bytes per program point of a choice (``memory.plan_profile``: values
+    and redistribution copies), and the constraint of one point."""
 
     def __init__(self, graph: Graph, problem: Problem):
         intervals = live_intervals(graph)
-        self.problem = problem
+        self.graph, self.problem = graph, problem
         self.vals = [v for v in problem.values if v in intervals]
         self.birth = np.array([intervals[v][0] + 1 for v in self.vals])
         self.death = np.array([intervals[v][1] + 1 for v in self.vals])
-        self.points = len(graph.ops) + 2
         self.temp = [problem.values[v][0] for v in self.vals]
         self.vec = [problem.values[v][1] for v in self.vals]
+        self._copies: dict = {}
 
     def bytes_of(self, choice: dict) -> np.ndarray:
         return np.array([vec[choice[t]] for t, vec in zip(self.temp, self.vec)])
 
-    def profile(self, choice: dict) -> np.ndarray:
-        diff = np.zeros(self.points + 1)
-        b = self.bytes_of(choice)
-        np.add.at(diff, self.birth, b)
-        np.add.at(diff, self.death + 1, -b)
-        return np.cumsum(diff)[:self.points]
-
     def peak(self, choice: dict) -> tuple[float, int]:
-        prof = self.profile(choice)
+        prof = plan_profile(self.graph, *self.problem.op_strategies(choice))
         at = int(np.argmax(prof))
         return float(prof[at]), at
 
-    def row(self, at: int) -> dict:
-        """template -> bytes per candidate of the values alive at program point ``at``."""
+    def row(self, at: int) -> milp.MemoryRow:
+        """The bytes alive at program point ``at``, per candidate: the values, and the
+        copies the op there makes of its operands."""
         out: dict = {}
         live = np.nonzero((self.birth <= at) & (self.death >= at))[0]
         for i in live:
             t = self.temp[i]
             out[t] = out[t] + self.vec[i] if t in out else self.vec[i].copy()
+        row = milp.MemoryRow(out)
+        if 1 <= at <= len(self.graph.ops):
+            for term in self.copies(self.graph.ops[at - 1]):
+                if len(term) == 2:
+                    t, vec = term
+                    out[t] = out[t] + vec if t in out else vec.copy()
+                else:
+                    row.pairs.append(term)
+        return row
+
+    def copies(self, op) -> list:
+        """The copies redistributing ``op``'s operands makes: (template, bytes per
+        candidate) where one decision fixes both layouts, else (producer's template,
+        consumer's template, classes, classes, bytes by class pair)."""
+        p = self.problem
+        if op not in p.node_of_op:
+            return []
+        ci, pc = p.node_of_op[op]
+        cnode = p.nodes[ci]
+        mesh = p.mesh
+        out = []
+        for m, v in enumerate(op.inputs):
+            if v.literal is not None or v not in p.owner:
+                continue
+            pi, pp, k_out = p.owner[v]
+            pnode = p.nodes[pi]
+            key = (pnode.template, pp, k_out, cnode.template, pc, m, pi == ci, v.type)
+            term = self._copies.get(key)
+            if term is None:
+                src = [p.layout_of(v, pnode, i) for i in range(len(pnode.candidates))]
+                dst = [row[pc].operand_layout(m, v.type.rank, mesh) for row in cnode.strategies]
+
+                def copy(a, b):
+                    return 0.0 if a == b else float(local_bytes(v, b, mesh))
+                if pi == ci or pnode.template == cnode.template:
+                    term = (cnode.template, np.array([copy(a, b) for a, b in zip(src, dst)]))
+                else:
+                    us, si = _unique(src)
+                    ud, di = _unique(dst)
+                    term = (pnode.template, cnode.template, si, di, np.array([[copy(a, b) for b in ud] for a in us]))
+                self._copies[key] = term
+            out.append(term)
         return out
 
     def largest(self, choice: dict, at: int, n: int) -> list:
