@@ -25,6 +25,7 @@ collectives are memcpys and timings are noisy: read ratios, not milliseconds.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -65,6 +66,58 @@ def median_interleaved(fa, fb, reps: int) -> tuple[float, float]:
         jax.block_until_ready(fb())
         tb.append(time.perf_counter() - t)
     return statistics.median(ta), statistics.median(tb)
+
+
+def median_interleaved_all(fns: list, reps: int) -> list[float]:
+    """Median seconds of each of ``fns``, run in turns (f1, f2, ..., f1, f2, ...)."""
+    for f in fns:               # warm-up
+        jax.block_until_ready(f())
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for f, ts in zip(fns, times):
+            t = time.perf_counter()
+            jax.block_until_ready(f())
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
+
+
+# The hand plans a performance engineer would write, per case: the case's own marks
+# (Megatron, dp x mp, data parallel for the CNN), data parallel over every device
+# (the batch arguments split on dim 0), and ZeRO-1 (data parallel with Adam's state
+# split) where the step has an optimizer state.
+BATCH_ARGNUMS = {"seed_network": (0,), "mindspore_ffn": (0,), "megatron_mlp": (0,), "megatron_attention": (0,),
+                 "cnn_data_parallel": (1, 2)}
+
+
+def hand_plans(case: zoo.Case) -> dict:
+    """name -> (annotate mode, parallelize keywords)."""
+    batch = BATCH_ARGNUMS.get(case.name, (2, 3) if case.name.startswith("gpt") else None)
+    plans = {"marks": ("shardprop", {})}
+    if batch is not None:
+        plans["DP"] = ("plain", dict(mode="data_parallel", batch_argnums=batch))
+    if case.name.startswith("gpt"):   # Adam: params, state, tokens, targets
+        plans["ZeRO-1"] = ("plain", dict(mode="data_parallel", batch_argnums=batch, shard_optimizer_state=True,
+                                         optimizer_argnums=(1,)))
+    return plans
+
+
+def fresh(fn):
+    """A new function object for ``fn``: jax and shardprop cache traces by function, and
+    ``zoo.annotate``'s mode (marks or none) is not part of that key."""
+    return functools.wraps(fn)(lambda *a: fn(*a))
+
+
+def hand_step(case: zoo.Case, mesh, args, reference, annotate_mode: str, kw: dict):
+    """A hand plan's training loop (its state fed back in its own layouts), and whether
+    its result equals one device's."""
+    zoo.annotate.mode, zoo.annotate.mesh = annotate_mode, mesh
+    pf = sp.parallelize(fresh(case.fn), mesh=mesh, donate_argnums=case.state_argnums, progress=False, **kw)
+    plan = pf.plan(*args)
+    comp = pf.lower(*args).compile()
+    compiled = pf._compile(args, {})
+    step = feedback(comp, pf._flat_inputs(compiled, args, {}), plan.graph.tied_outputs)
+    out = jax.tree_util.tree_unflatten(compiled.out_tree, list(step()))
+    return step, close(out, reference, case.train), comp
 
 
 def feedback(step, inputs: list, ties: dict):
@@ -157,7 +210,7 @@ def run_case(case: zoo.Case, reps: int) -> dict:
     return row
 
 
-def run_auto(case: zoo.Case, reps: int, cost_model) -> dict:
+def run_auto(case: zoo.Case, reps: int, cost_model, hand: bool = False) -> dict:
     """(c) shardprop's ``mode="auto"`` on the unmarked program against (b) XLA with the
     marks: the modeled and measured step, bytes and memory, interleaved with XLA's step."""
     shape, names = case.mesh
@@ -194,16 +247,57 @@ def run_auto(case: zoo.Case, reps: int, cost_model) -> dict:
         in_b = [replicated] * len(flat_b)
     args_b = jax.tree_util.tree_unflatten(tree, [jax.device_put(x, s) for x, s in zip(flat_b, in_b)])
     with jax.set_mesh(mesh):
-        jitted = jax.jit(case.fn, out_shardings=out_shardings, donate_argnums=case.state_argnums) if case.train \
-            else jax.jit(case.fn)
+        jitted = jax.jit(fresh(case.fn), out_shardings=out_shardings, donate_argnums=case.state_argnums) \
+            if case.train else jax.jit(fresh(case.fn))
         comp_b = jitted.lower(*args_b).compile()
         step_b = feedback(comp_b, list(args_b),
                           {o: i for o, i in enumerate(case.state_argnums)})
         step_b()
         row.update(bytes_b=collectives(comp_b.as_text(), n).bytes, memory_b=peak_memory(comp_b))
-        tc, tb = median_interleaved(step_c, step_b, reps)
+        if not hand:
+            tc, tb = median_interleaved(step_c, step_b, reps)
+    if hand:   # every hand plan, timed in turns with auto and XLA
+        steps, names = [step_c, step_b], []
+        row["hand"] = {}
+        for name, (mode, kw) in hand_plans(case).items():
+            try:
+                step, ok, comp = hand_step(case, mesh, args, reference, mode, kw)
+            except sp.ShardingError as e:
+                row["hand"][name] = {"error": str(e).splitlines()[0]}
+                continue
+            steps.append(step)
+            names.append(name)
+            row["hand"][name] = dict(correct=ok, bytes=collectives(comp.as_text(), n).bytes, memory=peak_memory(comp))
+        with jax.set_mesh(mesh):
+            times = median_interleaved_all(steps, reps)
+        tc, tb = times[:2]
+        for name, t in zip(names, times[2:]):
+            row["hand"][name]["step_ms"] = t * 1e3
+        best = min(names, key=lambda k: row["hand"][k]["step_ms"]) if names else None
+        row.update(best_hand=best, auto_vs_best_hand=tc * 1e3 / row["hand"][best]["step_ms"] if best else None)
     row.update(step_c_ms=tc * 1e3, step_b_ms=tb * 1e3, step_ratio_c=tc / tb)
     return row
+
+
+def hand_table(rows: list[dict]) -> str:
+    names = ["marks", "DP", "ZeRO-1"]
+    head = f"{'case':<22} {'auto ms':>8} {'XLA ms':>8} " + " ".join(f"{n + ' ms':>10}" for n in names) + \
+        f" {'best hand':>10} {'auto/best':>9} {'correct':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['case']:<22} error: {r['error']}")
+            continue
+        cells, ok = [], r["correct_c"]
+        for n in names:
+            h = r["hand"].get(n)
+            cells.append(f"{'-':>10}" if h is None else f"{'n/a':>10}" if "error" in h else f"{h['step_ms']:>10.3f}")
+            ok &= h is None or "error" in h or h["correct"]
+        ratio = f"{r['auto_vs_best_hand']:>9.2f}" if r["auto_vs_best_hand"] else f"{'-':>9}"
+        lines.append(f"{r['case']:<22} {r['step_c_ms']:>8.3f} {r['step_b_ms']:>8.3f} " + " ".join(cells)
+                     + f" {r['best_hand'] or '-':>10} {ratio} {str(ok):>8}")
+        lines += [f"  {n} n/a: {h['error']}" for n, h in r["hand"].items() if "error" in h]
+    return "\n".join(lines)
 
 
 def auto_table(rows: list[dict]) -> str:
@@ -272,6 +366,8 @@ def main():
     ap.add_argument("--cases", nargs="*", help="run only these cases")
     ap.add_argument("--auto", action="store_true", help="mode='auto' on the unmarked program (C) against XLA "
                     "with the marks (B), instead of the marked comparison")
+    ap.add_argument("--hand", action="store_true", help="(--auto) also the hand plans (the case's marks, data "
+                    "parallel, ZeRO-1 where the step has Adam's state), all timed in turns with auto and XLA")
     ap.add_argument("--cost-model", default="cpu", help="(--auto) the cost model auto plans with: a built-in "
                     "profile name (default 'cpu': these forced CPU devices) or a `shardprop calibrate` file")
     args = ap.parse_args()
@@ -287,10 +383,15 @@ def main():
                 continue
             print(f"... {case.name} (auto)", file=sys.stderr, flush=True)
             try:
-                rows.append(run_auto(case, reps, args.cost_model))
+                rows.append(run_auto(case, reps, args.cost_model, hand=args.hand))
             except sp.ShardingError as e:
                 rows.append({"case": case.name, "error": str(e).splitlines()[0]})
         print(auto_table(rows))
+        if args.hand:
+            print("\n" + hand_table(rows))
+            print(f"\nmedian of {reps} runs per plan, all plans of a case in turns; marks: shardprop with the case's "
+                  "marks (Megatron, dp x mp, ...); DP: mode='data_parallel'; ZeRO-1: DP with Adam's state split; "
+                  "auto/best: auto's step over the fastest hand plan's.")
         print(f"\nsearch: the strategy search's seconds; model ms: auto's modeled step; bytes: per device per step "
               f"(ring formulas); mem C/B: peak per-device memory, auto / XLA with marks; step C/B: median of {reps} "
               "interleaved runs, auto / XLA with marks.")
