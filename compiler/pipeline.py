@@ -51,9 +51,10 @@ def default_passes(opts: Options) -> list:
     # Propagation prices a partial's completion as a reduce_scatter in either form:
     # MindSpore's all_reduce + slice is how a redistribution is written out, not a
     # reason to choose another plan (so both forms plan alike, as MindSpore's dumps do).
+    # MindSpore's form also settles op by op only (whole_round): the seed document's plan.
     # mode="auto": a solver picks every strategy (passes/auto); the passes after it are the same
     choose = SearchStrategies(opts.cost, opts.memory_limit) if opts.mode == "auto" else \
-        PropagateSharding(opts.mode, opts.cost, True)
+        PropagateSharding(opts.mode, opts.cost, True, whole_round=rs)
     return [BindUserStrategies(), choose, SinkReductions(),
             InsertReshards(rs, opts.cost), ReshardToCollectives(rs, opts.cost), Localize()]
 

@@ -19,6 +19,7 @@ the first dim of the first operand split over all devices where it divides.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from ..ir.graph import CONSTRAINT, Graph, Op
@@ -34,15 +35,19 @@ class PropagateSharding:
     name = "propagate-sharding"
 
     def __init__(self, mode: str = "sharding_propagation", cost: CostModel = DEFAULT_COST,
-                 allow_reduce_scatter: bool = True, memoize: bool = True):
+                 allow_reduce_scatter: bool = True, memoize: bool = True, whole_round: bool = True):
         if mode not in ("sharding_propagation", "semi_auto"):
             raise ValueError(f"unknown propagation mode {mode!r}")
         self.mode = mode
         self.cost = cost
         self.allow_reduce_scatter = allow_reduce_scatter
+        # also price the plan that completes every pending partial whole, and keep it if
+        # cheaper (False: MindSpore's op-by-op plan, the seed document's reproduction)
+        self.whole_round = whole_round
         # situation at an op -> the choice made there (None: work every choice out afresh,
         # which must give the same plan: a test holds the memo to that)
         self.memo: Optional[dict] = {} if memoize else None
+        self.whole_memo: dict = {}  # the same, for the round that completes partials whole
         self.wish_memo: Optional[dict] = {} if memoize else None  # situation -> wishes passed on
         self.compute_times: dict = {}  # id(mesh) -> cost.ComputeTimes (what a strategy costs in compute)
         self.partial_memo: dict = {}  # (rule, factors, passthrough) -> the results' pending partial
@@ -148,17 +153,52 @@ class PropagateSharding:
         best, made, rounds = None, {}, 2
         for r in range(rounds):
             # the last round may take the wished state itself; earlier ones work on a copy
-            prop = Propagation(graph, self, made, seeds, start=wished, copy=r < rounds - 1)
+            # (kept whole where a round that completes partials whole may start from it too)
+            prop = Propagation(graph, self, made, seeds, start=wished,
+                               copy=r < rounds - 1 or self.whole_round)
             prop.settle()   # writes its plan into the graph
             needs = prop.needs()
             cost = prop.plan_cost(needs)
             if best is None or cost < best[0] - 1e-12:
-                best = (cost, prop)
+                # (read now: the graph holds this round's layouts until another round writes)
+                best = (cost, prop, self.whole_round and prop.scattered_partials(needs) and prop.moves(needs))
             now = prop.made_anyway(needs)
             if now == made or not prop.carried_elsewhere(now):
                 break
             made = now
+        if best[2]:
+            # A choice settles one op: at a pending partial, a reduce_scatter onto a dim
+            # and an all_reduce cost one collective each there, and what the scattered
+            # layout costs further down (the next matmul contracting it and leaving a
+            # partial of its own) is beyond that choice. So the whole plan is priced once
+            # more with every partial passed on or completed whole, and kept where it moves
+            # data fewer times and costs less: where collective latency dominates, the seed
+            # network's one all_reduce beats two reduce_scatters. MindSpore's form (no fused
+            # reduce_scatter) keeps the document's plan, settled op by op.
+            prop = Propagation(graph, self, {}, seeds, start=wished, copy=True)
+            prop.scatter_partials = False
+            prop.settle()
+            needs = prop.needs()
+            cost = prop.plan_cost(needs)
+            if cost < best[0] - 1e-12 and prop.moves(needs) < best[2]:
+                note = (f" (its partial all-reduced whole, not scattered: the whole plan then models "
+                        f"{cost * 1e6:.1f} us in {_moves(prop.moves(needs))} against {best[0] * 1e6:.1f} us in "
+                        f"{_moves(best[2])})")
+                for (v, need), ops in needs.items():
+                    if v.layout.partial and not need.partial and not set(v.layout.partial) & set(need.sharded_axes()):
+                        for op in ops:
+                            if op is not None:
+                                op.origin = functools.partial(_noted, op.__dict__.get("_origin"), note)
+                return   # its plan is in the graph
         if best[1] is not prop:
             best[1].write_plan()   # an earlier round was cheaper: its plan goes back in
+
+
+def _moves(n: int) -> str:
+    return f"{n} redistribution" + ("s" if n != 1 else "")
+
+
+def _noted(origin, note: str) -> str:
+    return (origin if isinstance(origin, str) else origin()) + note
 
 

@@ -186,7 +186,7 @@ class ChoiceMixin:
                         for f in src.proposal}
                 said.update(f for k, v in enumerate(op.outputs)
                             for f in project(rule.results[k], self.hints.get(v), rule, mesh))
-            if pop == "sum" and rule.operands[n]:
+            if pop == "sum" and rule.operands[n] and self.scatter_partials:
                 for c, _, s in cands:
                     for fs in rule.operands[n]:
                         for f in fs:
@@ -252,7 +252,9 @@ class ChoiceMixin:
         # results only the caller reads, in no layout in particular: nothing downstream
         # can need an idle axis back, so one may be taken for compute alone
         caller_only = not any(self.users.get(v) or any(self.hints.get(v) or ()) for v in op.outputs)
-        if comm <= 0:
+        if not self.scatter_partials and any(self.partial.get(v, ((), ""))[0] for v in op.inputs):
+            return best   # a step would scatter the pending partial (this round completes it whole)
+        if comm <= 0 and (self.scatter_partials or not caller_only):
             return best   # nothing moves: a step could only trade compute, which we leave to neighbours
         free = set(reserved) | pt_axes
         while True:

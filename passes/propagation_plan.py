@@ -43,6 +43,20 @@ class PlanMixin:
                 out.setdefault(v, {}).setdefault(need, set()).update(ops)
         return out
 
+    def scattered_partials(self, needs) -> bool:
+        """Does the plan (just written) scatter a pending partial onto a dim?"""
+        for v, need in needs:
+            have = v.layout
+            if have.partial and not need.partial and set(have.partial) & set(need.sharded_axes()):
+                return True
+        return False
+
+    def moves(self, needs) -> int:
+        """How many of the plan's (just written) redistributions move data: all but
+        local slices."""
+        return sum(1 for v, need in needs
+                   if v.layout.partial or any(n[:len(h)] != h for h, n in zip(v.layout.dims, need.dims)))
+
     def plan_cost(self, needs) -> float:
         """Estimated time of the whole plan: every redistribution once, plus compute."""
         total = self._compute

@@ -49,6 +49,9 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
         self.wishing = False   # in the wish phase (``soft`` counts only there)
         self._down_cache: tuple = (None, ())   # (op being settled, its _downstream)
         self.read_downstream = False   # did settling this op read its consumers' state?
+        # False: a pending partial is passed on or completed whole, never scattered onto a
+        # dim (the round that asks whether fewer collectives make a cheaper whole plan)
+        self.scatter_partials = True
         if start is not None:
             for name in self._STATE:
                 d = getattr(start, name)
@@ -168,6 +171,8 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
         # the situation only where the choice read it (pricing a hint, rarely):
         # such entries hold one outcome per state of those consumers.
         memo = self.cfg.memo
+        if memo is not None and not self.scatter_partials:
+            memo = self.cfg.whole_memo
         if memo is None:
             outcome = self._outcome(op, rule, cur)
         else:

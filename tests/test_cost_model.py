@@ -141,7 +141,8 @@ def test_modeled_step_time_counts_collectives_and_compute():
     plan = sp.parallelize(golden_nets.seed_net, mesh=8, progress=False).plan(*args)
     t = modeled_step_time(plan.graph, DEFAULT_COST)
     assert t["collectives"] == len([c for c in plan.collectives if c.kind != "slice"]) >= 1
-    assert t["communication"] == pytest.approx(sum(DEFAULT_COST.collective_time(c.bytes) for c in plan.collectives))
+    assert t["communication"] == pytest.approx(sum(DEFAULT_COST.collective_time(c.bytes) for c in plan.collectives
+                                                   if c.kind != "slice"))   # a local slice moves nothing
     assert 0 < t["compute"] < t["total"]
 
 
