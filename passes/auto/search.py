@@ -103,7 +103,9 @@ class SearchStrategies:
         best = None
         for mesh in self._arrangements(graph):
             graph.set_mesh(mesh)
-            found = self.search(graph)
+            # a later arrangement need only consider candidates that could beat the best
+            # plan so far (its solver's objective: the plan before refinement)
+            found = self.search(graph, beat=best[2].objective if best and best[2] is not None else None)
             if found[1] is not None and (best is None or best[2] is None or found[1].modeled < best[2].modeled - 1e-15):
                 best = (mesh,) + found
             elif best is None:
@@ -117,8 +119,10 @@ class SearchStrategies:
         return graph
 
     # -- the search -----------------------------------------------------------------
-    def search(self, graph: Graph, follow: bool = True, share_layers: bool = True):
-        """(problem, solution or None if nothing fits the memory limit, peak)."""
+    def search(self, graph: Graph, follow: bool = True, share_layers: bool = True, beat: Optional[float] = None):
+        """(problem, solution or None if nothing fits the memory limit, peak); ``beat``:
+        the modeled time of a plan found elsewhere (only candidates that could beat it
+        are searched)."""
         problem = Problem(graph, self.cost, follow=follow, share_layers=share_layers,
                           allow_reduce_scatter=self.allow_rs)
         limit = self.memory_limit
@@ -127,6 +131,8 @@ class SearchStrategies:
         # the marks fix), if it fits; no candidate that cannot beat it is searched
         first = {t: 0 for t in problem.unary}
         upper = problem.objective(first) if limit is None or memory.peak(first)[0] <= limit else None
+        if beat is not None:
+            upper = beat if upper is None else min(upper, beat)
         red = milp.reduce(problem, memory_matters=limit is not None, upper=upper)
         rows, total = [], 0.0
         for _ in range(MAX_MEMORY_ROUNDS):
