@@ -187,26 +187,32 @@ def check_against_shapes(strategies, shapes, *, operator, source, strategy, what
 
 
 def check_splits_agree(factors, ins, *, operator, source, shapes, strategy) -> None:
-    """Dims that are one factor of the operator (a matmul's contracted dims) need one split count."""
-    seen: dict[int, tuple[int, int, int]] = {}
+    """Dims that are one factor of the operator (a matmul's contracted dims) need one
+    split: one split count, or the same mesh axes. Checked on the function itself, so
+    also where autodiff later drops the forward op."""
+    seen: dict[tuple, tuple[int, int, object]] = {}
     for k, ((kind, body), classes) in enumerate(zip(ins, factors.classes)):
-        if kind != "splits":
-            continue
         for d, c in enumerate(classes):
-            if c not in seen:
-                seen[c] = (k, d, body[d])
+            split = body[d]
+            if (kind, c) not in seen:
+                seen[(kind, c)] = (k, d, split)
                 continue
-            k1, d1, s1 = seen[c]
-            if s1 != body[d]:
+            k1, d1, s1 = seen[(kind, c)]
+            if s1 != split:
                 how = "contracted together" if factors.reduced[c] else "the same dimension of the operator"
-                fixed = [list(b) for _, b in ins]
-                fixed[k][d] = s1
                 prims = ", ".join(factors.operators)
+                if kind == "splits":
+                    fixed = [list(b) for _, b in ins]
+                    fixed[k][d] = s1
+                    said, fix = f"split {s1} and {split}", \
+                        f"give them the same split count, e.g. {tuple(tuple(b) for b in fixed)}"
+                else:
+                    said = f"split over mesh axes {s1} and {split}"
+                    fix = f"give them the same mesh axes (both {s1}, or both {split})"
                 raise sharding_error(
                     f"input {k1} dim {d1} (size {shapes[k1][d1]}) and input {k} dim {d} (size {shapes[k][d]}) are "
-                    f"{how} ({prims}), but are split {s1} and {body[d]}", operator=operator, source=source,
-                    shapes=shapes, strategy=strategy,
-                    fix=f"give them the same split count, e.g. {tuple(tuple(b) for b in fixed)}")
+                    f"{how} ({prims}), but are {said}", operator=operator, source=source,
+                    shapes=shapes, strategy=strategy, fix=fix)
 
 
 def shard(fn: Callable, in_strategy, out_strategy=None) -> Callable:
@@ -243,7 +249,7 @@ def shard(fn: Callable, in_strategy, out_strategy=None) -> Callable:
         check_against_shapes(ins, shapes, operator=operator, source=source, strategy=in_strategy,
                              what="in_strategy")   # ranks first: the checks below index dims
         factors = None
-        if any(kind == "splits" for kind, _ in ins):
+        if any(kind == "splits" or any(body) for kind, body in ins):
             from .regions import factor_classes
             factors = factor_classes(fn, args, kwargs, arrays)
             check_splits_agree(factors, ins, operator=operator, source=source, shapes=shapes, strategy=in_strategy)

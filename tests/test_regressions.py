@@ -104,6 +104,20 @@ def test_invalid_strategy_on_an_unused_result_is_an_error(strategy, mesh, shape,
     assert f"shapes:   ({shape},)" in msg and "strategy:" in msg and "fix:" in msg
 
 
+@pytest.mark.parametrize("fn", [jnp.add, lambda a, b: a.at[jnp.array([3, 0, 1, 2])].set(b[:4])],
+                         ids=["add", "scatter"])
+def test_partition_specs_that_split_one_factor_two_ways_are_an_error_under_grad(fn):
+    """Under grad the marked op may be gone (a linear op's gradient does not need it) or
+    rewritten; the mismatch is found on the marked function itself (fuzz seed 30001 #1166)."""
+    a, b = np.ones((5, 8), np.float32), np.ones((5, 8), np.float32)
+    g = jax.grad(lambda a, b: jnp.sum(sp.shard(fn, (P(None, ("dp", "mp")), P(None, None)))(a, b)), argnums=(0, 1))
+    with pytest.raises(sp.ShardingError) as e:
+        sp.parallelize(g, mesh=MESH_2x4)(a, b)
+    msg = str(e.value)
+    assert "same dimension" in msg and "('dp', 'mp') and ()" in msg and "test_regressions.py:" in msg
+    assert "fix:" in msg and "shapes:" in msg
+
+
 def test_out_strategy_that_does_not_match_the_outputs_names_them():
     with pytest.raises(sp.ShardingError) as e:
         sp.parallelize(lambda x: (x * 2, x + 1), mesh=8, out_strategy=((8, 1),))(np.ones((8, 8), np.float32))
