@@ -217,6 +217,7 @@ def run_auto(case: zoo.Case, reps: int, cost_model, hand: bool = False) -> dict:
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
     n = mesh.devices.size
     args = case.args()
+    host = jax.tree_util.tree_map(np.array, args)   # donated state is deleted: each plan gets its copy
     zoo.annotate.mode = "plain"
     reference = jax.jit(case.fn)(*args)
     row = {"case": case.name}
@@ -261,7 +262,7 @@ def run_auto(case: zoo.Case, reps: int, cost_model, hand: bool = False) -> dict:
         row["hand"] = {}
         for name, (mode, kw) in hand_plans(case).items():
             try:
-                step, ok, comp = hand_step(case, mesh, args, reference, mode, kw)
+                step, ok, comp = hand_step(case, mesh, jax.tree_util.tree_map(np.array, host), reference, mode, kw)
             except sp.ShardingError as e:
                 row["hand"][name] = {"error": str(e).splitlines()[0]}
                 continue
