@@ -193,7 +193,7 @@ def check_splits_agree(factors, ins, *, operator, source, shapes, strategy) -> N
     seen: dict[tuple, tuple[int, int, object]] = {}
     for k, ((kind, body), classes) in enumerate(zip(ins, factors.classes)):
         for d, c in enumerate(classes):
-            split = body[d]
+            split = body[d] if d < len(body) else ()    # a PartitionSpec may leave trailing dims out
             if (kind, c) not in seen:
                 seen[(kind, c)] = (k, d, split)
                 continue

@@ -248,3 +248,13 @@ def test_in_strategy_for_optimizer_state_namedtuples():
     strategy = jax.tree_util.tree_map(lambda a: () if np.ndim(a) == 0 else (8, 1), state)
     pf = sp.parallelize(step, mesh=8, in_strategy=((8, 1), strategy, (8, 1)))
     assert_trees_close(pf(w, state, x), jax.jit(step)(w, state, x))
+
+
+def test_partition_specs_shorter_than_the_rank_are_checked_per_dim():
+    """A PartitionSpec may leave trailing dims out (they are unsplit): the agreement check
+    of a marked function's factors reads them as ()."""
+    rng = np.random.default_rng(5)
+    a, b = rand(rng, 8, 4), rand(rng, 8, 4)
+    check_parallel(lambda a, b: sp.shard(jnp.add, (P("dp"), P("dp", None)))(a, b), (a, b), mesh=MESH_2x4)
+    with pytest.raises(sp.ShardingError, match=r"\('mp',\) and \(\)"):
+        sp.parallelize(lambda a, b: sp.shard(jnp.add, (P(None, "mp"), P("dp")))(a, b), mesh=MESH_2x4)(a, b)
