@@ -60,6 +60,21 @@ def fmt_rate(x):
     return f"{x:,.0f}"
 
 
+def samples_per_s(step, params, state, log, size, reps):
+    """Median samples/s of ``step(params, state, batch)`` over ``reps`` fresh batches, after
+    one step that compiles."""
+    params, state, loss = step(params, state, log.batch(0, size))   # compile
+    jax.block_until_ready(loss)
+    times = []
+    for r in range(reps):
+        b = log.batch(1 + r, size)
+        t = time.perf_counter()
+        params, state, loss = step(params, state, b)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t)
+    return size / statistics.median(times)
+
+
 # -- sync and GEO (SPMD) ----------------------------------------------------------------
 
 def bench_sync(cfg, log, devices, per_worker, reps):
@@ -71,16 +86,7 @@ def bench_sync(cfg, log, devices, per_worker, reps):
     batch = log.batch(0, size)
     plan = step.plan(params, state, batch)
     moved = sum(c.bytes for c in plan.collectives)
-    params, state, loss = step(params, state, batch)   # compile
-    jax.block_until_ready(loss)
-    times = []
-    for r in range(reps):
-        b = log.batch(1 + r, size)
-        t = time.perf_counter()
-        params, state, loss = step(params, state, b)
-        jax.block_until_ready(loss)
-        times.append(time.perf_counter() - t)
-    return size / statistics.median(times), moved / size
+    return samples_per_s(step, params, state, log, size, reps), moved / size
 
 
 def bench_geo(cfg, log, devices, per_worker, k, reps):
@@ -193,16 +199,7 @@ def bench_replicated(cfg, log, devices, per_worker, reps):
     step = sp.parallelize(wd.make_train_step(opt), mesh=devices, in_strategy=(repl, None, split),
                           donate_argnums=(0, 1))
     moved = sum(c.bytes for c in step.plan(params, state, batch).collectives)
-    params, state, loss = step(params, state, batch)
-    jax.block_until_ready(loss)
-    times = []
-    for r in range(reps):
-        b = log.batch(1 + r, size)
-        t = time.perf_counter()
-        params, state, loss = step(params, state, b)
-        jax.block_until_ready(loss)
-        times.append(time.perf_counter() - t)
-    return size / statistics.median(times), moved / size
+    return samples_per_s(step, params, state, log, size, reps), moved / size
 
 
 def part_crossover(cfg, args):
