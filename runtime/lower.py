@@ -29,7 +29,9 @@ def partition_spec(layout: Layout) -> PartitionSpec:
 
 
 def _axis_offset(axes: Sequence[str], block: int):
-    return lax.axis_index(tuple(axes)) * block if axes else 0
+    # int32 throughout: dynamic_slice wants one index type, and under jax_enable_x64 a
+    # Python 0 would become int64 beside axis_index's int32
+    return lax.axis_index(tuple(axes)) * np.int32(block) if axes else np.int32(0)
 
 
 def _run_collective(op: Op, x, mesh_axes: tuple):
@@ -46,7 +48,7 @@ def _run_collective(op: Op, x, mesh_axes: tuple):
         return _all_to_all(x, tuple(p["axes"]), split_dim=p["dst_dim"], concat_dim=p["src_dim"])
     if k == "slice":
         out = op.outputs[0].local_type.shape
-        starts = [0] * x.ndim
+        starts = [np.int32(0)] * x.ndim
         for d, axes in p["cuts"]:
             starts[d] = _axis_offset(axes, out[d])
         return lax.dynamic_slice(x, starts, out)

@@ -258,3 +258,14 @@ def test_partition_specs_shorter_than_the_rank_are_checked_per_dim():
     check_parallel(lambda a, b: sp.shard(jnp.add, (P("dp"), P("dp", None)))(a, b), (a, b), mesh=MESH_2x4)
     with pytest.raises(sp.ShardingError, match=r"input 0 dim 1 .* split over mesh axes \('mp',\) and \(\)"):
         sp.parallelize(lambda a, b: sp.shard(jnp.add, (P("dp", "mp"), P("dp")))(a, b), mesh=MESH_2x4)(a, b)
+
+
+def test_local_slices_lower_under_x64():
+    """With jax_enable_x64 a Python 0 start became int64 beside axis_index's int32 and
+    dynamic_slice refused the mix (the fuzzer's float64 second opinion hit it)."""
+    with jax.enable_x64(True):
+        x = np.arange(64.0).reshape(8, 8)             # float64
+        f = lambda x: sp.shard(jnp.tanh, ((8, 1),))(x)
+        pf = sp.parallelize(f, mesh=8, in_strategy=((1, 1),))    # replicated in, split by the mark
+        assert any(c.kind == "slice" for c in pf.plan(x).collectives)
+        assert_trees_close(pf(x), jax.jit(f)(x))
