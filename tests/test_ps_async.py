@@ -4,9 +4,10 @@ The pieces without Ray: row ranges, staleness bound, the rows a push touches
 updated like optax on the whole table, the message when the ``ps`` extra is
 missing. With Ray (one session, tests/ps_scripts/ps_job.py, shared by the tests
 below): one sync step equals the single-device step; a 3x slower worker holds
-the others back in sync, not in async; async AUC keeps up with sync's; a killed
-worker is reported and the job goes on; a killed server stops the job with a
-clear error; no process is left behind."""
+the others back in sync, not in async; async AUC is within 2% of sync's (sync at
+the learning rate scaled by the worker count); a killed worker is reported and the
+job goes on; a killed server stops the job with a clear error; no process is left
+behind. The launcher: one run with a killed worker, then a killed server."""
 import importlib.util
 import json
 import os
@@ -75,6 +76,7 @@ def test_row_update_equals_optax_on_the_whole_table():
     opt = optax.adagrad(0.1)
     full, full_state = jax.numpy.asarray(table), opt.init(jax.numpy.asarray(table))
     mine, state = table.copy(), sparse_update.init_state(opt, table)
+    update = sparse_update.RowUpdate(opt)
     for _ in range(3):
         rows = np.sort(rng.choice(20, 6, replace=False))
         g = rng.standard_normal((6, 4)).astype(np.float32)
@@ -82,7 +84,7 @@ def test_row_update_equals_optax_on_the_whole_table():
         dense_g[rows] = g
         updates, full_state = opt.update(dense_g, full_state, full)
         full = optax.apply_updates(full, updates)
-        state = sparse_update.apply_rows(opt, mine, state, rows, g)
+        state = update(mine, state, rows, g)
     np.testing.assert_allclose(mine, np.asarray(full), rtol=1e-6, atol=1e-6)
 
 
@@ -208,11 +210,15 @@ def test_slow_worker_holds_back_sync_not_async(session):
 
 
 @needs_ray
-def test_async_auc_keeps_up_with_sync(session):
+def test_async_auc_is_within_2_percent_of_sync(session):
+    """After the same samples, |AUC_async - AUC_sync| <= 2% of sync's, either way. Sync
+    averages the workers' gradients into one update, so it runs at the learning rate times
+    the worker count (ps_job.py), the rule for a larger batch."""
     r = _results(session)
+    sync = r["sync_even"]["auc"]
     for run in ("async_even", "async_slow"):
-        assert r[run]["auc"] >= 0.98 * r["sync_even"]["auc"], (run, r[run]["auc"], r["sync_even"]["auc"])
-    assert r["sync_even"]["auc"] > 0.7     # it learned something
+        assert abs(r[run]["auc"] - sync) <= 0.02 * sync, (run, r[run]["auc"], sync)
+    assert sync > 0.7     # it learned something
 
 
 @needs_ray
@@ -246,11 +252,12 @@ def test_no_process_is_left_behind(session):
 
 # -- the launcher: shardprop launch --server-num N --worker-num M -----------------------
 
-def _launch(args, cwd, env_extra=None, **kw):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env_extra or {}))
+def _launch(args, cwd, env_extra=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.update(env_extra or {})
     env.pop("XLA_FLAGS", None)
     return subprocess.Popen([sys.executable, "-m", "shardprop.runtime.launch"] + [str(a) for a in args], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                            env=env, stdout=stdout, stderr=stderr, text=True)
 
 
 def _role_pid(marker, role, index):
@@ -264,27 +271,45 @@ def _role_pid(marker, role, index):
     return None
 
 
-@needs_ray
-def test_launch_servers_and_workers_a_killed_worker_is_reported(tmp_path):
-    """One script in every role on Ray; worker 1 is killed mid-run, worker 0 finishes
-    the budget, the server reports its staleness, nothing is left behind."""
-    marker = f"ps-launch-{uuid.uuid4()}"
-    p = _launch(["--server-num", 1, "--worker-num", 2, ROOT / "examples" / "ps_async.py", "--small",
-                 "--samples", 400_000, "--batch", 1024], tmp_path, {"SHARDPROP_TEST_MARK": marker})
-    log1 = tmp_path / "log" / "workerlog.1"
-    deadline = time.monotonic() + 200
-    while "worker 1: step 10," not in (log1.read_text() if log1.exists() else ""):
-        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+def _wait_for(text, path, proc, seconds):
+    """Wait until ``path`` contains ``text`` (failing if the launcher ends first)."""
+    deadline = time.monotonic() + seconds
+    while text not in (path.read_text() if path.exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, (text, proc.poll())
         time.sleep(0.2)
-    pid = _role_pid(marker, "worker", 1)
-    os.kill(pid, 9)
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err[-3000:]
-    assert "worker 1 failed (killed by SIGKILL); the 1 server(s) and 1 other worker(s) carry on" in err
-    assert "done; 1 of 2 worker(s) finished, failed: 1" in out
-    assert "AUC" in out and "worker 0: done:" in (tmp_path / "log" / "workerlog.0").read_text()
-    server_log = (tmp_path / "log" / "serverlog.0").read_text()
-    assert "server 0: serving emb rows 0-2495" in server_log and "server 0: stopped after" in server_log
+
+
+@needs_ray
+def test_launch_a_killed_worker_is_reported_a_killed_server_stops_the_run(tmp_path):
+    """One script in every role on Ray, one launch for both failures (starting the
+    cluster is most of the time): worker 1 killed mid-run is reported while worker 0
+    and the server carry on; then server 0 killed stops the run, non-zero, naming it;
+    nothing is left behind."""
+    marker = f"ps-launch-{uuid.uuid4()}"
+    out, err = tmp_path / "launch.out", tmp_path / "launch.err"
+    with open(out, "w") as o, open(err, "w") as e:   # files, not pipes: read while it runs
+        p = _launch(["--server-num", 1, "--worker-num", 2, ROOT / "examples" / "ps_async.py", "--small",
+                     "--samples", 10_000_000, "--batch", 1024], tmp_path, {"SHARDPROP_TEST_MARK": marker},
+                    stdout=o, stderr=e)
+    try:
+        logs = tmp_path / "log"
+        _wait_for("worker 1: step 10,", logs / "workerlog.1", p, 200)
+        os.kill(_role_pid(marker, "worker", 1), 9)
+        _wait_for("worker 1 failed (killed by SIGKILL); the 1 server(s) and 1 other worker(s) carry on", err, p, 60)
+        steps = (logs / "workerlog.0").read_text().count("worker 0: step ")
+        _wait_for(f"worker 0: step {10 * (steps + 2)},", logs / "workerlog.0", p, 60)   # it goes on training
+        assert "server 0: serving emb rows 0-2495" in (logs / "serverlog.0").read_text()
+        os.kill(_role_pid(marker, "server", 0), 9)
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.terminate()   # the launcher stops every role and the cluster on SIGTERM
+            p.wait(timeout=120)
+    stderr = err.read_text()
+    assert p.returncode == 128 + 9, stderr[-3000:]
+    assert ("shardprop launch: server 0 ended (killed by SIGKILL) while workers were training: the parameters "
+            "it held are gone, so the run is stopped. See") in stderr, stderr[-3000:]
+    assert "done;" not in out.read_text()
     deadline = time.monotonic() + 15
     while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -311,4 +336,16 @@ def test_launch_bad_role_arguments(tmp_path, args, message):
     p = _launch(args + [ROOT / "tests" / "ps_scripts" / "show_role.py"], tmp_path)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 2 and message in err
+    assert not (tmp_path / "log").exists()
+
+
+def test_launch_without_ray_names_the_extra(tmp_path):
+    """An async run on a machine without the ``ps`` extra stops before starting anything."""
+    (tmp_path / "no_ray").mkdir()
+    (tmp_path / "no_ray" / "ray.py").write_text("raise ImportError(\"No module named 'ray'\")\n")
+    p = _launch(["--server-num", 1, "--worker-num", 2, ROOT / "tests" / "ps_scripts" / "show_role.py"], tmp_path,
+                {"PYTHONPATH": os.pathsep.join([str(tmp_path / "no_ray"), str(ROOT)])})
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2, err[-2000:]
+    assert "runs on Ray, which is not installed" in err and "pip install -e '.[ps]'" in err
     assert not (tmp_path / "log").exists()

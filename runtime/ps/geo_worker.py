@@ -87,8 +87,8 @@ class GeoWorker(Worker):
                              f"it must be an integer of at least 1 (1 = push every step)")
         return int(k_steps)
 
-    def reset(self, delay_factor: float = 1.0) -> None:
-        super().reset(delay_factor)
+    def reset(self, delay_factor: float = 1.0, optimizer=None) -> None:
+        super().reset(delay_factor, optimizer)
         self.round_step = 0
         self.opt_state = self.optimizer.init(self.template)   # no per-row state (check_stateless)
 

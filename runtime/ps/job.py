@@ -110,9 +110,10 @@ class Job:
         shard = {t: (int(bounds[t][s]), a[bounds[t][s]:bounds[t][s + 1]]) for t, a in tables.items()}
         return shard, {k: dense[k] for k in self.layout.dense_on(s)}
 
-    def reset(self, mode: Optional[str] = None, slow_workers: Optional[dict] = None) -> None:
+    def reset(self, mode: Optional[str] = None, slow_workers: Optional[dict] = None, optimizer=None) -> None:
         """Start over from the initial parameters on the same actors (no restart): for
-        comparing modes, or a slow worker against none, side by side in one run."""
+        comparing modes, a slow worker against none, or optimizers (sync at a scaled
+        learning rate), side by side in one run."""
         if mode is not None:
             if (mode == "geo") != (self.mode == "geo"):
                 raise ValueError(f"reset(mode={mode!r}): a {self.mode!r} job's workers cannot switch to {mode!r} "
@@ -122,9 +123,14 @@ class Job:
             self.mode = mode
         if slow_workers is not None:
             self.slow_workers = dict(slow_workers)
+        if optimizer is not None:
+            if self.mode == "geo":
+                check_stateless(optimizer)
+            self.optimizer = optimizer
         ray = self.ray
-        ray.get([server.reset.remote(*self.server_share(s), self.mode) for s, server in enumerate(self.servers)])
-        ray.get([self.workers[w].reset.remote(self.slow_workers.get(w, 1.0)) for w in self.alive])
+        ray.get([server.reset.remote(*self.server_share(s), self.mode, optimizer)
+                 for s, server in enumerate(self.servers)])
+        ray.get([self.workers[w].reset.remote(self.slow_workers.get(w, 1.0), optimizer) for w in self.alive])
 
     def close(self) -> None:
         if self.ray is None:

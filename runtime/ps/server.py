@@ -28,15 +28,18 @@ class ParameterServer:
     def __init__(self, index: int, tables: dict, dense: dict, optimizer, mode: str, max_staleness):
         """``tables``: name -> (first row, rows array of this server's range)."""
         self.index = index
-        self.optimizer = optimizer
         self.max_staleness = max_staleness
-        self.dense_step = sparse_update.dense_step(optimizer)
-        self.reset(tables, dense, mode)
+        self.reset(tables, dense, mode, optimizer)
 
-    def reset(self, tables: dict, dense: dict, mode: str) -> None:
-        """Start over from these parameters (fresh optimizer state, version 0)."""
+    def reset(self, tables: dict, dense: dict, mode: str, optimizer=None) -> None:
+        """Start over from these parameters (fresh optimizer state, version 0), with
+        ``optimizer`` from now on if given."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: one of {MODES}")
+        if optimizer is not None:
+            self.optimizer = optimizer
+            self.dense_step = sparse_update.dense_step(optimizer)
+            self.row_update = sparse_update.RowUpdate(optimizer)
         self.mode = mode
         self.first_row = {name: int(lo) for name, (lo, _) in tables.items()}
         self.tables = {name: np.array(rows, np.float32) for name, (_, rows) in tables.items()}
@@ -104,8 +107,7 @@ class ParameterServer:
         for name, (ids, grads) in sparse.items():
             if len(ids):
                 local = np.asarray(ids) - self.first_row[name]
-                self.table_state[name] = sparse_update.apply_rows(self.optimizer, self.tables[name],
-                                                                  self.table_state[name], local, grads)
+                self.table_state[name] = self.row_update(self.tables[name], self.table_state[name], local, grads)
 
     def stats(self) -> dict:
         return {"server": self.index, "pid": os.getpid(), "version": self.version, "samples": self.samples,

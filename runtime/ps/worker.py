@@ -38,8 +38,11 @@ class Worker:
         self.optimizer = optimizer        # GEO: the worker's own optimizer
         self.reset(delay_factor)
 
-    def reset(self, delay_factor: float = 1.0) -> None:
-        """Back to the first batch, with fresh counters (the servers are reset by the driver)."""
+    def reset(self, delay_factor: float = 1.0, optimizer=None) -> None:
+        """Back to the first batch, with fresh counters (the servers are reset by the driver);
+        GEO's local optimizer replaced if one is given."""
+        if optimizer is not None:
+            self.optimizer = optimizer
         self.batches = iter(self.make_batches(self.index, self.num_workers))
         self.delay_factor = delay_factor
         self.last_ack = {"applied": None, "staleness": 0, "version": 0, "samples": 0}

@@ -1,6 +1,6 @@
 """One Ray session for tests/test_ps_async.py (starting Ray and the actors is the
-slow part): one sync step, one GEO round; a slow worker against none, async and sync, side by side; then a
-worker killed mid-run; then a server killed mid-run (the job stops with
+slow part): one sync step, one GEO round; a slow worker against none, async and sync (at
+the learning rate scaled by the worker count), side by side; then a worker killed mid-run; then a server killed mid-run (the job stops with
 ParameterServerError, so this script ends with it). Writes results.json."""
 import json
 import os
@@ -18,19 +18,6 @@ import optax  # noqa: E402
 import wide_and_deep as wd  # noqa: E402
 
 import shardprop as sp  # noqa: E402
-
-
-class Batches:
-    """Worker w reads batches w, w + n, w + 2n, ... of the click log."""
-
-    def __init__(self, cfg, size):
-        self.log, self.size = wd.ClickLog(cfg), size
-
-    def __call__(self, worker, num_workers):
-        i = worker
-        while True:
-            yield self.log.batch(i, self.size)
-            i += num_workers
 
 
 def flat(params):
@@ -52,7 +39,7 @@ def main(out_dir, budget, batch):
     params = wd.init_params(cfg)
     log = wd.ClickLog(cfg)
     results = {}
-    job = sp.ps.Job(wd.loss_fn, params, {"emb": "ids", "wide": "ids"}, Batches(cfg, batch), optax.sgd(0.5),
+    job = sp.ps.Job(wd.loss_fn, params, {"emb": "ids", "wide": "ids"}, wd.Batches(cfg, batch), optax.sgd(0.5),
                     num_servers=2, num_workers=3, mode="async", max_staleness=16)
     with job:
         results["pids"] = {"servers": job.server_pids(), "workers": job.worker_pids(), "driver": os.getpid()}
@@ -62,20 +49,24 @@ def main(out_dir, budget, batch):
         job.train(3 * batch)
         np.savez(os.path.join(out_dir, "sync_one_step.npz"), **flat(job.params()))
         # GEO on Ray, one worker: a round of k=3 local steps (rows pulled as batches need them) is 3 SGD steps
-        with sp.ps.Job(wd.loss_fn, params, {"emb": "ids", "wide": "ids"}, Batches(cfg, batch), optax.sgd(0.5),
+        with sp.ps.Job(wd.loss_fn, params, {"emb": "ids", "wide": "ids"}, wd.Batches(cfg, batch), optax.sgd(0.5),
                        num_servers=2, num_workers=1, mode="geo", k_steps=3) as geo:
             r = geo.train(3 * batch)
             np.savez(os.path.join(out_dir, "geo_k3.npz"), **flat(geo.params()))
             results["geo_k3"] = {"samples": r.samples, "pushed": r.workers[0]["bytes_pushed"]}
+        # sync averages the 3 workers' gradients into one update (Paddle's merge), so at the same
+        # samples it makes a third of async's updates: it gets the learning rate scaled by the
+        # worker count (the linear scaling rule for a 3x larger batch)
+        lr = {"async": 0.5, "sync": 0.5 * 3}
         for mode in ("async", "sync"):
             for slow in ({}, {1: 3.0}):
-                job.reset(mode, slow)
+                job.reset(mode, slow, optax.sgd(lr[mode]))
                 r = job.train(budget)
                 results[f"{mode}_{'slow' if slow else 'even'}"] = {
                     "per_worker": {w["worker"]: w["samples_per_s"] for w in r.workers},
                     "auc": wd.evaluate(job.params(), log)[1], "staleness": r.staleness,
                     "bytes_per_sample": r.bytes_per_sample()}
-        job.reset("async", {})
+        job.reset("async", {}, optax.sgd(0.5))
         killer = kill_when(job, budget // 4, job.worker_pids()[2])
         r = job.train(budget)
         killer.join()
