@@ -37,19 +37,6 @@ TABLES = {"emb": "ids", "wide": "ids"}
 LR = 0.5
 
 
-class Batches:
-    """Worker w reads batches w, w + n, ... of the click log (picklable for Ray)."""
-
-    def __init__(self, cfg, size):
-        self.log, self.size = wd.ClickLog(cfg), size
-
-    def __call__(self, worker, num_workers):
-        i = worker
-        while True:
-            yield self.log.batch(i, self.size)
-            i += num_workers
-
-
 def stacked(log, first, count, size):
     """``count`` consecutive global batches stacked on a leading axis (a GEO round's input)."""
     bs = [log.batch(first + i, size) for i in range(count)]
@@ -112,7 +99,7 @@ def bench_geo(cfg, log, devices, per_worker, k, reps):
 # -- async (Ray) ------------------------------------------------------------------------
 
 def make_job(cfg, workers, per_worker, servers=2, k_steps=None):
-    return sp.ps.Job(wd.loss_fn, wd.init_params(cfg), TABLES, Batches(cfg, per_worker), wd.make_optimizer(LR),
+    return sp.ps.Job(wd.loss_fn, wd.init_params(cfg), TABLES, wd.Batches(cfg, per_worker), wd.make_optimizer(LR),
                      num_servers=servers, num_workers=workers, mode="geo" if k_steps else "async",
                      max_staleness=16, k_steps=k_steps)
 
@@ -153,35 +140,44 @@ def part_modes(cfg, args):
 
 def part_slow(cfg, args):
     """4 workers, worker 1 made 3x slower (each of its steps sleeps twice its own
-    duration), against all at the same pace; async and sync on the same actors."""
+    duration), against all at the same pace; async and sync on the same actors.
+    Sync averages the 4 gradients of a step into one update (Paddle's merge), so at
+    the same samples it makes a quarter of async's updates: it runs at the learning
+    rate times 4 (the linear scaling rule for a 4x larger batch); one more sync run
+    at the unscaled rate shows what the scaling is worth."""
     log = wd.ClickLog(cfg)
-    print(f"\n## one worker 3x slower (4 workers, 2 servers, {args.per_worker} samples per step, budget "
+    workers = 4
+    print(f"\n## one worker 3x slower ({workers} workers, 2 servers, {args.per_worker} samples per step, budget "
           f"{args.budget:,} samples, median of {args.reps})")
+    cases = [("async", {}, LR), ("async", {1: 3.0}, LR), ("sync", {}, LR * workers), ("sync", {1: 3.0}, LR * workers),
+             ("sync", {}, LR)]
     runs = {}
-    with make_job(cfg, 4, args.per_worker) as job:
-        job.train(args.per_worker * 4 * 8)
+    with make_job(cfg, workers, args.per_worker) as job:
+        job.train(args.per_worker * workers * 8)
         for _ in range(args.reps):      # interleaved, so drift in the machine's load hits every case alike
-            for mode in ("async", "sync"):
-                for slow in ({}, {1: 3.0}):
-                    job.reset(mode, slow)
-                    r = job.train(args.budget)
-                    fast = statistics.median(w["samples_per_s"] for w in r.workers if w["worker"] != 1)
-                    slowest = [w["samples_per_s"] for w in r.workers if w["worker"] == 1]
-                    key = (mode, bool(slow))
-                    runs.setdefault(key, []).append((fast, slowest[0] if slowest else 0.0,
-                                                     wd.evaluate(job.params(), log)[1], r.staleness["max"]))
+            for mode, slow, lr in cases:
+                job.reset(mode, slow, wd.make_optimizer(lr))
+                r = job.train(args.budget)
+                fast = statistics.median(w["samples_per_s"] for w in r.workers if w["worker"] != 1)
+                slowest = [w["samples_per_s"] for w in r.workers if w["worker"] == 1]
+                runs.setdefault((mode, bool(slow), lr), []).append(
+                    (fast, slowest[0] if slowest else 0.0, wd.evaluate(job.params(), log)[1], r.staleness["max"]))
     med = {k: tuple(statistics.median(x[i] for x in v) for i in range(4)) for k, v in runs.items()}
-    print(f"{'mode':<7}{'worker 1':>10}{'others samples/s':>18}{'worker 1 samples/s':>20}{'AUC':>8}{'max stale':>11}")
-    for (mode, slow), (fast, one, auc, stale) in sorted(med.items()):
-        print(f"{mode:<7}{'3x slow' if slow else 'even':>10}{fmt_rate(fast):>18}{fmt_rate(one):>20}{auc:>8.4f}"
-              f"{stale:>11.0f}")
-    for mode in ("async", "sync"):
-        ratio = med[(mode, True)][0] / med[(mode, False)][0]
+    print(f"{'mode':<7}{'lr':>6}{'worker 1':>10}{'others samples/s':>18}{'worker 1 samples/s':>20}{'AUC':>8}"
+          f"{'max stale':>11}")
+    for (mode, slow, lr), (fast, one, auc, stale) in med.items():
+        print(f"{mode:<7}{lr:>6.2f}{'3x slow' if slow else 'even':>10}{fmt_rate(fast):>18}{fmt_rate(one):>20}"
+              f"{auc:>8.4f}{stale:>11.0f}")
+    sync_lr = LR * workers
+    for mode, lr in (("async", LR), ("sync", sync_lr)):
+        ratio = med[(mode, True, lr)][0] / med[(mode, False, lr)][0]
         print(f"{mode}: the other workers' throughput with a 3x slower worker is {ratio:.2f}x of all-even "
               f"({(1 - ratio) * 100:+.0f}% drop)")
-    a, s = med[("async", True)][2], med[("sync", False)][2]
-    print(f"AUC after {args.budget:,} samples: async with the slow worker {a:.4f}, sync {s:.4f} "
-          f"({(a - s) / s * 100:+.1f}%)")
+    s = med[("sync", False, sync_lr)][2]
+    for slow in (False, True):
+        a = med[("async", slow, LR)][2]
+        print(f"AUC after {args.budget:,} samples: async{' with the slow worker' if slow else ''} {a:.4f}, "
+              f"sync at lr x{workers} {s:.4f} ({(a - s) / s * 100:+.1f}%)")
     return med
 
 

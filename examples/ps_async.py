@@ -25,19 +25,6 @@ import wide_and_deep as wd  # noqa: E402
 import shardprop as sp  # noqa: E402
 
 
-class Batches:
-    """Worker w reads batches w, w + n, w + 2n, ... of the click log (picklable: it travels to the workers)."""
-
-    def __init__(self, cfg: wd.Config, size: int):
-        self.log, self.size = wd.ClickLog(cfg), size
-
-    def __call__(self, worker: int, num_workers: int):
-        i = worker
-        while True:
-            yield self.log.batch(i, self.size)
-            i += num_workers
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="26 x 96 rows instead of 26 x 40,000")
@@ -50,7 +37,7 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=2, help="without the launcher: worker actors")
     args = ap.parse_args(argv)
     cfg = wd.Config.small() if args.small else wd.Config()
-    out = sp.ps.run(wd.loss_fn, wd.init_params(cfg), {"emb": "ids", "wide": "ids"}, Batches(cfg, args.batch),
+    out = sp.ps.run(wd.loss_fn, wd.init_params(cfg), {"emb": "ids", "wide": "ids"}, wd.Batches(cfg, args.batch),
                     optax.sgd(args.lr), samples=args.samples, num_servers=args.servers, num_workers=args.workers,
                     max_staleness=args.max_staleness, k_steps=args.k_steps)
     if out.role == "driver":

@@ -17,7 +17,8 @@ features decides each click, so AUC says how much of that model was learned.
     python examples/wide_and_deep.py --small --steps 50  # a quick run
 
 Everything a benchmark or test needs is importable: ``Config``, ``ClickLog``,
-``init_params``, ``logits``, ``loss_fn``, ``make_train_step``, ``auc``, ``train``.
+``Batches`` (a parameter-server worker's reader), ``init_params``, ``logits``,
+``loss_fn``, ``make_train_step``, ``auc``, ``train``.
 """
 from __future__ import annotations
 
@@ -106,6 +107,22 @@ class ClickLog:
                  + 0.5 * np.tanh(dense[:, 0] * dense[:, 1]))
         label = rng.random(size) < 1.0 / (1.0 + np.exp(-logit))
         return {"dense": dense.astype(np.float32), "ids": ids.astype(np.int32), "label": label.astype(np.float32)}
+
+
+class Batches:
+    """A parameter-server job's reader (``sp.ps.Job(batches=...)``): worker w of n reads
+    global batches w, w + n, w + 2n, ... of the click log, ``size`` samples each.
+    Ray pickles it by reference, so it lives here, in the module that Ray's worker
+    processes import anyway for ``loss_fn``."""
+
+    def __init__(self, cfg: Config, size: int):
+        self.log, self.size = ClickLog(cfg), size
+
+    def __call__(self, worker: int, num_workers: int):
+        i = worker
+        while True:
+            yield self.log.batch(i, self.size)
+            i += num_workers
 
 
 # -- the model --------------------------------------------------------------------------

@@ -210,19 +210,11 @@ class Workers:
             rank = self.cfg.node_rank * self.cfg.nproc + local
             path = os.path.join(self.cfg.log_dir, f"workerlog.{rank}")
             self.logs.append(path)
-            log = open(path, "w")
             cmd = [sys.executable, "-u", self.cfg.script] + self.cfg.script_args
-            if rank == 0:
-                p = subprocess.Popen(cmd, env=worker_env(self.cfg, local), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-                t = threading.Thread(target=_tee, args=(p.stdout, log), daemon=True)
-                t.start()
-                self._threads.append(t)
-            else:
-                p = subprocess.Popen(cmd, env=worker_env(self.cfg, local), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-                log.close()
+            p, tee = start_logged(cmd, worker_env(self.cfg, local), path, console=(rank == 0))
             self.procs.append(p)
+            if tee is not None:
+                self._threads.append(tee)
 
     def first_failure(self) -> Optional[tuple[int, int]]:
         for local, p in enumerate(self.procs):
@@ -235,26 +227,43 @@ class Workers:
         return all(p.poll() is not None for p in self.procs)
 
     def stop(self) -> None:
-        """SIGTERM every rank's process group, then SIGKILL what is left after a grace period."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for p in self.procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.monotonic() + GRACE_S
-            while time.monotonic() < deadline and not self.all_done():
-                time.sleep(POLL_S)
-            if self.all_done():
-                break
-        for p in self.procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        stop_groups(self.procs)
         for t in self._threads:
             t.join(timeout=2)
+
+
+def start_logged(cmd: list, env: dict, log_path: str, console: bool = False):
+    """Start ``cmd`` in a session of its own (so ``stop_groups`` reaches its children too),
+    its output to ``log_path`` and, with ``console``, also to this process's stdout.
+    Returns (the process, the thread copying its output, or None)."""
+    if console:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        t = threading.Thread(target=_tee, args=(p.stdout, open(log_path, "w")), daemon=True)
+        t.start()
+        return p, t
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), None
+
+
+def stop_groups(procs: list, grace: float = GRACE_S) -> None:
+    """SIGTERM each process's group, then SIGKILL whatever is left after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(POLL_S)
+        if all(p.poll() is not None for p in procs):
+            break
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _tee(stream, log) -> None:

@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..launch import _show_tail, describe_status, start_logged, stop_groups
 from .ray_env import ENV_RAY_ADDRESS
 from .roles import ENV_INDEX, ENV_MODE, ENV_ROLE, ENV_SERVERS, ENV_WORKERS
 
@@ -27,10 +28,10 @@ HEAD_START_S = 120.0
 GRACE_S = 5.0          # servers print their reports on SIGTERM
 HEAD_GRACE_S = 40.0    # ray.shutdown stops the cluster's processes one by one (slow on a busy machine)
 POLL_S = 0.1
-SERVER_DEATH_WINDOW_S = 3.0
+SERVER_DEATH_WINDOW_S = 3.0   # a worker failing because a server died is the server's failure
 # Ray's token authentication (its default): the cluster's processes and the roles that
 # join it read the same token (~/.ray/auth_token, written by the head)
-AUTH = {"RAY_AUTH_MODE": "token"}   # a worker failing because a server died is the server's failure
+AUTH = {"RAY_AUTH_MODE": "token"}
 
 
 @dataclass
@@ -46,49 +47,17 @@ class Role:
         return f"{self.name} {self.index}"
 
 
-def _start(cmd, env, log_path, tee: bool):
-    if tee:
-        from ..launch import _tee
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        t = threading.Thread(target=_tee, args=(p.stdout, open(log_path, "w")), daemon=True)
-        t.start()
-        return p, t
-    with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), None
-
-
-def stop(procs, grace: float = GRACE_S) -> None:
-    """SIGTERM each process group, then SIGKILL whatever is left after the grace period."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(POLL_S)
-        if all(p.poll() is not None for p in procs):
-            break
-    for p in procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 def _start_head(log_dir: str):
     address_file = os.path.join(log_dir, ".ray_address")
     if os.path.exists(address_file):
         os.remove(address_file)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **AUTH)
-    head, _ = _start([sys.executable, "-m", "shardprop.runtime.ps.head", address_file], env,
-                     os.path.join(log_dir, "raylog"), tee=False)
+    head, _ = start_logged([sys.executable, "-m", "shardprop.runtime.ps.head", address_file], env,
+                           os.path.join(log_dir, "raylog"))
     deadline = time.monotonic() + HEAD_START_S
     while not os.path.exists(address_file):
         if head.poll() is not None or time.monotonic() > deadline:
-            stop([head])
+            stop_groups([head], GRACE_S)
             return head, None
         time.sleep(POLL_S)
     with open(address_file) as f:
@@ -96,7 +65,6 @@ def _start_head(log_dir: str):
 
 
 def run(num_servers: int, num_workers: int, log_dir: str, script: str, script_args: list) -> int:
-    from ..launch import _show_tail, describe_status
     os.makedirs(log_dir, exist_ok=True)
     print(f"shardprop launch: {num_servers} server(s) and {num_workers} worker(s) on Ray (async); logs in "
           f"{log_dir}/serverlog.<i>, {log_dir}/workerlog.<i>, {log_dir}/raylog", flush=True)
@@ -117,14 +85,14 @@ def run(num_servers: int, num_workers: int, log_dir: str, script: str, script_ar
         for name, count in (("server", num_servers), ("worker", num_workers)):
             for i in range(count):
                 log = os.path.join(log_dir, f"{name}log.{i}")
-                p, t = _start(cmd, dict(base, **{ENV_ROLE: name, ENV_INDEX: str(i)}), log,
-                              tee=(name == "worker" and i == 0))
+                p, t = start_logged(cmd, dict(base, **{ENV_ROLE: name, ENV_INDEX: str(i)}), log,
+                                    console=(name == "worker" and i == 0))
                 roles.append(Role(name, i, p, log, t))
-        return _watch(roles, stopping, log_dir, _show_tail, describe_status)
+        return _watch(roles, stopping)
     finally:
-        stop([r.proc for r in roles if r.name == "worker"])
-        stop([r.proc for r in roles if r.name == "server"])   # after the workers: they print their reports
-        stop([head], grace=HEAD_GRACE_S)
+        stop_groups([r.proc for r in roles if r.name == "worker"], GRACE_S)
+        stop_groups([r.proc for r in roles if r.name == "server"], GRACE_S)   # after the workers: they print reports
+        stop_groups([head], HEAD_GRACE_S)
         for r in roles:
             if r.tee is not None:
                 r.tee.join(timeout=2)
@@ -132,7 +100,7 @@ def run(num_servers: int, num_workers: int, log_dir: str, script: str, script_ar
             signal.signal(s, h)
 
 
-def _watch(roles, stopping, log_dir, show_tail, describe_status) -> int:
+def _watch(roles, stopping) -> int:
     servers = [r for r in roles if r.name == "server"]
     workers = [r for r in roles if r.name == "worker"]
     reported = set()
@@ -148,7 +116,7 @@ def _watch(roles, stopping, log_dir, show_tail, describe_status) -> int:
                 print(f"shardprop launch: {r.label} ended ({describe_status(code)}) while workers were training: "
                       f"the parameters it held are gone, so the run is stopped. See {r.log}",
                       file=sys.stderr, flush=True)
-                show_tail(r.log)
+                _show_tail(r.log)
                 return code if code > 0 else (128 - code if code < 0 else 1)
         for r in workers:
             code = r.proc.poll()
@@ -159,7 +127,7 @@ def _watch(roles, stopping, log_dir, show_tail, describe_status) -> int:
                 left = sum(1 for w in workers if w.proc.poll() is None)
                 print(f"shardprop launch: {r.label} failed ({describe_status(code)}); the {len(servers)} server(s) "
                       f"and {left} other worker(s) carry on. See {r.log}", file=sys.stderr, flush=True)
-                show_tail(r.log, lines=5)
+                _show_tail(r.log, lines=5)
         if all(w.proc.poll() is not None for w in workers):
             ok = [w for w in workers if w.proc.returncode == 0]
             if not ok:
