@@ -277,6 +277,102 @@ def test_repeated_layers_share_variables():
     assert sizes[12][1] > sizes[8][1] > sizes[8][0]
 
 
+# -- exact shortcuts of the search (speed without changing the plan) -----------------
+
+def random_problem(rng, nodes, edges, cands=(2, 7)):
+    """A random reduced problem: costs per candidate, edges between random pairs of
+    nodes (several between one pair too) with layout classes."""
+    from shardprop.passes.auto.problem import Edge
+    unary = {t: rng.random(rng.integers(*cands)) for t in range(nodes)}
+    out = []
+    for a, b in edges:
+        rows = rng.integers(0, 3, len(unary[a]))
+        cols = rng.integers(0, 3, len(unary[b]))
+        out.append(Edge(a, b, rows, cols, rng.random((3, 3))))
+    return milp.Reduced(unary, out, {t: np.arange(len(u)) for t, u in unary.items()})
+
+
+def test_exact_dp_solves_a_chain_without_the_milp():
+    """A chain folds up entirely by elimination; the plan's cost is the MILP's optimum."""
+    rng = np.random.default_rng(0)
+    red = random_problem(rng, 30, [(i, i + 1) for i in range(29)] + [(3, 4)])
+    dp = milp.solve(red)
+    full = milp.solve(red, exact_dp=False)
+    assert dp.variables == 0 and "elimination" in dp.status
+    assert dp.objective == pytest.approx(full.objective, rel=1e-12)
+    assert evaluate_reduced(red, dp.choice) == pytest.approx(full.objective, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_dp_then_milp_keeps_the_optimum_on_graphs_with_cycles(seed):
+    rng = np.random.default_rng(seed)
+    n = 14
+    pairs = [(i, i + 1) for i in range(n - 1)] + [tuple(sorted(rng.choice(n, 2, replace=False))) for _ in range(8)]
+    red = random_problem(rng, n, pairs)
+    dp = milp.solve(red)
+    full = milp.solve(red, exact_dp=False)
+    assert dp.variables < full.variables
+    assert evaluate_reduced(red, dp.choice) == pytest.approx(evaluate_reduced(red, full.choice), rel=1e-12)
+    assert dp.objective == pytest.approx(full.objective, rel=1e-12)
+
+
+def evaluate_reduced(red, choice):
+    return (sum(red.unary[t][k] for t, k in choice.items())
+            + sum(e.at(choice[e.a], choice[e.b]) for e in red.edges))
+
+
+def test_exact_dp_on_the_search_problem_gives_the_same_plan():
+    params, x, y = problem_data(2048, 512, 4)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,))
+    for problem in (Problem(g, DEFAULT_COST), Problem(g, DEFAULT_COST, follow=False, share_layers=False)):
+        red = milp.reduce(problem, False)
+        dp, full = milp.solve(red), milp.solve(red, exact_dp=False)
+        assert "eliminated exactly" in dp.status and dp.variables < full.variables
+        assert problem.objective(dp.choice) == pytest.approx(problem.objective(full.choice), rel=1e-12)
+
+
+def test_prices_are_shared_across_arrangements_and_exact():
+    """One price per virtual problem: a move on 2 x 4 and its twin on 4 x 2 are priced
+    once, and every price is what the planner itself says, with the default model
+    (groups priced by size) and with a profile (groups priced by the ranks they span)."""
+    from shardprop.ir.layout import Layout
+    from shardprop.passes.auto.candidates import tensor_layouts
+    from shardprop.passes.auto.pricing import Prices
+    from shardprop.passes.cost import CostModel
+    from shardprop.passes.redistribute import redistribution_cost
+    shape = (8, 16, 4)
+    for cost in (DEFAULT_COST, CostModel.builtin("cpu")):
+        prices, asked = Prices(cost, True), 0
+        for sizes in ((2, 4), (4, 2)):
+            mesh = Mesh(("d0", "d1"), sizes)
+            dsts = tensor_layouts(shape, mesh)
+            srcs = dsts + [Layout(l.dims, tuple(a for a in mesh.axis_names if a not in l.sharded_axes()))
+                           for l in dsts if len(l.sharded_axes()) < 2]
+            for src in srcs:
+                for dst in dsts:
+                    if src != dst:
+                        asked += 1
+                        assert prices(shape, 4, src, dst, mesh) == redistribution_cost(shape, 4, src, dst, mesh,
+                                                                                      True, cost)
+        if cost is DEFAULT_COST:   # (a profile's groups on 2 x 4 and 4 x 2 span other ranks: priced apart)
+            assert len(prices._by_virtual) < asked * 0.75
+
+
+def test_a_second_arrangement_reuses_the_nodes_and_prices_alike():
+    params, x, y = problem_data(512, 256, 3)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("d0", "d1"), (2, 4)), tied=(0,))
+    first = Problem(g, DEFAULT_COST)
+    g.set_mesh(Mesh(("d0", "d1"), (4, 2)))
+    fresh, reused = Problem(g, DEFAULT_COST), Problem(g, DEFAULT_COST, prices=first.prices, like=first)
+    assert reused.owner is first.owner
+    assert [n.template for n in reused.nodes] == [n.template for n in fresh.nodes]
+    for t in fresh.unary:
+        np.testing.assert_array_equal(reused.unary[t], fresh.unary[t])
+    assert [(e.a, e.b) for e in reused.edges] == [(e.a, e.b) for e in fresh.edges]
+    for e, f in zip(reused.edges, fresh.edges):
+        np.testing.assert_array_equal(e.dense(), f.dense())
+
+
 # -- bad input ----------------------------------------------------------------------
 
 def test_memory_limit_text():

@@ -23,6 +23,8 @@ import numpy as np
 
 from ...ir.errors import ShardingError
 
+from .eliminate import back_substitute, eliminate
+
 
 TIE_BREAK_S_PER_BYTE = 1e-16   # far below any real cost: only decides between otherwise equal plans
 
@@ -154,30 +156,56 @@ def _undominated(t: int, unary: dict, edges: list, memory: dict) -> np.ndarray:
 
 
 def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
-          time_limit: Optional[float] = None, rel_gap: float = 1e-9) -> Solution:
+          time_limit: Optional[float] = None, rel_gap: float = 1e-9, exact_dp: bool = True) -> Solution:
     """Solve the reduced problem; ``memory_rows``: ``MemoryRow``s, each held to ``limit``
-    (a copy between two decisions gets pair variables of its own, tied like an edge's)."""
+    (a copy between two decisions gets pair variables of its own, tied like an edge's).
+    Without memory rows, ``exact_dp`` first eliminates the decisions with at most two
+    neighbours (``eliminate.py``) and the LP relaxation is tried first: where its
+    optimum is integral it is the MILP's, proven (the usual case here)."""
     try:
-        from scipy.optimize import LinearConstraint, milp
-        from scipy.sparse import coo_matrix
+        from scipy.optimize import LinearConstraint, milp  # noqa: F401
     except ImportError as e:   # pragma: no cover (tested by hiding scipy)
         raise ShardingError(f"mode='auto' needs the HiGHS solver through scipy.optimize.milp, which cannot be "
                             f"imported ({e}); install it with `pip install 'scipy>=1.9'` (or use "
                             f"mode='sharding_propagation')") from None
     t0 = time.perf_counter()
-    temps = sorted(red.unary)
+    from .problem import Edge
+    unary, edges, steps, offset = red.unary, list(red.edges), [], 0.0
+    if exact_dp and not memory_rows:
+        unary, edges, steps, offset = eliminate(red.unary, red.edges, Edge)
+    if unary:
+        sol = _milp(unary, edges, red.kept, memory_rows, limit, time_limit, rel_gap, lp_first=not memory_rows)
+    else:   # the DP solved all of it
+        sol = Solution({}, 0.0, 0.0, 0.0, "Optimal (solved exactly by elimination)", 0.0, 0, 0)
+    if sol.choice or not unary:
+        local = back_substitute(steps, sol.choice)
+        sol.choice = {t: int(red.kept[t][k]) for t, k in local.items()}
+        sol.objective += offset
+        sol.bound += offset
+        if steps:
+            sol.status += f"; {len(steps)} of {len(red.unary)} decisions eliminated exactly first"
+    sol.seconds = time.perf_counter() - t0
+    return sol
+
+
+def _milp(unary: dict, edges: list, kept: dict, memory_rows, limit, time_limit, rel_gap,
+          lp_first: bool) -> Solution:
+    """The MILP over what is left; the choice in kept numbering ({} if infeasible)."""
+    from scipy.optimize import LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+    t0 = time.perf_counter()
+    temps = sorted(unary)
     xoff, n = {}, 0
     for t in temps:
         xoff[t] = n
-        n += len(red.unary[t])
+        n += len(unary[t])
     nx = n
-    edges = list(red.edges)
     copies = []   # per memory row: [(edge index, bytes by kept class)]
     for row in memory_rows:
         copies.append([])
         for a, b, rows_a, cols_b, nbytes in row.pairs:
-            ra, rmap = _compact(rows_a[red.kept[a]])
-            cb, cmap = _compact(cols_b[red.kept[b]])
+            ra, rmap = _compact(rows_a[kept[a]])
+            cb, cmap = _compact(cols_b[kept[b]])
             copies[-1].append((len(edges), nbytes[np.ix_(rmap, cmap)]))
             edges.append(_CopyEdge(a, b, ra, cb, np.zeros((len(rmap), len(cmap)))))
     eoff = []
@@ -186,13 +214,13 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
         n += e.cost.size
     c = np.zeros(n)
     for t in temps:
-        c[xoff[t]:xoff[t] + len(red.unary[t])] = red.unary[t]
+        c[xoff[t]:xoff[t] + len(unary[t])] = unary[t]
     for e, base in zip(edges, eoff):
         c[base:base + e.cost.size] = e.cost.ravel()
     rows, cols, vals, lo, hi = [], [], [], [], []
     r = 0
     for t in temps:                       # one candidate per node
-        k = len(red.unary[t])
+        k = len(unary[t])
         rows += [r] * k
         cols += range(xoff[t], xoff[t] + k)
         vals += [1.0] * k
@@ -219,7 +247,7 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
             r += 1
     for row, row_copies in zip(memory_rows, copies):
         for t, vec in row.nodes.items():
-            vec = vec[red.kept[t]]
+            vec = vec[kept[t]]
             rows += [r] * len(vec)
             cols += range(xoff[t], xoff[t] + len(vec))
             vals += list(vec)
@@ -238,8 +266,14 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
         options["time_limit"] = float(time_limit)
     # seconds are tiny numbers: scaled so that HiGHS's tolerances do not erase the differences
     scale = float(np.abs(c).max()) or 1.0
-    res = milp(c / scale, integrality=integrality, bounds=(0, 1), constraints=[LinearConstraint(A, lo, hi)],
-               options=options)
+    constraints = [LinearConstraint(A, lo, hi)]
+    res, how = None, ""
+    if lp_first:
+        lp = milp(c / scale, integrality=np.zeros(n), bounds=(0, 1), constraints=constraints, options=options)
+        if lp.x is not None and np.abs(lp.x[:nx] - np.round(lp.x[:nx])).max(initial=0.0) < 1e-7:
+            res, how = lp, " (the LP relaxation's optimum is integral)"
+    if res is None:
+        res = milp(c / scale, integrality=integrality, bounds=(0, 1), constraints=constraints, options=options)
     seconds = time.perf_counter() - t0
     if res.x is None:
         if res.status == 1:   # the time limit, before any plan was found
@@ -248,7 +282,7 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
                                 "(SearchStrategies(time_limit=...)) or mark the big matmuls")
         return Solution({}, float("inf"), float("inf"), float("inf"), res.message, seconds, n, nx)
     x = res.x
-    choice = {t: int(red.kept[t][int(np.argmax(x[xoff[t]:xoff[t] + len(red.unary[t])]))]) for t in temps}
-    bound = float(getattr(res, "mip_dual_bound", res.fun) or res.fun) * scale
-    gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
-    return Solution(choice, float(res.fun) * scale, bound, gap, res.message, seconds, n, nx)
+    choice = {t: int(np.argmax(x[xoff[t]:xoff[t] + len(unary[t])])) for t in temps}
+    bound = float(res.fun) if how else float(getattr(res, "mip_dual_bound", res.fun) or res.fun)
+    gap = 0.0 if how else float(getattr(res, "mip_gap", 0.0) or 0.0)
+    return Solution(choice, float(res.fun) * scale, bound * scale, gap, res.message + how, seconds, n, nx)

@@ -35,10 +35,11 @@ from ...runtime.repeats import find_repeats
 
 from ..cost import ComputeTimes, CostModel
 from ..insert_reshards import cheapest_completion
-from ..redistribute import plan_redistribution, redistribution_cost
+from ..redistribute import plan_redistribution
 from ..rules import FIXED, rule_for
 from ..sharding import OpStrategy, factors_from_operands, project
 from .candidates import factor_assignments, tensor_layouts
+from .pricing import Prices
 
 DECIDERS = ("dot_general", "conv_general_dilated")   # ops that always decide for themselves
 ENDS_FREE_UP_TO = 6   # repetitions: see _repeat_map
@@ -85,16 +86,27 @@ class Problem:
     candidates, by layout class), ``values`` (per value: template node, local bytes per candidate)."""
 
     def __init__(self, graph: Graph, cost: CostModel, *, follow: bool = True, share_layers: bool = True,
-                 allow_reduce_scatter: bool = True):
+                 allow_reduce_scatter: bool = True, prices: Optional[Prices] = None,
+                 like: Optional["Problem"] = None):
+        """``prices``: redistribution prices to share with other problems (other mesh
+        arrangements of the same devices); ``like``: a problem over the same graph on
+        another mesh, whose nodes and templates (which do not depend on the mesh) are reused."""
         self.graph, self.mesh, self.cost = graph, graph.mesh, cost
         self.follow, self.share = follow, share_layers
         self.allow_rs = allow_reduce_scatter
-        self.rules = _Rules()
+        self.prices = prices if prices is not None else Prices(cost, allow_reduce_scatter)
         self._strategy_cache: dict = {}
         self._redistribution_cache: dict = {}
+        self._class_cache: dict = {}
+        self._class_ids: dict = {}
+        self._matrix_cache: dict = {}
         self.compute_times = ComputeTimes(cost, self.mesh)
-        self._build_nodes()
-        self._map_templates()
+        if like is not None and like.graph is graph and (like.follow, like.share) == (follow, share_layers):
+            self._reuse_nodes(like)
+        else:
+            self.rules = _Rules()
+            self._build_nodes()
+            self._map_templates()
         for n in self.nodes:
             if n.template == n.index:
                 self._enumerate(n)
@@ -141,6 +153,15 @@ class Problem:
                 node.members.append(op)
                 node.main.append(("consumer", self.node_of_op[u][1], m))
             self._place(op, node)
+
+    def _reuse_nodes(self, like: "Problem") -> None:
+        """The nodes, what follows what, and the templates of ``like`` (none depends on the mesh)."""
+        self.rules, self.owner, self.node_of_op, self._users = like.rules, like.owner, like.node_of_op, like._users
+        self.nodes = []
+        for n in like.nodes:
+            node = Node(n.root, n.members, n.main, n.template)
+            node.index = n.index
+            self.nodes.append(node)
 
     def _place(self, op: Op, node: "Node") -> None:
         pos = len(node.members) - 1
@@ -353,8 +374,8 @@ class Problem:
                 key = (tp, pp, out, tc, pc, m, pi == ci)
                 mat = cache.get(key)
                 if mat is None:
-                    mat = cache[key] = self._matrix(v, self.nodes[pi], cnode, lambda row: row[pc].operand_layout(
-                        m, v.type.rank, mesh), same=pi == ci)
+                    mat = cache[key] = self._matrix(v, self._classes_made(v, self.nodes[pi]),
+                                                    self._classes_needed(v, cnode, pc, m), same=pi == ci)
                 self._add(key, tp, tc, mat, pi == ci)
         for i, v in enumerate(g.outputs):
             if v.literal is not None or v not in self.owner:
@@ -366,7 +387,8 @@ class Problem:
                 j = g.tied_outputs[i]
                 ji = self.owner[g.inputs[j]][0]
                 jnode = self.nodes[ji]
-                mat = self._matrix(v, pnode, jnode, None, same=pi == ji, target_node_layouts=jnode.candidates)
+                mat = self._matrix(v, self._classes_made(v, pnode), self._classes_made(g.inputs[j], jnode),
+                                   same=pi == ji)
                 self._add(("tied", T[pi], pp, out, T[ji]), T[pi], T[ji], mat, pi == ji)
                 continue
             if target is not None:
@@ -406,17 +428,52 @@ class Problem:
                 merged[key] = Edge(tp, tc, rows, cols, small * count)
         self.edges = list(merged.values())
 
-    def _matrix(self, v: Value, pnode: Node, cnode: Node, need_of, same: bool, target_node_layouts=None):
-        """Seconds to take ``v`` from what ``pnode``'s candidate i makes to what ``cnode``'s
-        candidate j needs (a vector over the candidates when they are one node)."""
-        src = [self.layout_of(v, pnode, i) for i in range(len(pnode.candidates))]
-        dst = target_node_layouts if target_node_layouts is not None else [need_of(row) for row in cnode.strategies]
+    def _classes_made(self, v: Value, node: Node) -> "_Classes":
+        """The layouts ``v`` is made in by ``node``'s candidates, as classes (shared by
+        every repetition of the node)."""
+        _, p, out = self.owner[v]
+        key = ("made", node.template, p, out)
+        c = self._class_cache.get(key)
+        if c is None:
+            c = self._class_cache[key] = self._intern([self.layout_of(v, node, k) for k in range(len(node.candidates))])
+        return c
+
+    def _classes_needed(self, v: Value, node: Node, pos: int, m: int) -> "_Classes":
+        """The layouts member ``pos`` of ``node`` needs its operand ``m`` (``v``) in, per candidate."""
+        key = ("needed", node.template, pos, m)
+        c = self._class_cache.get(key)
+        if c is None:
+            rank, mesh = v.type.rank, self.mesh
+            c = self._class_cache[key] = self._intern([row[pos].operand_layout(m, rank, mesh)
+                                                       for row in node.strategies])
+        return c
+
+    def _intern(self, layouts: list) -> "_Classes":
+        uniq, idx = _unique(layouts)
+        key = tuple(uniq)
+        ident = self._class_ids.setdefault(key, len(self._class_ids))   # equal sets compare by number
+        return _Classes(uniq, idx, ident)
+
+    def _matrix(self, v: Value, src: "_Classes", dst: "_Classes", same: bool):
+        """Seconds to take ``v`` from the layout ``src`` gives candidate i of its producer
+        to the layout ``dst`` gives candidate j of its consumer: (matrix by class, class of
+        each i, class of each j); a vector over the candidates when they are one node.
+        Matrices are priced once per value type and pair of layout sets: repeated
+        layers, and every op reading a value of the same type in the same layouts,
+        share one."""
         if same:
-            return np.array([self.redistribution(v, a, b) for a, b in zip(src, dst)])
-        us, si = _unique(src)
-        ud, di = _unique(dst)
-        small = np.array([[self.redistribution(v, a, b) for b in ud] for a in us])
-        return small, si, di
+            key = ("same", v.type, src.ident, dst.ident, src.index.tobytes(), dst.index.tobytes())
+            vec = self._matrix_cache.get(key)
+            if vec is None:
+                vec = self._matrix_cache[key] = np.array([
+                    self.redistribution(v, src.layouts[a], dst.layouts[b]) for a, b in zip(src.index, dst.index)])
+            return vec
+        key = (v.type, src.ident, dst.ident)
+        small = self._matrix_cache.get(key)
+        if small is None:
+            small = self._matrix_cache[key] = np.array([[self.redistribution(v, a, b) for b in dst.layouts]
+                                                        for a in src.layouts])
+        return small, src.index, dst.index
 
     def redistribution(self, v: Value, src: Layout, dst: Layout) -> float:
         if src == dst:
@@ -430,7 +487,7 @@ class Problem:
             t = self._redistribution_cache[key] = IMPOSSIBLE   # nothing makes a partial value
         if t is None:
             try:
-                t = redistribution_cost(v.type.shape, v.type.itemsize, src, dst, self.mesh, self.allow_rs, self.cost)
+                t = self.prices(tuple(v.type.shape), v.type.itemsize, src, dst, self.mesh)
             except ValueError:   # no redistribution reaches it (a partial cannot be created)
                 t = IMPOSSIBLE
             self._redistribution_cache[key] = t
@@ -459,10 +516,10 @@ class Problem:
             key = (t, p, out)
             vec = cache.get(key)
             if vec is None:
-                node = self.nodes[ni]
-                vec = cache[key] = np.array([
-                    math.prod(self.layout_of(v, node, k).local_shape(v.type.shape, mesh)) * v.type.itemsize
-                    for k in range(len(node.candidates))], dtype=float)
+                made = self._classes_made(v, self.nodes[ni])
+                per_class = np.array([math.prod(lay.local_shape(v.type.shape, mesh)) * v.type.itemsize
+                                      for lay in made.layouts], dtype=float)
+                vec = cache[key] = per_class[made.index]
             self.values[v] = (t, vec)
 
     # -- a choice -----------------------------------------------------------------
@@ -597,6 +654,15 @@ def _repeat_map(tokens: list) -> dict:
 
 def _numel(v: Value) -> int:
     return math.prod(v.type.shape)
+
+
+@dataclass
+class _Classes:
+    """A value's layout per candidate, as classes: ``layouts[index[k]]`` for candidate k;
+    ``ident`` numbers the set of layouts (equal sets, equal numbers)."""
+    layouts: list
+    index: np.ndarray
+    ident: int
 
 
 def _unique(layouts: list) -> tuple[list, np.ndarray]:

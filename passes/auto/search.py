@@ -32,6 +32,7 @@ from ..propagate import PropagateSharding
 from ..rules import FIXED
 from . import milp
 from .memory import live_intervals, local_bytes, plan_peak, plan_profile
+from .pricing import Prices
 from .refine import refine
 from .problem import DECIDERS, Problem, _unique
 
@@ -101,11 +102,16 @@ class SearchStrategies:
 
     def __call__(self, graph: Graph) -> Graph:
         best = None
+        # arrangements share what does not depend on the mesh: the nodes and templates,
+        # and the redistribution prices (by virtual problem, pricing.py)
+        prices, last = Prices(self.cost, self.allow_rs), None
         for mesh in self._arrangements(graph):
             graph.set_mesh(mesh)
             # a later arrangement need only consider candidates that could beat the best
             # plan so far (its solver's objective: the plan before refinement)
-            found = self.search(graph, beat=best[2].objective if best and best[2] is not None else None)
+            found = self.search(graph, beat=best[2].objective if best and best[2] is not None else None,
+                                prices=prices, like=last)
+            last = found[0]
             if found[1] is not None and (best is None or best[2] is None or found[1].modeled < best[2].modeled - 1e-15):
                 best = (mesh,) + found
             elif best is None:
@@ -119,12 +125,14 @@ class SearchStrategies:
         return graph
 
     # -- the search -----------------------------------------------------------------
-    def search(self, graph: Graph, follow: bool = True, share_layers: bool = True, beat: Optional[float] = None):
+    def search(self, graph: Graph, follow: bool = True, share_layers: bool = True, beat: Optional[float] = None,
+               prices: Optional[Prices] = None, like: Optional[Problem] = None):
         """(problem, solution or None if nothing fits the memory limit, peak); ``beat``:
         the modeled time of a plan found elsewhere (only candidates that could beat it
-        are searched)."""
+        are searched); ``prices``, ``like``: shared with the search of another
+        arrangement (``Problem``)."""
         problem = Problem(graph, self.cost, follow=follow, share_layers=share_layers,
-                          allow_reduce_scatter=self.allow_rs)
+                          allow_reduce_scatter=self.allow_rs, prices=prices, like=like)
         limit = self.memory_limit
         memory = _Liveness(graph, problem)
         # a plan to beat: every decision at its first candidate (the whole tensor, or what
