@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import jax
@@ -17,6 +17,7 @@ from ..runtime.distributed import initialize as initialize_distributed
 from ..runtime.placement import owned_ranks, place, writes_global_files
 
 from .annotate import caller_source, normalize_tensor_strategy
+from .memory_check import MemoryRound, ModeledLimits, abstract_inputs, compiled_memory, does_not_fit
 from .pipeline import Options, gc_paused, run_pipeline
 from .plan import Plan
 from .progress import CompileProgress
@@ -152,6 +153,7 @@ class ParallelFunction:
             graph.pinned_inputs.update(optimizer_state_pins(args, self.optimizer_argnums, mesh, axes))
             state |= set(self.optimizer_argnums)
         graph.tied_outputs = state_ties(args, sorted(a for a in state if a < len(args)), out_shape)
+        graph.donated_inputs = frozenset(self._donated_leaves(args))   # the modeled peak counts their outputs in place
 
     def _pins(self, args, kwargs, graph, out_tree):
         where = graph.call_source = caller_source()
@@ -200,15 +202,28 @@ class ParallelFunction:
         return CompileProgress(self.__name__, show=progress_enabled(self.progress))
 
     def _build(self, key, args, kwargs, progress: CompileProgress) -> Compiled:
+        compiled = self._plan_and_lower(args, kwargs, progress, self.options)
+        if self.options.mode == "auto" and self.options.memory_limit is not None:
+            compiled = self._fit_compiled(compiled, args, kwargs, progress)
+        self._cache[key] = compiled
+        if self.dump_dir and not self._dumped:
+            progress.stage("writing dumps")
+            plan = compiled.plan
+            plan.dump(self.dump_dir, ranks=owned_ranks(plan.graph.mesh.size, self.mesh_spec.devices),
+                      write_global=writes_global_files())
+            self._dumped = True
+        return compiled
+
+    def _plan_and_lower(self, args, kwargs, progress: CompileProgress, options: Options) -> Compiled:
         with gc_paused():
             t0 = time.perf_counter()
             progress.stage("tracing")
             graph, out_tree = self._trace(args, kwargs)
             trace_s = time.perf_counter() - t0
-            res = run_pipeline(graph, self.options, keep_texts=bool(self.dump_dir), on_pass=progress.stage)
+            res = run_pipeline(graph, options, keep_texts=bool(self.dump_dir), on_pass=progress.stage)
         graph = res.graph
         plan = Plan(graph, res.texts, res.seconds, trace_s,
-                    regenerate_texts=lambda: run_pipeline(self._trace(args, kwargs)[0], self.options,
+                    regenerate_texts=lambda: run_pipeline(self._trace(args, kwargs)[0], options,
                                                           keep_texts=True).texts)
         progress.stage("lowering")
         jmesh = self.mesh_spec.jax_mesh(graph.mesh)
@@ -217,13 +232,40 @@ class ParallelFunction:
         fn = lower(graph, jmesh, donate=donate)
         consts = [v.const for v in graph.inputs[n_user:]]
         in_shardings = [NamedSharding(jmesh, partition_spec(v.layout)) for v in graph.inputs]
-        compiled = Compiled(fn, plan, out_tree, consts, in_shardings, jmesh, donate)
-        self._cache[key] = compiled
-        if self.dump_dir and not self._dumped:
-            progress.stage("writing dumps")
-            plan.dump(self.dump_dir, ranks=owned_ranks(graph.mesh.size, self.mesh_spec.devices),
-                      write_global=writes_global_files())
-            self._dumped = True
+        return Compiled(fn, plan, out_tree, consts, in_shardings, jmesh, donate)
+
+    def _fit_compiled(self, compiled: Compiled, args, kwargs, progress: CompileProgress) -> Compiled:
+        """mode="auto" under a memory limit: compile the plan and hold what XLA allocates
+        per device to the limit; over it, search again under a lower modeled limit
+        (``memory_check.ModeledLimits``). ``plan.cost`` gets every round."""
+        limit = self.options.memory_limit
+        limits, modeled, largest = ModeledLimits(limit), limit, []
+        while True:
+            if compiled is not None:
+                progress.stage("XLA compile (memory check)")
+                leaves = list(jax.tree_util.tree_leaves((args, kwargs))) + compiled.consts
+                with jax.set_mesh(compiled.mesh):   # as _run calls it, so the call reuses this compile
+                    used = compiled_memory(compiled.fn, abstract_inputs(leaves, compiled.in_shardings))
+                if used is None:                    # the backend reports nothing to check
+                    return compiled
+                limits.add(MemoryRound(modeled, compiled.plan.cost.peak_memory, used))
+                largest = compiled.plan.cost.largest
+                if used.total <= limit:
+                    break
+            else:
+                limits.add(MemoryRound(modeled))
+            modeled = limits.next()
+            if modeled is None:
+                raise does_not_fit(limit, limits.rounds, largest)
+            options = replace(self.options, memory_limit=modeled)
+            try:
+                compiled = self._plan_and_lower(args, kwargs, progress, options)
+            except ShardingError:               # no plan models under this limit
+                compiled = None
+        cost = compiled.plan.cost
+        cost.memory_limit, cost.modeled_limit = limit, modeled
+        cost.compiled_memory = used
+        cost.memory_checks = tuple(limits.rounds)
         return compiled
 
     def _trace(self, args, kwargs):

@@ -139,6 +139,7 @@ class Graph:
     pinned_inputs: dict = field(default_factory=dict)   # input index -> Layout fixed by the user
     pinned_outputs: dict = field(default_factory=dict)  # output index -> Layout fixed by the user
     tied_outputs: dict = field(default_factory=dict)    # output index -> input index it must match (loop state)
+    donated_inputs: frozenset = frozenset()        # input indices whose buffers the step may reuse (donate_argnums)
     count_mesh: bool = False                       # mesh built from a device count: axes may be reordered
     call_source: Optional[str] = None              # where parallelize was called (errors about in/out strategies)
     auto: Any = None                               # mode="auto": the search's result (plan.cost, plan.explain())

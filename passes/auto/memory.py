@@ -1,12 +1,19 @@
 """Memory: the ``memory_limit`` a user writes, and when each value is alive.
 
 The modeled peak per device is the largest, over program points, of the local
-bytes of every value alive there: the function's arguments (parameters,
-optimizer state, batch) for the whole step, every other value from the op that
-makes it to its last reader (the saved activations of a training step are alive
-from the forward to the backward that reads them), the outputs to the end; and at
-each op, the copies redistributions make of its operands (a weight gathered for its
-matmul lives while the matmul runs).
+bytes of every value alive there, counted as XLA allocates them (what
+``memory_analysis()`` of the compiled program adds up: arguments + outputs +
+temp - aliased): the function's arguments (parameters, optimizer state, batch)
+and its outputs for the whole step (the caller's buffers, and output buffers
+allocated beside the scratch for the whole run), except an output returned in
+place of a donated argument, which XLA writes into that argument's buffer; every
+other value from the op that makes it to its last reader (the saved activations
+of a training step are alive from the forward to the backward that reads them);
+and at each op, the copies redistributions make of its operands (a weight
+gathered for its matmul lives while the matmul runs).
+
+XLA's own schedule, layout copies and packing are not modeled: the compiled
+program is checked against the limit after planning (``compiler/memory_check.py``).
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from typing import Optional
 
 from ...ir.errors import ShardingError
 from ...ir.graph import Graph
+from ..redistribute import plan_redistribution
 
 _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9, "gb": 10 ** 9,
           "t": 10 ** 12, "tb": 10 ** 12, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -46,7 +54,8 @@ def parse_memory_limit(limit) -> Optional[int]:
 
 def live_intervals(graph: Graph) -> dict:
     """value -> (first program point it is alive at, last one); points are op positions,
-    arguments are alive from -1, outputs to len(ops)."""
+    arguments and outputs are alive from -1 to len(ops); an output in a donated
+    argument's buffer has no interval of its own."""
     end = len(graph.ops)
     out = {}
     for v in graph.inputs:
@@ -58,21 +67,61 @@ def live_intervals(graph: Graph) -> dict:
         for v in op.inputs:
             if v in out and out[v][0] >= 0:
                 out[v] = (out[v][0], max(out[v][1], t))
+    in_place = in_donated_buffers(graph)
     for v in graph.outputs:
-        if v in out:
-            out[v] = (out[v][0], end)
+        if v not in out:
+            continue
+        if v in in_place and out[v][0] >= 0:
+            del out[v]            # counted as the donated argument it overwrites
+        else:
+            out[v] = (-1, end)
     return out
+
+
+def in_donated_buffers(graph: Graph) -> set:
+    """The outputs XLA writes into a donated argument's buffer: those tied to a donated
+    argument (a tie makes the layouts, so the local shapes, equal), unless the same
+    value is also returned untied."""
+    tied = {graph.outputs[i] for i, j in graph.tied_outputs.items() if j in graph.donated_inputs}
+    untied = {v for i, v in enumerate(graph.outputs) if graph.tied_outputs.get(i) not in graph.donated_inputs}
+    return tied - untied
 
 
 def local_bytes(v, layout, mesh) -> int:
     return math.prod(layout.local_shape(v.type.shape, mesh)) * v.type.itemsize
 
 
+def copy_bytes(v, have, need, mesh) -> float:
+    """Bytes per device a redistribution of ``v`` from ``have`` to ``need`` holds beside
+    ``v`` while it runs, as XLA lowers the planner's steps (read from the CPU buffer
+    assignments of Adam and SGD MLP steps): each step's result, twice where XLA makes
+    it in another layout and copies it back (an all_gather along a dim with a split
+    dim before it gathers along the major dim, then transposes; an all_to_all sends
+    slices and concatenates what it receives), plus the step's input where that is
+    an earlier step's result. The largest over the steps."""
+    if have == need:
+        return 0.0
+    try:
+        steps = plan_redistribution(tuple(v.type.shape), v.type.itemsize, have, need, mesh)
+    except ValueError:    # no way there (a partial from a whole value): the search never picks it
+        steps = ()
+    if not steps:
+        return float(local_bytes(v, need, mesh))
+    most, held = 0.0, 0.0
+    for s in steps:
+        out = local_bytes(v, s.after, mesh)
+        twice = s.kind == "all_to_all" or (s.kind == "all_gather" and any(
+            n > 1 for n in s.after.local_shape(v.type.shape, mesh)[:s.param("dim", 0)]))
+        most = max(most, held + out * (2 if twice else 1))
+        held = out
+    return float(most)
+
+
 def plan_profile(graph: Graph, ops: dict, inputs: dict):
     """Modeled live bytes per device at each program point of a plan (op -> OpStrategy,
     input index -> Layout): the values alive there, plus, at each op, the copy a
     redistribution makes of an operand the op needs in another layout (a weight
-    gathered for its matmul), alive at the op itself."""
+    gathered for its matmul, ``copy_bytes``), alive at the op itself."""
     import numpy as np
     mesh = graph.mesh
     intervals = live_intervals(graph)
@@ -96,7 +145,7 @@ def plan_profile(graph: Graph, ops: dict, inputs: dict):
                 continue
             need = st.operand_layout(m, v.type.rank, mesh)
             if need != have:
-                n = local_bytes(v, need, mesh)
+                n = copy_bytes(v, have, need, mesh)
                 diff[t + 1] += n
                 diff[t + 2] -= n
         for k, v in enumerate(op.outputs):
@@ -107,3 +156,19 @@ def plan_profile(graph: Graph, ops: dict, inputs: dict):
 def plan_peak(graph: Graph, ops: dict, inputs: dict) -> float:
     """The modeled live peak, bytes per device, of a plan (``plan_profile``'s largest)."""
     return float(plan_profile(graph, ops, inputs).max())
+
+
+def largest_at_peak(graph: Graph, ops: dict, inputs: dict, n: int = 5) -> list:
+    """(name, global shape, local bytes) of the ``n`` largest values alive where the
+    plan's modeled peak is (arguments by their names): what an error names."""
+    at = int(plan_profile(graph, ops, inputs).argmax())    # profile index: op position + 1
+    mesh = graph.mesh
+    layout = dict(((graph.inputs[i], lay) for i, lay in inputs.items()))
+    for op in graph.ops:
+        for k, v in enumerate(op.outputs):
+            layout[v] = ops[op].result_layout(k, mesh)
+    names = {v: (graph.input_names[i] if i < len(graph.input_names) else f"input {i}")
+             for i, v in enumerate(graph.inputs)}
+    alive = [(names.get(v, f"a {v.type.dtype} value"), tuple(v.type.shape), float(local_bytes(v, layout[v], mesh)))
+             for v, (b, d) in live_intervals(graph).items() if b + 1 <= at <= d + 1 and v in layout]
+    return sorted(alive, key=lambda t: -t[2])[:n]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from ..loop_boundaries import boundary_layouts
 from ..propagate import PropagateSharding
 from ..rules import FIXED
 from . import milp
-from .memory import live_intervals, local_bytes, plan_peak, plan_profile
+from .memory import copy_bytes, largest_at_peak, live_intervals, plan_peak, plan_profile
 from .pricing import Prices
 from .refine import refine
 from .problem import DECIDERS, Problem, _unique
@@ -73,16 +73,26 @@ class SearchResult:
     solver: dict = field(default_factory=dict)      # status, seconds, gap, variables, ...
     breakdown: dict = field(default_factory=dict)   # op kind -> {compute, communication, bytes}
     decisions: list = field(default_factory=list)   # Alternative per matmul/conv decision
+    largest: list = field(default_factory=list)     # (name, shape, bytes) of the largest values at the modeled peak
+    modeled_limit: Optional[int] = None             # what the modeled peak was held to (memory_check may lower it)
+    compiled_memory: Any = None     # what XLA allocates per device (compiler/memory_check.py), where checked
+    memory_checks: tuple = ()       # each plan compiled against the limit: modeled limit, peak, compiled
 
     def __str__(self):
         lines = [f"modeled step {self.step_time * 1e3:.4f} ms on {self.mesh} (compute {self.compute_time * 1e3:.4f} ms, "
                  f"communication {self.communication_time * 1e3:.4f} ms)",
-                 f"bytes moved per device {self.bytes_moved:,.0f}; peak memory per device {self.peak_memory:,.0f}"
+                 f"bytes moved per device {self.bytes_moved:,.0f}; modeled peak per device {self.peak_memory:,.0f}"
                  + (f" (limit {self.memory_limit:,})" if self.memory_limit else "")
-                 + f"; flops per device {self.flops:,.0f}",
-                 f"solver: {self.solver.get('status', '')} in {self.solver.get('seconds', 0):.2f} s, "
-                 f"gap {self.solver.get('gap', 0):.2%}; decisions below are priced on the solver's problem "
-                 f"(step {self.solver.get('objective', 0) * 1e3:.4f} ms before refinement)"]
+                 + f"; flops per device {self.flops:,.0f}"]
+        if self.modeled_limit is not None and self.modeled_limit != self.memory_limit:
+            lines.append(f"modeled peak held to {self.modeled_limit:,} (the limit less what XLA added)")
+        if self.compiled_memory is not None:
+            lines.append(f"compiled per device {self.compiled_memory}")
+        if len(self.memory_checks) > 1:
+            lines += [f"  memory round {k}: {r}" for k, r in enumerate(self.memory_checks, start=1)]
+        lines.append(f"solver: {self.solver.get('status', '')} in {self.solver.get('seconds', 0):.2f} s, "
+                     f"gap {self.solver.get('gap', 0):.2%}; decisions below are priced on the solver's problem "
+                     f"(step {self.solver.get('objective', 0) * 1e3:.4f} ms before refinement)")
         for kind, b in sorted(self.breakdown.items(), key=lambda kv: -(kv[1]["compute"] + kv[1]["communication"])):
             lines.append(f"  {kind:<22} compute {b['compute'] * 1e6:10.2f} us  communication "
                          f"{b['communication'] * 1e6:10.2f} us  bytes {b['bytes']:,.0f}")
@@ -215,7 +225,8 @@ class SearchStrategies:
                       variables=sol.variables, binaries=sol.binaries, nodes=len(problem.nodes),
                       decisions=len(problem.unary), memory_rounds=getattr(sol, "rounds", 1))
         return SearchResult(compute + comm, compute, comm, moved, getattr(sol, "peak", 0.0), flops,
-                            self.memory_limit, str(mesh), solver, breakdown, self._decisions(problem, sol))
+                            self.memory_limit, str(mesh), solver, breakdown, self._decisions(problem, sol),
+                            largest_at_peak(problem.graph, ops, inputs), self.memory_limit)
 
     def _decisions(self, problem: Problem, sol) -> list:
         """For each matmul/conv decision: the chosen strategy, and the best other one
@@ -353,7 +364,7 @@ class _Liveness:
                 dst = [row[pc].operand_layout(m, v.type.rank, mesh) for row in cnode.strategies]
 
                 def copy(a, b):
-                    return 0.0 if a == b else float(local_bytes(v, b, mesh))
+                    return copy_bytes(v, a, b, mesh)
                 if pi == ci or pnode.template == cnode.template:
                     term = (cnode.template, np.array([copy(a, b) for a, b in zip(src, dst)]))
                 else:
