@@ -1,7 +1,8 @@
 """Parameter-server training of wide&deep (examples/wide_and_deep.py): samples/s and
 bytes per sample for sync, GEO (k = 1, 10, 100) and async at 2 and 4 workers; one
-worker made 3x slower against none, async and sync side by side in one run; and the
-table size at which splitting the tables by rows beats replicating them.
+worker made 3x slower against none, async and sync side by side in one run (sync at
+the learning rate times the worker count, see part_slow); and the table size at which
+splitting the tables by rows beats replicating them.
 
     python bench/ps.py                    # every part
     python bench/ps.py --part slow        # one part: modes | slow | crossover
