@@ -364,7 +364,11 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         strategy or returned state fixes, minimizing the modeled step time with
         the modeled peak bytes per device under ``memory_limit`` (an int, or text
         such as "12MB" or "16GiB"; default: the device's memory, none on CPU).
-        ``plan.cost`` and ``plan.explain()`` show what it chose and why.
+        Under a limit the plan is compiled and what XLA allocates per device
+        (``memory_analysis()``: arguments + outputs + temp - aliased) is held to it,
+        searching again under a lower modeled limit when it is over; no plan fits:
+        a ShardingError with the figures. ``plan.cost`` and ``plan.explain()`` show
+        what it chose and why (``plan.cost.compiled_memory``, ``memory_checks``).
     progress: a compile that takes over 2 s shows its stages on stderr (tracing,
         each pass, lowering, XLA's compile); False (or SHARDPROP_PROGRESS=0) keeps
         it quiet, True shows them as the default does.
