@@ -129,7 +129,7 @@ class SearchStrategies:
         mesh, problem, solution, peak = best
         graph.set_mesh(mesh)
         if solution is None:
-            raise self._overflow(problem)
+            raise self._overflow(problem, peak)
         self._write(graph, problem, solution)
         graph.auto = self._result(problem, solution)
         return graph
@@ -137,7 +137,8 @@ class SearchStrategies:
     # -- the search -----------------------------------------------------------------
     def search(self, graph: Graph, follow: bool = True, share_layers: bool = True, beat: Optional[float] = None,
                prices: Optional[Prices] = None, like: Optional[Problem] = None):
-        """(problem, solution or None if nothing fits the memory limit, peak); ``beat``:
+        """(problem, solution, its peak), or if nothing fits the memory limit (problem,
+        None, (peak, choice) of the smallest-peak plan the rounds met, or None); ``beat``:
         the modeled time of a plan found elsewhere (only candidates that could beat it
         are searched); ``prices``, ``like``: shared with the search of another
         arrangement (``Problem``)."""
@@ -153,11 +154,12 @@ class SearchStrategies:
             upper = beat if upper is None else min(upper, beat)
         red = milp.reduce(problem, memory_matters=limit is not None, upper=upper)
         rows, total = [], 0.0
+        smallest = (memory.peak(first)[0], first) if limit is not None else None   # for the error
         for _ in range(MAX_MEMORY_ROUNDS):
             sol = milp.solve(red, rows, limit, self.time_limit)
             total += sol.seconds
             if not sol.choice:
-                return problem, None, None
+                return problem, None, smallest
             peak, at = memory.peak(sol.choice)
             if limit is None or peak <= limit:
                 sol.seconds = total
@@ -173,7 +175,9 @@ class SearchStrategies:
                 sol.modeled = e["compute"] + e["communication"]
                 return problem, sol, peak
             rows.append(memory.row(at))
-        return problem, None, None
+            if peak < smallest[0]:
+                smallest = (peak, sol.choice)
+        return problem, None, smallest
 
     def _arrangements(self, graph: Graph) -> list[Mesh]:
         """The meshes to search: the graph's own, or on a device-count mesh with nothing
@@ -272,14 +276,16 @@ class SearchStrategies:
                                    best[0], peak))
         return out
 
-    def _overflow(self, problem: Problem) -> ShardingError:
-        """No plan fits: the smallest peak found (each decision at its fewest bytes) and
-        the tensors that make it."""
+    def _overflow(self, problem: Problem, met=None) -> ShardingError:
+        """No plan fits: the smallest peak found (each decision at its fewest bytes, or
+        ``met``: a plan the memory rounds met, (peak, choice)) and the tensors that make it."""
         memory = _Liveness(problem.graph, problem)
         choice = {}
         for t in problem.unary:
             totals = sum((vec for tt, vec in problem.values.values() if tt == t), np.zeros(len(problem.unary[t])))
             choice[t] = int(np.argmin(totals))
+        if met is not None and met[0] < memory.peak(choice)[0]:
+            choice = met[1]
         peak, at = memory.peak(choice)
         biggest = memory.largest(choice, at, 5)
         names = "; ".join(f"{name} {shape} ({nbytes / 2**20:.2f} MiB per device)" for name, shape, nbytes in biggest)
