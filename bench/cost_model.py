@@ -14,9 +14,11 @@ problem (what choosing a plan needs).
     python bench/cost_model.py                       # the built-in CPU profile, 15 rounds
     python bench/cost_model.py --profile p.json      # a profile from `shardprop calibrate`
     python bench/cost_model.py --problems seed_network --reps 5
+    python bench/cost_model.py --baseline old.json   # an older profile, scored on the same runs
 
 The default model (GPU-like figures, what propagation plans with unless told
-otherwise) is scored beside the profile on the same measurements.
+otherwise) is scored beside the profile on the same measurements, and so is a
+``--baseline`` profile (before and after a change to the model, side by side).
 """
 from __future__ import annotations
 
@@ -145,11 +147,14 @@ def measure(steps: list, reps: int) -> list[float]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="a profile from `shardprop calibrate` (default: the built-in 'cpu' one)")
+    ap.add_argument("--baseline", help="another profile, scored on the same measurements (e.g. the one before)")
     ap.add_argument("--reps", type=int, default=15, help="timed rounds, median taken (default: 15)")
     ap.add_argument("--problems", nargs="*", help="run only these")
     args = ap.parse_args()
     profile = CostModel.load(args.profile) if args.profile else CostModel.builtin("cpu")
     models = {"profile": profile, "default": DEFAULT_COST}
+    if args.baseline:
+        models["baseline"] = CostModel.load(args.baseline)
     rows = []
     start = time.perf_counter()
     for problem, plans in problems().items():
@@ -170,12 +175,14 @@ def main():
             rows.append(dict(problem=problem, plan=name, measured=t, collectives=predicted["profile"]["collectives"],
                              bytes=plan.bytes, **{f"{k}_{part}": p[part] for k, p in predicted.items()
                                                   for part in ("compute", "communication", "total")}))
+    base = "baseline" in models
     print(f"{'problem':<20} {'plan':<31} {'colls':>5} {'bytes':>9} {'measured':>10} {'profile':>10} "
-          f"{'(comm)':>9} {'default':>10}")
+          f"{'(comm)':>9} " + (f"{'baseline':>10} " if base else "") + f"{'default':>10}")
     for r in rows:
         print(f"{r['problem']:<20} {r['plan']:<31} {r['collectives']:>5} {compare.fmt_bytes(r['bytes']):>9} "
               f"{r['measured'] * 1e3:>8.3f}ms {r['profile_total'] * 1e3:>8.3f}ms "
               f"{r['profile_communication'] * 1e3:>7.3f}ms "
+              + (f"{r['baseline_total'] * 1e3:>8.3f}ms " if base else "") +
               f"{r['default_total'] * 1e6:>8.2f}us")
     print()
     for k in models:
@@ -186,11 +193,11 @@ def main():
             if len(sub) > 2:
                 per[problem] = spearmanr([r[f"{k}_total"] for r in sub], [r["measured"] for r in sub]).statistic
         within = ", ".join(f"{p} {s:+.2f}" for p, s in per.items())
-        print(f"Spearman, {k} model ({(profile if k == 'profile' else DEFAULT_COST).name or 'built-in default'}): "
+        print(f"Spearman, {k} model ({models[k].name or 'built-in default'}): "
               f"all {len(rows)} plans {pooled:+.3f}; within each problem: {within}; "
               f"mean {statistics.mean(per.values()) if per else float('nan'):+.2f}")
     print(f"\nmeasured: median of {args.reps} interleaved rounds per problem on 8 forced CPU devices; predicted: "
-          f"modeled_step_time (roofline compute + alpha-beta collectives, no dispatch overhead)")
+          f"modeled_step_time (compute per device, alpha-beta collectives, no dispatch overhead)")
     print(f"total {time.perf_counter() - start:.0f}s")
 
 

@@ -7,9 +7,12 @@ bandwidth are fitted per group and per kind by non-negative least squares
 (``scipy.optimize.nnls``: time = latency + wire bytes / bandwidth, wire bytes as the
 planner counts them); a kind keeps a fit of its own only where the group's fit
 over every kind misses its times by more than 50% on average (timings on a busy
-machine are noisy, and a kind's three points alone would follow the noise). A
-matmul and a chain of elementwise ops running on every device at once give the
-roofline's two rates. Each time is the median of repetitions; a
+machine are noisy, and a kind's three points alone would follow the noise). Matmuls
+of several shapes, square and skinny (few rows against a wide weight), running on
+every device at once, give the contraction's two rates: time = flops / matmul rate +
+operand and result bytes / streaming rate (a skinny matmul does little arithmetic per
+byte it packs); a chain of elementwise ops gives the memory rate. Each time is the
+median of repetitions; a
 collective's is the difference between a program that runs it 9 times in a row and
 one that runs it once, over 8 (what a program costs to start is no collective's), the
 two run in turns.
@@ -31,10 +34,14 @@ import numpy as np
 from ..passes.cost import COLLECTIVES, CostModel, Link, group_shape, wire_bytes
 
 SIZES = (256, 4096, 32768)          # float32 elements per device per collective
-MATMUL_SIZES = (128, 256)            # n of an n x n by n x n matmul per device
+# (m, k, n) of an [m, k] @ [k, n] matmul per device: square ones, and skinny ones whose
+# few rows meet a wide weight (a batch or sequence split leaves those)
+MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256), (256, 256, 128), (512, 64, 512), (32, 256, 1024),
+                 (16, 512, 512))
 ELEMENTWISE_SIZES = (1 << 18, 1 << 21)
 FUSED_CHAIN = 6                      # elementwise ops in a row, one multiply or add each
 CHAIN = 8                            # collectives in a row, against one alone
+FLOW_SIZES = (64, 128, 256)         # n of the n x n matmuls between collectives (sync_s)
 KIND_APART = 0.5                     # a kind gets its own fit where the group's misses it by more
 
 
@@ -104,6 +111,11 @@ def _collective_body(kind: str, axes: tuple, group: int, chain: int):
     return body
 
 
+def _prefix(body, elems: int):
+    """``body`` on the first ``elems`` elements of the local buffer only."""
+    return lambda x: body(x[:elems])
+
+
 def _elementwise_chain(x):
     for k in range(FUSED_CHAIN):
         x = x * 0.5 if k % 2 else x + 1.0
@@ -127,9 +139,38 @@ def _miss(link: Link, samples) -> float:
 
 
 def _rate(samples) -> float:
-    """Work per second from (work, seconds) samples: the slope, past a fixed cost."""
+    """Work per second from (work, seconds) samples: the slope, past a fixed cost, and
+    never below what the largest sample did outright (where noise flattens the slope)."""
     link = _fit(samples)
-    return link.bytes_per_s
+    work, seconds = max(samples)
+    return max(link.bytes_per_s, work / max(seconds, 1e-12))
+
+
+def _contraction_rates(samples) -> tuple[float, float]:
+    """(flops per second, streamed bytes per second) from (flops, bytes, seconds) samples
+    of one matmul each: time = flops / rate + bytes / rate, by non-negative least squares
+    (a rate whose term fits as zero comes out unbounded: 1e15)."""
+    from scipy.optimize import nnls
+    a = np.array([[f, b] for f, b, _ in samples])
+    t = np.array([s for _, _, s in samples])
+    scale = a.max(axis=0)
+    coef, _ = nnls(a / scale, t)
+    coef = coef / scale
+    return tuple(1.0 / c if c > 0 else 1e15 for c in coef)
+
+
+def _matmul_body(m: int, k: int, n: int, chain: int):
+    """``chain`` [m, k] @ [k, n] matmuls in a row per device, each fed by the last (its
+    result cut or tiled back to [m, k]), the operands cut from the local buffer."""
+    import jax.numpy as jnp
+
+    def body(x):
+        a, b = x[:m * k].reshape(m, k), x[:k * n].reshape(k, n)
+        for _ in range(chain):
+            y = a @ b
+            a = (y[:, :k] if n >= k else jnp.tile(y, (1, k // n))) * 0.5
+        return jnp.concatenate([a.reshape(-1), x[m * k:]])
+    return body
 
 
 def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, log=None) -> CostModel:
@@ -185,27 +226,67 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
                     f"{own.bytes_per_s / 1e9:7.2f} GB/s")
         pooled_all += [x for samples in by_kind.values() for x in samples]
     default = _fit(pooled_all) if pooled_all else Link(5e-6, 100e9)
+    sync = _sync_time(timed, names, mesh, links)
+    say(f"  a collective after compute waits {sync * 1e6:.1f} us more than back to back (all devices)")
 
-    def matmul(x):
-        k = int(round(x.shape[0] ** 0.5))
-        a = x.reshape(k, k)
-        return (a @ a).reshape(-1)
-    flops = _rate([(2.0 * k ** 3, timed(matmul, k * k)) for k in MATMUL_SIZES])
+    # operand and result bytes as the model counts a contraction's: each at its local size
+    # (one more matmul in a row is what one matmul costs, as for collectives)
+    # every shape in turns on one buffer, so that a busy spell of the machine hits them alike
+    bodies = [b for m, k, n in MATMUL_SHAPES for b in (_matmul_body(m, k, n, 1 + CHAIN), _matmul_body(m, k, n, 1))]
+    times = timed(*bodies[:1], max(max(m * k, k * n) for m, k, n in MATMUL_SHAPES), *bodies[1:])
+    flops, streamed = _contraction_rates([(2.0 * m * k * n, 4.0 * (m * k + k * n + m * n),
+                                           max(times[2 * i] - times[2 * i + 1], 0.0) / CHAIN)
+                                          for i, (m, k, n) in enumerate(MATMUL_SHAPES)])
     # a chain of elementwise ops, which XLA fuses into one pass over memory, counted as the
     # model counts it: every op its input and output bytes (fitted like wire bytes, in the
-    # model's own accounting)
-    touched = _rate([(8.0 * FUSED_CHAIN * s, timed(_elementwise_chain, s)) for s in ELEMENTWISE_SIZES])
-    say(f"  matmul {flops / 1e9:.2f} GFLOP/s per device, elementwise {touched / 1e9:.2f} GB/s per device "
-        f"(all devices busy at once)")
+    # model's own accounting); the sizes in turns on one buffer
+    times = timed(*[_prefix(_elementwise_chain, s) for s in ELEMENTWISE_SIZES][:1], max(ELEMENTWISE_SIZES),
+                  *[_prefix(_elementwise_chain, s) for s in ELEMENTWISE_SIZES][1:])
+    touched = _rate([(8.0 * FUSED_CHAIN * s, t) for s, t in zip(ELEMENTWISE_SIZES, times)])
+    say(f"  matmul {flops / 1e9:.2f} GFLOP/s + its operands streamed at {streamed / 1e9:.2f} GB/s per device, "
+        f"elementwise {touched / 1e9:.2f} GB/s per device (all devices busy at once)")
     device = devices[0]
     kind = getattr(device, "device_kind", device.platform)
     return CostModel(latency_s=default.latency_s, link_bytes_per_s=default.bytes_per_s, flops_per_s=flops,
-                     memory_bytes_per_s=touched, memory_capacity_bytes=_memory_capacity(device),
+                     memory_bytes_per_s=touched, contraction_bytes_per_s=streamed, sync_s=sync,
+                     memory_capacity_bytes=_memory_capacity(device),
                      links=tuple(links), device_count=n, mesh_shape=tuple(mesh_shape), mesh_axes=names,
                      device_kind=f"{device.platform}:{kind}", name=f"calibrated-{device.platform}-{n}",
                      notes=f"measured by shardprop calibrate with jax {jax.__version__} in "
                            f"{time.perf_counter() - t_start:.0f} s, {time.strftime('%Y-%m-%d', time.gmtime())}; "
                            f"median of {reps} runs")
+
+
+def _flow_body(m: int, axes, chain: int, collective: bool):
+    """``chain`` [m, m] matmuls in a row per device, each result all-reduced over ``axes``
+    (``collective``) or not before the next: the collective sits between compute phases."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def body(x):
+        a = x[:m * m].reshape(m, m)
+        for _ in range(chain):
+            a = jnp.tanh(a @ a)
+            if collective:
+                a = lax.psum(a, axes) * 0.125
+        return jnp.concatenate([a.reshape(-1), x[m * m:]])
+    return body
+
+
+def _sync_time(timed, names, mesh, links) -> float:
+    """What a collective between compute phases costs beyond its back-to-back price: chains
+    of (matmul -> all_reduce over every device) against the same matmuls alone, in turns,
+    less the fitted all_reduce; the median over a few matmul sizes, never negative."""
+    group = group_shape(names, mesh)
+    link = next(l for g, k, l in reversed(links) if g == group and k in ("all_reduce", ""))
+    g = mesh.axes_size(names)
+    extra = []
+    for m in FLOW_SIZES:
+        bodies = [_flow_body(m, names, c, coll) for coll in (True, False) for c in (1 + CHAIN, 1)]
+        t = timed(bodies[0], m * m, *bodies[1:])
+        per = ((t[0] - t[1]) - (t[2] - t[3])) / CHAIN
+        extra.append(per - link.time(wire_bytes("all_reduce", 4 * m * m, g)))
+    return max(statistics.median(extra), 0.0)
 
 
 def _memory_capacity(device):

@@ -8,7 +8,19 @@ slower. So communication and compute are both priced in seconds:
   per group of devices it runs over and, where a calibration found them to differ,
   per collective kind (``links``);
 - an op costs the larger of its flops over the matmul rate and the bytes it touches
-  over the memory (elementwise) rate: a roofline;
+  on one device over the memory (elementwise) rate: a roofline. The bytes are each
+  operand's and result's *local* size under the strategy: a tensor the strategy leaves
+  whole (a weight beside a split batch, an activation beside split weights) is read
+  whole on every device;
+- where a profile measured it (``contraction_bytes_per_s``), a contraction (matmul,
+  convolution) costs its flops over the matmul rate *plus* its local bytes over that
+  rate: the operands are streamed (packed) apart from the arithmetic, which is why a
+  skinny per-device matmul (few rows against a whole weight) runs below the square
+  matmul's rate;
+- where a profile measured it (``sync_s``), a collective also costs the wait for every
+  device of its group to arrive from the compute before it: back-to-back collectives
+  (what the per-group fits time) arrive together, a collective between compute phases
+  waits for the slowest device (on devices that share cores, for the scheduler);
 - ``memory_capacity_bytes`` is what one device holds (None: unlimited).
 
 The defaults describe one modern GPU node with no per-group terms; only their
@@ -72,6 +84,9 @@ class CostModel:
     link_bytes_per_s: float = 100e9  # per-device collective bandwidth (likewise)
     flops_per_s: float = 200e12      # dense matmul throughput per device
     memory_bytes_per_s: float = 2e12  # memory bandwidth per device: elementwise and memory-bound ops
+    # a contraction's operand streaming, not overlapped with its flops (None: the plain roofline)
+    contraction_bytes_per_s: Optional[float] = None
+    sync_s: float = 0.0              # a collective's wait for its group after compute (profiles only)
     memory_capacity_bytes: Optional[int] = None   # per device; None: unlimited
     # per-group alpha-beta: ((group, kind, Link), ...); kind "" holds for every kind
     links: tuple = ()
@@ -90,7 +105,7 @@ class CostModel:
     @functools.cached_property
     def _hash(self) -> int:
         return hash((self.latency_s, self.link_bytes_per_s, self.flops_per_s, self.memory_bytes_per_s,
-                     self.memory_capacity_bytes, self.links, self.device_count, self.device_kind, self.name))
+                     self.contraction_bytes_per_s, self.sync_s, self.memory_capacity_bytes, self.links, self.device_count, self.device_kind, self.name))
 
     # -- time ----------------------------------------------------------------
     def collective_time(self, wire_bytes: float, kind: Optional[str] = None, axes=None, mesh=None) -> float:
@@ -99,7 +114,7 @@ class CostModel:
         model without links) the model's single latency and bandwidth do."""
         if not self.links or not axes or mesh is None:
             return self.latency_s + wire_bytes / self.link_bytes_per_s
-        return self.link(kind or "", tuple(axes), mesh).time(wire_bytes)
+        return self.sync_s + self.link(kind or "", tuple(axes), mesh).time(wire_bytes)
 
     def step_time(self, step, mesh=None) -> float:
         """Seconds for one step of the redistribution planner (a local slice is free)."""
@@ -109,7 +124,11 @@ class CostModel:
             return self.latency_s + step.wire_bytes / self.link_bytes_per_s
         return self.collective_time(step.wire_bytes, step.kind, step.param("axes"), mesh)
 
-    def compute_time(self, flops: float, touched_bytes: float) -> float:
+    def compute_time(self, flops: float, touched_bytes: float, contraction: bool = False) -> float:
+        """Seconds for an op's work on one device: the roofline, or for a contraction in a
+        profile that measured operand streaming, its flops plus its bytes (not overlapped)."""
+        if contraction and self.contraction_bytes_per_s:
+            return flops / self.flops_per_s + touched_bytes / self.contraction_bytes_per_s
         return max(flops / self.flops_per_s, touched_bytes / self.memory_bytes_per_s)
 
     def link(self, kind: str, axes: tuple, mesh) -> Link:
@@ -172,7 +191,9 @@ class CostModel:
             "device_count": self.device_count,
             "mesh": {"shape": list(self.mesh_shape), "axes": list(self.mesh_axes)},
             "default_link": {"latency_s": self.latency_s, "bytes_per_s": self.link_bytes_per_s},
-            "compute": {"matmul_flops_per_s": self.flops_per_s, "elementwise_bytes_per_s": self.memory_bytes_per_s},
+            "collective_sync_s": self.sync_s,
+            "compute": {"matmul_flops_per_s": self.flops_per_s, "elementwise_bytes_per_s": self.memory_bytes_per_s,
+                        "contraction_bytes_per_s": self.contraction_bytes_per_s},
             "memory_capacity_bytes": self.memory_capacity_bytes,
             "links": [{"group": [list(p) for p in group], "kind": kind or "*", **asdict(link)}
                       for group, kind, link in self.links],
@@ -190,10 +211,13 @@ class CostModel:
                            "" if e["kind"] == "*" else e["kind"],
                            Link(float(e["latency_s"]), float(e["bytes_per_s"]))) for e in data["links"])
             cap = data.get("memory_capacity_bytes")
+            streaming = data["compute"].get("contraction_bytes_per_s")   # absent in older profiles
             return cls(latency_s=float(data["default_link"]["latency_s"]),
                        link_bytes_per_s=float(data["default_link"]["bytes_per_s"]),
                        flops_per_s=float(data["compute"]["matmul_flops_per_s"]),
                        memory_bytes_per_s=float(data["compute"]["elementwise_bytes_per_s"]),
+                       contraction_bytes_per_s=None if streaming is None else float(streaming),
+                       sync_s=float(data.get("collective_sync_s", 0.0)),   # absent in older profiles
                        memory_capacity_bytes=None if cap is None else int(cap), links=links,
                        device_count=data.get("device_count"),
                        mesh_shape=tuple(data["mesh"]["shape"]), mesh_axes=tuple(data["mesh"]["axes"]),
@@ -293,16 +317,34 @@ def wire_bytes(kind: str, local_bytes: float, group: int) -> float:
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
-def touched_bytes(op) -> int:
-    """Bytes an op reads and writes, whole tensors (before any split)."""
-    return sum(v.type.nbytes for v in op.inputs) + sum(v.type.nbytes for v in op.outputs)
+def tensor_factors(op, rule) -> tuple:
+    """What an op's work per device depends on besides its strategy: for each operand and
+    result, (whole bytes, the factors its dims carry); an operand the rule leaves out
+    (None) is read whole. Equal ops (repeated layers) give equal tuples."""
+    out = []
+    for values, tensors in ((op.inputs, rule.operands), (op.outputs, rule.results)):
+        for i, v in enumerate(values):
+            dims = tensors[i] if i < len(tensors) else None
+            out.append((v.type.nbytes, () if dims is None else tuple(sorted({f for d in dims for f in d}))))
+    return tuple(out)
 
 
-def strategy_work(flops: float, factors, touched: float, mesh) -> tuple[float, float]:
-    """An op's work per device under a strategy (its factors' mesh axes): what the
-    factors split is divided over those devices, the rest is repeated on each."""
+def is_contraction(rule) -> bool:
+    """A matmul or convolution: arithmetic summed over a factor absent from its result."""
+    return bool(rule.reduction) and rule.flops > 0
+
+
+def strategy_work(flops: float, factors, tensors: tuple, mesh) -> tuple[float, float]:
+    """An op's work per device under a strategy (its factors' mesh axes): its flops
+    divided over the devices the factors split, and the bytes of each operand and
+    result at its local size (``tensors``: ``tensor_factors``), so a tensor left whole
+    is read whole on every device."""
     degree = math.prod(mesh.axes_size(a) for a in factors if a)
-    return flops / degree, touched / degree
+    local = 0.0
+    for nbytes, fs in tensors:
+        axes = {a for f in fs if f < len(factors) and factors[f] for a in factors[f]}
+        local += nbytes / (mesh.axes_size(tuple(sorted(axes))) if axes else 1)
+    return flops / degree, local
 
 
 class ComputeTimes:
@@ -312,25 +354,28 @@ class ComputeTimes:
 
     def __init__(self, cost: CostModel, mesh):
         self.cost, self.mesh = cost, mesh
-        self._touched: dict = {}   # op -> touched_bytes(op)
-        self._memo: dict = {}      # (flops, factors, touched) -> seconds: all the time depends on
+        self._tensors: dict = {}   # op -> (tensor_factors(op, rule), is_contraction(rule))
+        self._memo: dict = {}      # (flops, factors, tensors, contraction) -> seconds: all the time depends on
 
-    def touched(self, op) -> int:
-        t = self._touched.get(op)
+    def tensors(self, op) -> tuple:
+        t = self._tensors.get(op)
         if t is None:
-            t = self._touched[op] = touched_bytes(op)
+            from .rules import rule_for
+            rule = rule_for(op)
+            t = self._tensors[op] = (tensor_factors(op, rule), is_contraction(rule))
         return t
 
     def work(self, op, flops: float, factors) -> tuple[float, float]:
         """(flops, bytes touched) per device."""
-        return strategy_work(flops, factors, self.touched(op), self.mesh)
+        return strategy_work(flops, factors, self.tensors(op)[0], self.mesh)
 
     def time(self, op, flops: float, factors) -> float:
         """Seconds per device."""
-        key = (flops, tuple(factors), self.touched(op))
+        key = (flops, tuple(factors), *self.tensors(op))
         t = self._memo.get(key)
         if t is None:
-            t = self._memo[key] = self.cost.compute_time(*strategy_work(flops, key[1], key[2], self.mesh))
+            t = self._memo[key] = self.cost.compute_time(*strategy_work(flops, key[1], key[2], self.mesh),
+                                                         contraction=key[3])
         return t
 
 
@@ -359,7 +404,8 @@ def _add_step_time(graph, cost: CostModel, mesh, times: int, compute: bool, out:
         st = op.strategy
         if compute and st is not None:
             out["compute"] += times * cost.compute_time(*strategy_work(st.rule.flops, st.factors,
-                                                                       touched_bytes(op), mesh))
+                                                                       tensor_factors(op, st.rule), mesh),
+                                                        contraction=is_contraction(st.rule))
         for sub in op.subgraphs:
             n = op.params.get("length", 1) if op.kind == "scan" else 1
             _add_step_time(sub, cost, mesh, times * n, False, out)

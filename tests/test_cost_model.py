@@ -12,7 +12,7 @@ import pytest
 import shardprop as sp
 from shardprop.ir.layout import Layout
 from shardprop.ir.mesh import Mesh
-from shardprop.passes.cost import (DEFAULT_COST, CostModel, Link, group_shape, modeled_step_time,
+from shardprop.passes.cost import (DEFAULT_COST, ComputeTimes, CostModel, Link, group_shape, modeled_step_time,
                                    resolve_cost_model, wire_bytes)
 from shardprop.passes.redistribute import plan_redistribution, redistribution_cost
 from tests import golden_nets
@@ -40,6 +40,9 @@ def test_links_are_looked_up_per_group_and_kind():
     assert model.collective_time(1e6, "all_reduce", ("a", "b"), MESH_2x4) == pytest.approx(1e-3 + 1e-3)
     # without axes (callers that do not say) the model's single figures hold
     assert model.collective_time(1e6) == pytest.approx(DEFAULT_COST.collective_time(1e6))
+    # a measured wait for the group after compute is added to every priced collective
+    waits = CostModel(links=model.links, device_count=8, sync_s=3e-4)
+    assert waits.collective_time(1e6, "all_reduce", ("b",), MESH_2x4) == pytest.approx(3e-4 + 1e-6 + 1e-5)
 
 
 def test_default_model_prices_as_before():
@@ -79,7 +82,7 @@ def test_latency_term_changes_a_redistribution():
 
 def test_save_load_round_trip(tmp_path):
     model = CostModel(latency_s=3e-5, link_bytes_per_s=2e9, flops_per_s=1e10, memory_bytes_per_s=4e9,
-                      memory_capacity_bytes=16 << 30,
+                      contraction_bytes_per_s=1.5e9, sync_s=4e-4, memory_capacity_bytes=16 << 30,
                       links=((((2, 4),), "all_reduce", Link(4e-5, 1e9)), (((4, 1),), "", Link(2e-5, 3e9))),
                       device_count=8, mesh_shape=(2, 4), mesh_axes=("d0", "d1"), device_kind="cpu:cpu", name="mine")
     path = tmp_path / "profile.json"
@@ -146,6 +149,45 @@ def test_modeled_step_time_counts_collectives_and_compute():
     assert 0 < t["compute"] < t["total"]
 
 
+def _first_matmul(plan):
+    return next(op for op in plan.graph.ops if op.kind == "dot_general")
+
+
+def test_a_tensor_left_whole_is_read_whole_on_every_device():
+    # x [16, 32] @ w1 [32, 16], batch split 8 ways (data parallel): each device reads its
+    # 2 rows of x, all of w1, and writes 2 rows; work per device is not the whole op's / 8
+    x, w1 = np.ones((16, 32), np.float32), np.ones((32, 16), np.float32)
+    plan = sp.parallelize(lambda x, w1: x @ w1, mesh=8, mode="data_parallel", batch_argnums=(0,),
+                          progress=False).plan(x, w1)
+    op = _first_matmul(plan)
+    flops, local = ComputeTimes(DEFAULT_COST, plan.graph.mesh).work(op, op.strategy.rule.flops, op.strategy.factors)
+    assert flops == 2 * 16 * 32 * 16 / 8
+    assert local == 4 * (16 * 32 / 8 + 32 * 16 + 16 * 16 / 8)
+
+
+def test_contraction_streams_its_operands_where_measured():
+    # a profile that measured operand streaming adds bytes to a matmul's flops; elementwise
+    # ops and models without the term keep the roofline
+    streaming = CostModel(flops_per_s=1e10, memory_bytes_per_s=4e9, contraction_bytes_per_s=1e9)
+    assert streaming.compute_time(1e8, 1e6, contraction=True) == pytest.approx(1e-2 + 1e-3)
+    assert streaming.compute_time(1e8, 1e6) == pytest.approx(max(1e-2, 1e6 / 4e9))
+    assert DEFAULT_COST.compute_time(1e8, 1e6, contraction=True) == DEFAULT_COST.compute_time(1e8, 1e6)
+    # so at equal flops a skinny per-device matmul (a batch split beside a whole weight)
+    # costs more than a column split of the weight beside a whole activation
+    x, w1, w2 = np.ones((4, 64, 256), np.float32), np.ones((256, 1024), np.float32), np.ones((1024, 256), np.float32)
+
+    def mlp(x, w1, w2):
+        return jax.nn.gelu(x @ w1) @ w2
+    plans = {name: sp.parallelize(mlp, mesh=8, in_strategy=spec, progress=False).plan(x, w1, w2)
+             for name, spec in (("rows", ((1, 8, 1), (1, 1), (1, 1))), ("columns", ((1, 1, 1), (1, 8), (8, 1))))}
+    times = {}
+    for name, plan in plans.items():
+        op = _first_matmul(plan)
+        times[name] = ComputeTimes(streaming, plan.graph.mesh).time(op, op.strategy.rule.flops, op.strategy.factors)
+        assert op.strategy.rule.flops == 2 * 256 * 256 * 1024
+    assert times["rows"] > times["columns"]
+
+
 def test_calibrate_cli_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "profile.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -158,6 +200,6 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path):
     kinds = {kind for group, kind, _ in model.links if group == ((2, 1),)}
     assert "" in kinds and kinds <= {"all_reduce", "all_gather", ""}   # a kind of its own where it differs
     assert all(link.latency_s > 0 and link.bytes_per_s > 0 for _, _, link in model.links)
-    assert model.flops_per_s > 0 and model.memory_bytes_per_s > 0
+    assert model.flops_per_s > 0 and model.memory_bytes_per_s > 0 and model.contraction_bytes_per_s > 0
     with pytest.raises(sp.ShardingError, match="cannot price a mesh of 8 devices"):
         model.check_mesh(MESH_8)
