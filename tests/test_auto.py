@@ -410,6 +410,22 @@ def test_exact_dp_then_milp_keeps_the_optimum_on_graphs_with_cycles(seed):
     assert dp.objective == pytest.approx(full.objective, rel=1e-12)
 
 
+def test_exact_dp_never_grows_the_milp():
+    """A decision with few candidates between two with many is kept: the edge eliminating
+    it would make (every pair of theirs) holds more pair variables than the two it replaces."""
+    from shardprop.passes.auto.problem import Edge
+    rng = np.random.default_rng(1)
+    unary = {0: rng.random(30), 1: rng.random(3), 2: rng.random(30), 3: rng.random(4), 4: rng.random(4)}
+    edges = [Edge(0, 1, np.arange(30), np.arange(3), rng.random((30, 3))),
+             Edge(1, 2, np.arange(3), np.arange(30), rng.random((3, 30)))]
+    for a, b in ((0, 2), (0, 3), (0, 4), (2, 3), (2, 4), (3, 4)):   # 0, 2, 3, 4: each has three neighbours
+        edges.append(Edge(a, b, np.arange(len(unary[a])) % 2, np.arange(len(unary[b])) % 2, rng.random((2, 2))))
+    red = milp.Reduced(unary, edges, {t: np.arange(len(u)) for t, u in unary.items()})
+    dp, full = milp.solve(red), milp.solve(red, exact_dp=False)
+    assert dp.variables <= full.variables and "eliminated" not in dp.status
+    assert evaluate_reduced(red, dp.choice) == pytest.approx(evaluate_reduced(red, full.choice), rel=1e-12)
+
+
 def evaluate_reduced(red, choice):
     return (sum(red.unary[t][k] for t, k in choice.items())
             + sum(e.at(choice[e.a], choice[e.b]) for e in red.edges))

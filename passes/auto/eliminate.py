@@ -4,7 +4,9 @@ neighbours are eliminated (variable elimination, the DP over a chain).
 A decision ``t`` whose edges reach one other decision ``x`` adds to each candidate
 of ``x`` the cheapest way ``t`` can answer it (``min_k unary[t][k] + edges(k, .)``);
 one whose edges reach two, ``a`` and ``b``, becomes one edge between them holding,
-per pair of their candidates, the cheapest candidate of ``t`` in between. A chain
+per pair of their candidates, the cheapest candidate of ``t`` in between (only
+where that edge has no more pair variables than the edges it replaces: between two
+decisions with many candidates it would grow the MILP instead). A chain
 of layers folds up to a single decision this way, a tree to nothing, and what is
 left (the decisions many others read: a shared weight, the residual stream) goes
 to the MILP, smaller. Afterwards each eliminated decision takes its cheapest
@@ -61,9 +63,19 @@ def eliminate(unary: dict, edges: list, edge_type) -> tuple[dict, list, list, fl
                 elif e.b == t and e.a == x:
                     m += e.cost[np.ix_(e.rows, e.cols)].T
             toward.append((x, m))
-        u = unary.pop(t)
+        u = unary[t]
+        if len(toward) == 2 and k > 1:
+            (a, ma), (b, mb) = toward
+            both = (u[:, None, None] + ma[:, :, None] + mb[:, None, :]).min(axis=0)
+            rows_u, rows = np.unique(both, axis=0, return_inverse=True)
+            cols_u, cols = np.unique(rows_u, axis=1, return_inverse=True)
+            # the new edge's pair variables must not outnumber those of the edges it
+            # replaces (fill-in between two decisions with many candidates would grow the MILP)
+            if cols_u.size > sum(live[i].cost.size for i in ids):
+                continue
+        del unary[t]
         steps.append(Eliminated(t, u, toward))
-        for i in ids:
+        for i in list(ids):
             e = live.pop(i)
             other = e.b if e.a == t else e.a
             at[other].discard(i)
@@ -76,11 +88,7 @@ def eliminate(unary: dict, edges: list, edge_type) -> tuple[dict, list, list, fl
         elif len(toward) == 1:           # the neighbour pays t's cheapest answer to each of its candidates
             x, m = toward[0]
             unary[x] = unary[x] + (u[:, None] + m).min(axis=0)
-        else:
-            (a, ma), (b, mb) = toward
-            both = (u[:, None, None] + ma[:, :, None] + mb[:, None, :]).min(axis=0)
-            rows_u, rows = np.unique(both, axis=0, return_inverse=True)
-            cols_u, cols = np.unique(rows_u, axis=1, return_inverse=True)
+        else:                            # one edge between the two neighbours
             i = len(edges) + len(steps)    # a fresh id
             live[i] = edge_type(a, b, rows.reshape(-1), cols.reshape(-1), cols_u)
             at[a].add(i)

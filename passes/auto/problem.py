@@ -100,6 +100,7 @@ class Problem:
         self._class_cache: dict = {}
         self._class_ids: dict = {}
         self._matrix_cache: dict = {}
+        self._compute_cache: dict = {}
         self.compute_times = ComputeTimes(cost, self.mesh)
         if like is not None and like.graph is graph and (like.follow, like.share) == (follow, share_layers):
             self._reuse_nodes(like)
@@ -500,8 +501,13 @@ class Problem:
         return sum(s.wire_bytes for s in steps)
 
     def op_compute(self, op: Op, st: OpStrategy) -> float:
-        """The op's compute seconds per device (``cost.ComputeTimes``, as propagation prices it)."""
-        return self.compute_times.time(op, st.rule.flops, st.factors)
+        """The op's compute seconds per device (``cost.ComputeTimes``, as propagation prices it);
+        once per rule and factors (ops with one rule are the same computation on the same types)."""
+        key = (id(st.rule), st.factors)
+        t = self._compute_cache.get(key)
+        if t is None:
+            t = self._compute_cache[key] = self.compute_times.time(op, st.rule.flops, st.factors)
+        return t
 
     def op_work(self, op: Op, st: OpStrategy) -> tuple[float, float]:
         return self.compute_times.work(op, st.rule.flops, st.factors)
