@@ -66,9 +66,19 @@ def plan_once(step, args, closed, out_shape, mesh) -> dict:
                 peak=auto.peak_memory, mesh=auto.mesh, gap=auto.solver["gap"], ops=len(graph.ops))
 
 
-def hand_vs_auto(layers, heads, head_dim, batch, seq, mesh) -> dict:
+def repeated_matmuls(graph, strategies: dict) -> int:
+    """Matmuls whose strategy leaves some devices computing the same work (their factors
+    do not use every mesh axis)."""
+    mesh = graph.mesh
+    return sum(mesh.axes_size(tuple(a for f in strategies[op].factors for a in f)) < mesh.size
+               for op in graph.ops if op.kind == "dot_general")
+
+
+def hand_vs_auto(layers, heads, head_dim, batch, seq, mesh, pressure=None) -> dict:
     """Modeled step time of Megatron's hand plan (dp x mp marks, propagated) and of the
-    auto plan, both priced op by op on the unmarked program by the same cost model."""
+    auto plan, both priced op by op on the unmarked program by the same cost model;
+    ``pressure``: auto searches under a memory limit of that fraction of the hand plan's
+    modeled peak."""
     from shardprop.ir.graph import CONSTRAINT
     from shardprop.passes.auto.memory import plan_peak
     from shardprop.passes.auto.problem import Problem
@@ -99,10 +109,12 @@ def hand_vs_auto(layers, heads, head_dim, batch, seq, mesh) -> dict:
     inputs = {i: v.layout for i, v in enumerate(hand.inputs)}
     problem = Problem(auto, DEFAULT_COST)
     e = problem.evaluate(ops, inputs)
+    hand_peak = plan_peak(auto, ops, inputs)
     t0 = time.perf_counter()
-    SearchStrategies()(auto)
-    return dict(hand=e["compute"] + e["communication"], hand_bytes=e["bytes"], hand_peak=plan_peak(auto, ops, inputs),
-                auto=auto.auto.step_time, auto_bytes=auto.auto.bytes_moved, auto_peak=auto.auto.peak_memory,
+    SearchStrategies(memory_limit=None if pressure is None else int(pressure * hand_peak))(auto)
+    return dict(hand=e["compute"] + e["communication"], hand_bytes=e["bytes"], hand_peak=hand_peak,
+                hand_repeated=repeated_matmuls(auto, ops), auto=auto.auto.step_time, auto_bytes=auto.auto.bytes_moved,
+                auto_peak=auto.auto.peak_memory, auto_repeated=repeated_matmuls(auto, {op: op.strategy for op in auto.ops}),
                 seconds=time.perf_counter() - t0)
 
 
@@ -116,17 +128,21 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--hand", action="store_true", help="also price Megatron's dp x mp hand plan on the named meshes")
+    ap.add_argument("--pressure", type=float, default=None,
+                    help="with --hand: auto's memory limit, as a fraction of the hand plan's modeled peak")
     args = ap.parse_args()
     if args.hand:
-        print("modeled step (ms), bytes moved (MB) and peak (MB) per device: Megatron dp x mp marks vs auto")
+        print("modeled step (ms), bytes moved (MB), peak (MB) per device and matmuls computed more than once: "
+              "Megatron dp x mp marks vs auto" + (f" under {args.pressure:g} x the hand plan's peak" if args.pressure else ""))
         for layers in args.layers:
             for name in args.meshes:
                 if name == "8":
                     continue
-                r = hand_vs_auto(layers, args.heads, args.head_dim, args.batch, args.seq, MESHES[name])
+                r = hand_vs_auto(layers, args.heads, args.head_dim, args.batch, args.seq, MESHES[name], args.pressure)
                 print(f"{layers:>3} layers {name}: hand {r['hand'] * 1e3:.3f} ms {r['hand_bytes'] / 1e6:.1f} MB "
-                      f"peak {r['hand_peak'] / 1e6:.1f} | auto {r['auto'] * 1e3:.3f} ms {r['auto_bytes'] / 1e6:.1f} MB "
-                      f"peak {r['auto_peak'] / 1e6:.1f} | auto/hand {r['auto'] / r['hand']:.3f}", flush=True)
+                      f"peak {r['hand_peak'] / 1e6:.1f} repeated {r['hand_repeated']} | auto {r['auto'] * 1e3:.3f} ms "
+                      f"{r['auto_bytes'] / 1e6:.1f} MB peak {r['auto_peak'] / 1e6:.1f} repeated {r['auto_repeated']} "
+                      f"| auto/hand {r['auto'] / r['hand']:.3f} (search {r['seconds']:.1f} s)", flush=True)
         return
     print(f"GPT training step (Adam), no marks; heads {args.heads} x {args.head_dim}, batch {args.batch}, "
           f"seq {args.seq}; medians of {args.repeat}")
