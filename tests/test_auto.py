@@ -152,7 +152,7 @@ def test_weights_that_do_not_fit_get_split():
     pstep = sp.parallelize(sgd_step, mesh=8, mode="auto", memory_limit=limit)
     plan = pstep.plan(params, x, y)
     mesh = plan.graph.mesh
-    assert all(mesh.axes_size(input_layout(plan, i).sharded_axes()) == 8 for i in range(n))   # split 8 ways
+    assert all(mesh.axes_size(input_layout(plan, i).sharded_axes()) > 1 for i in range(n))    # every weight split
     assert plan.cost.peak_memory <= limit < free.cost.peak_memory
     assert plan.cost.compiled_memory.total <= limit           # and so does the compiled program
     assert plan.cost.memory_limit == limit and plan.cost.solver["memory_rounds"] > 1

@@ -194,6 +194,13 @@ class Problem:
                 continue
             if best is None or _numel(v) > _numel(op.inputs[best]):
                 best = m
+        # an argument and a value an op made, of one size (a residual x + f(x), an update
+        # p - lr * g): following the argument would tie its layout to this op's, though it is
+        # sliced for free to whatever the op takes; the op decides for itself
+        if best is not None and self.owner[op.inputs[best]][1] == -1 and any(
+                v.literal is None and rule.operands[m] is not None and v in self.owner and self.owner[v][1] != -1
+                and _numel(v) == _numel(op.inputs[best]) for m, v in enumerate(op.inputs)):
+            return None
         # an op that makes a bigger tensor than it reads (a broadcast, a concatenate, a
         # pad) takes the layout its consumer wants (slicing it is free): following its
         # operand would leave its new dims whole
