@@ -85,7 +85,7 @@ def median_interleaved_all(fns: list, reps: int) -> list[float]:
 # (Megatron, dp x mp, data parallel for the CNN), data parallel over every device
 # (the batch arguments split on dim 0), and ZeRO-1 (data parallel with Adam's state
 # split) where the step has an optimizer state.
-BATCH_ARGNUMS = {"seed_network": (0,), "mindspore_ffn": (0,), "megatron_mlp": (0,), "megatron_attention": (0,),
+BATCH_ARGNUMS = {"seed_network": (0,), "seed_network_4096x1024": (0,), "mindspore_ffn": (0,), "megatron_mlp": (0,), "megatron_attention": (0,),
                  "cnn_data_parallel": (1, 2)}
 
 
@@ -269,10 +269,19 @@ def run_auto(case: zoo.Case, reps: int, cost_model, hand: bool = False) -> dict:
             steps.append(step)
             names.append(name)
             row["hand"][name] = dict(correct=ok, bytes=collectives(comp.as_text(), n).bytes, memory=peak_memory(comp))
+        # XLA without the marks: the unmarked program under jit, its inputs placed as (b)'s
+        zoo.annotate.mode = "plain"
+        flat_u = [jax.device_put(x, s) for x, s in zip(jax.tree_util.tree_leaves(host), in_b)]
+        with jax.set_mesh(mesh):
+            comp_u = jax.jit(fresh(case.fn), out_shardings=out_shardings, donate_argnums=case.state_argnums) \
+                .lower(*jax.tree_util.tree_unflatten(tree, flat_u)).compile()
+        steps.append(feedback(comp_u, list(jax.tree_util.tree_unflatten(tree, flat_u)),
+                              {o: i for o, i in enumerate(case.state_argnums)}))
         with jax.set_mesh(mesh):
             times = median_interleaved_all(steps, reps)
         tc, tb = times[:2]
-        for name, t in zip(names, times[2:]):
+        row["step_xla_plain_ms"] = times[-1] * 1e3
+        for name, t in zip(names, times[2:-1]):
             row["hand"][name]["step_ms"] = t * 1e3
         best = min(names, key=lambda k: row["hand"][k]["step_ms"]) if names else None
         row.update(best_hand=best, auto_vs_best_hand=tc * 1e3 / row["hand"][best]["step_ms"] if best else None)
@@ -282,7 +291,7 @@ def run_auto(case: zoo.Case, reps: int, cost_model, hand: bool = False) -> dict:
 
 def hand_table(rows: list[dict]) -> str:
     names = ["marks", "DP", "ZeRO-1"]
-    head = f"{'case':<22} {'auto ms':>8} {'XLA ms':>8} " + " ".join(f"{n + ' ms':>10}" for n in names) + \
+    head = f"{'case':<22} {'auto ms':>8} {'XLA ms':>8} {'XLA- ms':>8} " + " ".join(f"{n + ' ms':>10}" for n in names) + \
         f" {'best hand':>10} {'auto/best':>9} {'correct':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -295,7 +304,8 @@ def hand_table(rows: list[dict]) -> str:
             cells.append(f"{'-':>10}" if h is None else f"{'n/a':>10}" if "error" in h else f"{h['step_ms']:>10.3f}")
             ok &= h is None or "error" in h or h["correct"]
         ratio = f"{r['auto_vs_best_hand']:>9.2f}" if r["auto_vs_best_hand"] else f"{'-':>9}"
-        lines.append(f"{r['case']:<22} {r['step_c_ms']:>8.3f} {r['step_b_ms']:>8.3f} " + " ".join(cells)
+        lines.append(f"{r['case']:<22} {r['step_c_ms']:>8.3f} {r['step_b_ms']:>8.3f} {r['step_xla_plain_ms']:>8.3f} "
+                     + " ".join(cells)
                      + f" {r['best_hand'] or '-':>10} {ratio} {str(ok):>8}")
         lines += [f"  {n} n/a: {h['error']}" for n, h in r["hand"].items() if "error" in h]
     return "\n".join(lines)
@@ -390,7 +400,8 @@ def main():
         print(auto_table(rows))
         if args.hand:
             print("\n" + hand_table(rows))
-            print(f"\nmedian of {reps} runs per plan, all plans of a case in turns; marks: shardprop with the case's "
+            print(f"\nmedian of {reps} runs per plan, all plans of a case in turns; XLA: jit with the marks as "
+                  "sharding constraints; XLA-: jit of the unmarked program; marks: shardprop with the case's "
                   "marks (Megatron, dp x mp, ...); DP: mode='data_parallel'; ZeRO-1: DP with Adam's state split; "
                   "auto/best: auto's step over the fastest hand plan's.")
         print(f"\nsearch: the strategy search's seconds; model ms: auto's modeled step; bytes: per device per step "
