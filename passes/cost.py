@@ -78,6 +78,9 @@ class Link:
         return self.latency_s + wire_bytes / self.bytes_per_s
 
 
+IMPOSSIBLE = 1e6   # seconds: the price of a redistribution that cannot exist (nothing makes a partial value)
+
+
 @dataclass(frozen=True)
 class CostModel:
     latency_s: float = 5e-6          # fixed cost of one collective (where no link says otherwise)

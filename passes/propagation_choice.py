@@ -18,13 +18,12 @@ from typing import Optional
 from ..ir.graph import CONSTRAINT, Op, Value
 from ..ir.layout import Layout
 
-from .cost import ComputeTimes, wire_bytes
+from .cost import IMPOSSIBLE, ComputeTimes, wire_bytes
 from .insert_reshards import cheapest_completion
 from .redistribute import redistribution_cost
 from .rules.base import FactorRule
 from .sharding import Axes, dim_axes, keep_contiguous, may_shard, nesting, project, regroup
 
-IMPOSSIBLE = 1e6  # seconds: a candidate that needs a redistribution that cannot exist
 
 
 @dataclass

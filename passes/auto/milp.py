@@ -23,6 +23,7 @@ import numpy as np
 
 from ...ir.errors import ShardingError
 
+from ..cost import IMPOSSIBLE
 from .eliminate import back_substitute, eliminate
 
 
@@ -141,7 +142,8 @@ def _undominated(t: int, unary: dict, edges: list, memory: dict) -> np.ndarray:
     k = feats.shape[0]
     if k == 1:
         return np.arange(1)
-    tol = 1e-12 * max(1.0, float(np.abs(feats).max()))
+    possible = np.abs(feats[feats < IMPOSSIBLE])
+    tol = 1e-12 * max(1.0, float(possible.max(initial=0.0)))   # (an impossible move's price would swamp it)
     le = np.all(feats[:, None, :] <= feats[None, :, :] + tol, axis=2)   # le[i, j]: i no worse than j anywhere
     keep = []
     for j in range(k):
@@ -191,7 +193,7 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
 def _milp(unary: dict, edges: list, kept: dict, memory_rows, limit, time_limit, rel_gap,
           lp_first: bool) -> Solution:
     """The MILP over what is left; the choice in kept numbering ({} if infeasible)."""
-    from scipy.optimize import LinearConstraint, milp
+    from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
     t0 = time.perf_counter()
     temps = sorted(unary)
@@ -264,16 +266,26 @@ def _milp(unary: dict, edges: list, kept: dict, memory_rows, limit, time_limit, 
     options = {"disp": False, "mip_rel_gap": rel_gap}
     if time_limit is not None:
         options["time_limit"] = float(time_limit)
+    # an impossible move (making a partial value out of a complete one) is not priced but
+    # excluded: its price would dwarf every real one once scaled
+    upper = np.ones(n)
+    banned = c >= IMPOSSIBLE
+    for t in temps:   # a decision with no possible candidate keeps them all, priced
+        if banned[xoff[t]:xoff[t] + len(unary[t])].all():
+            banned[xoff[t]:xoff[t] + len(unary[t])] = False
+    upper[banned] = 0.0
+    c = np.where(banned, 0.0, c)
     # seconds are tiny numbers: scaled so that HiGHS's tolerances do not erase the differences
     scale = float(np.abs(c).max()) or 1.0
     constraints = [LinearConstraint(A, lo, hi)]
+    bounds = Bounds(np.zeros(n), upper)
     res, how = None, ""
     if lp_first:
-        lp = milp(c / scale, integrality=np.zeros(n), bounds=(0, 1), constraints=constraints, options=options)
+        lp = milp(c / scale, integrality=np.zeros(n), bounds=bounds, constraints=constraints, options=options)
         if lp.x is not None and np.abs(lp.x[:nx] - np.round(lp.x[:nx])).max(initial=0.0) < 1e-7:
             res, how = lp, " (the LP relaxation's optimum is integral)"
     if res is None:
-        res = milp(c / scale, integrality=integrality, bounds=(0, 1), constraints=constraints, options=options)
+        res = milp(c / scale, integrality=integrality, bounds=bounds, constraints=constraints, options=options)
     seconds = time.perf_counter() - t0
     if res.x is None:
         if res.status == 1:   # the time limit, before any plan was found

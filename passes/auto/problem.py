@@ -22,6 +22,7 @@ the memory limit, see ``memory.py``).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -33,7 +34,7 @@ from ...ir.layout import Layout
 from ...ir.mesh import Mesh
 from ...runtime.repeats import find_repeats
 
-from ..cost import ComputeTimes, CostModel
+from ..cost import IMPOSSIBLE, ComputeTimes, CostModel
 from ..insert_reshards import cheapest_completion
 from ..redistribute import plan_redistribution
 from ..rules import FIXED, rule_for
@@ -73,6 +74,7 @@ class Node:
     main: list                        # per member: index of the operand it follows (-1: the root op)
     template: int = -1                # the node whose variables this one shares
     candidates: list = field(default_factory=list)   # factor tuples (op root) or Layouts (input root)
+    passthroughs: list = field(default_factory=list)  # (op root) per candidate: the partial it passes, or None
     strategies: list = field(default_factory=list)   # per candidate, per member: OpStrategy
 
     @property
@@ -114,7 +116,7 @@ class Problem:
         for n in self.nodes:
             if n.template != n.index:
                 t = self.nodes[n.template]
-                n.candidates, n.strategies = t.candidates, t.strategies
+                n.candidates, n.strategies, n.passthroughs = t.candidates, t.strategies, t.passthroughs
         self._costs()
 
     # -- nodes ------------------------------------------------------------------
@@ -128,6 +130,7 @@ class Problem:
             self.owner[v] = (len(self.nodes) - 1, -1, 0)
         deferred = []   # ops that make a bigger tensor than they read: they follow a consumer
         self._users = g.users()
+        self.partial_sums: dict = {}   # op -> its linear group: a sum where partials may meet
         for op in g.ops:
             m = self._main_operand(op) if self.follow else None
             if m == EXPANDS:
@@ -158,6 +161,7 @@ class Problem:
     def _reuse_nodes(self, like: "Problem") -> None:
         """The nodes, what follows what, and the templates of ``like`` (none depends on the mesh)."""
         self.rules, self.owner, self.node_of_op, self._users = like.rules, like.owner, like.node_of_op, like._users
+        self.partial_sums = like.partial_sums
         self.nodes = []
         for n in like.nodes:
             node = Node(n.root, n.members, n.main, n.template)
@@ -188,6 +192,10 @@ class Problem:
         if any(sum(u.kind in DECIDERS for u in self._users.get(v, ())) >= 2 for v in op.outputs):
             return None
         rule = self.rules(op)
+        group = self._partial_sum_group(op, rule)
+        if group is not None:
+            self.partial_sums[op] = group
+            return None
         best = None
         for m, v in enumerate(op.inputs):
             if v.literal is not None or rule.operands[m] is None or v not in self.owner:
@@ -208,6 +216,27 @@ class Problem:
         if best is None or _numel(op.inputs[best]) < biggest_out:
             return EXPANDS if len(op.outputs) == 1 else None
         return best
+
+    def _partial_sum_group(self, op: Op, rule) -> Optional[int]:
+        """The linear group of a sum where two values that may arrive partial meet
+        (an activation's gradient summed over the projections that read it): it decides
+        whether to add them partial and complete the sum once, or complete each first.
+        Following one of them it could only do the latter. A value may arrive partial
+        when its node's root is a matmul/conv or such a sum."""
+        for gi, (group, pop) in enumerate(rule.linear):
+            if pop != "sum" or len(group) < 2:
+                continue
+            maybe_partial = 0
+            for m in group:
+                v = op.inputs[m]
+                if v.literal is not None or v not in self.owner:
+                    continue
+                root = self.nodes[self.owner[v][0]].root
+                if isinstance(root, Op) and (root.kind in DECIDERS or root in self.partial_sums):
+                    maybe_partial += 1
+            if maybe_partial >= 2:
+                return gi
+        return None
 
     # -- repeated layers --------------------------------------------------------
     def _map_templates(self) -> None:
@@ -261,13 +290,16 @@ class Problem:
             if not n.candidates:   # a fixed part that no assignment completes: keep it as it is
                 fixed = self._fixed(op, rule)
                 n.candidates = [tuple(a or () for a in fixed)]
+            n.passthroughs = [None] * len(n.candidates)
+            if op in self.partial_sums:
+                self._add_partial_candidates(n, rule, self.partial_sums[op])
             layouts = None
         for k, cand in enumerate(n.candidates):
             row = []
             produced: dict = {}
             for pos, (op, m) in enumerate(zip(n.members, n.main)):
                 if m == -1:
-                    st = self._strategy(self.rules(op), tuple(cand), None)
+                    st = self._strategy(self.rules(op), tuple(cand), n.passthroughs[k] if n.passthroughs else None)
                 elif type(m) is tuple:   # follows what its consumer (member m[1]) needs of it
                     u = n.members[m[1]]
                     need = row[m[1]].operand_layout(m[2], u.inputs[m[2]].type.rank, mesh)
@@ -281,6 +313,20 @@ class Problem:
                 for o in range(len(op.outputs)):
                     produced[(pos, o)] = st.result_layout(o, mesh)
             n.strategies.append(row)
+
+    def _add_partial_candidates(self, n: Node, rule, group: int) -> None:
+        """A partial sum's candidates again with the partial passed through, over every
+        set of the mesh axes its factors leave free (its operands in that group then
+        arrive partial over them, and its result is partial)."""
+        mesh = self.mesh
+        for cand in list(n.candidates):
+            used = {a for axes in cand for a in axes}
+            free = [a for a in mesh.axis_names if a not in used]
+            for r in range(1, len(free) + 1):
+                for axes in itertools.combinations(free, r):
+                    if not OpStrategy(rule, tuple(cand), (group, axes)).problems(mesh):
+                        n.candidates.append(cand)
+                        n.passthroughs.append((group, axes))
 
     def _fixed(self, op: Op, rule) -> list:
         mesh = self.mesh
@@ -596,9 +642,6 @@ class Problem:
             for op, st in zip(n.members, n.strategies[k]):
                 ops[op] = st
         return ops, inputs
-
-
-IMPOSSIBLE = 1e6   # seconds: a redistribution that cannot exist
 
 
 class _Rules:
