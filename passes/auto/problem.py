@@ -132,7 +132,7 @@ class Problem:
         self._users = g.users()
         self.partial_sums: dict = {}   # op -> its linear group: a sum where partials may meet
         for op in g.ops:
-            m = self._main_operand(op) if self.follow else None
+            m = self._main_operand(op) if self.follow else self._own_decision(op)
             if m == EXPANDS:
                 deferred.append(op)
                 continue
@@ -216,6 +216,16 @@ class Problem:
         if best is None or _numel(op.inputs[best]) < biggest_out:
             return EXPANDS if len(op.outputs) == 1 else None
         return best
+
+    def _own_decision(self, op: Op) -> None:
+        """(Without followers: every op decides; a sum of partials still gets its
+        passthrough candidates.)"""
+        if op.kind in DECIDERS or op.subgraphs or op.kind in FIXED or op.region is not None or op.kind == CONSTRAINT:
+            return None
+        group = self._partial_sum_group(op, self.rules(op))
+        if group is not None:
+            self.partial_sums[op] = group
+        return None
 
     def _partial_sum_group(self, op: Op, rule) -> Optional[int]:
         """The linear group of a sum where two values that may arrive partial meet
