@@ -269,3 +269,15 @@ def test_local_slices_lower_under_x64():
         pf = sp.parallelize(f, mesh=8, in_strategy=((1, 1),))    # replicated in, split by the mark
         assert any(c.kind == "slice" for c in pf.plan(x).collectives)
         assert_trees_close(pf(x), jax.jit(f)(x))
+
+
+def test_a_split_of_the_major_part_crosses_a_reshape_without_common_refinement():
+    """(4, 16, 3) -> (8, 3, 4, 2) has no common refinement (16 = 2 x 8 meets 3 x 4 x 2),
+    but the split of dim 1 over 'c' takes its major 2, which lands whole in the result's
+    dim 0: the blocks stay contiguous. It was refused (seed 60002 #118)."""
+    x = np.arange(192, dtype=np.float32).reshape(4, 16, 3)
+
+    def f(x):
+        v = sp.shard(lambda a: a.reshape((8, 3, 4, 2)), (P(("a", "b"), "c", None),))(x)
+        return jnp.sum(v, axis=(0, 2, 3)), v
+    check_parallel(f, (x,), mesh=((2, 2, 2), ("a", "b", "c")))

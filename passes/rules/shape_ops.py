@@ -66,17 +66,47 @@ def _factor_block(a, b, fb, need):
                 lo = hi
             return out
         return split(a, pa), split(b, pb)
-    # No common refinement: only a shared leading factor may stay sharded.
-    g = math.gcd(a[0], b[0])
-    lead = [fb.new(g)] if g > 1 else []
-    a_f = [tuple(lead) + ((fb.new(a[0] // g),) if a[0] // g > 1 else ())]
-    b_f = [tuple(lead) + ((fb.new(b[0] // g),) if b[0] // g > 1 else ())]
-    rest_a = [(fb.new(s),) if s != 1 else () for s in a[1:]]
-    rest_b = [(fb.new(s),) if s != 1 else () for s in b[1:]]
-    lead_set = set(lead)
-    for fs in a_f + b_f + rest_a + rest_b:
-        need.update(f for f in fs if f not in lead_set)
-    return a_f + rest_a, b_f + rest_b
+    # No common refinement of the whole block: the longest leading run of bounds that
+    # refines both sides keeps its factors (blocks stay contiguous while a split takes
+    # whole sub-factors from the major end); past its end E every dim part is whole.
+    end = _chain_end(bounds, pa, pb)
+    ids = [fb.new(end[0])] + [fb.new(end[k] // end[k - 1]) for k in range(1, len(end))] if end else []
+
+    def split_rest(dims, prefix):
+        out, lo = [], 1
+        e = end[-1] if end else 1
+        for s, hi in zip(dims, prefix):
+            if s == 1:
+                out.append(())
+            elif hi <= e:
+                out.append(tuple(f for f, bd in zip(ids, end) if lo < bd <= hi))
+            else:
+                keep = tuple(f for f, bd in zip(ids, end) if lo < bd <= e)
+                rest = fb.new(hi // max(lo, e))
+                need.add(rest)
+                out.append(keep + (rest,))
+            lo = hi
+        return out
+    return split_rest(a, pa), split_rest(b, pb)
+
+
+def _chain_end(bounds, pa, pb) -> list:
+    """The leading run of a block without a common refinement: for the largest E such
+    that both sides' prefix bounds below E, and E, divide one another in turn, and E
+    divides the next prefix of each side (each side's dim straddling E then splits into
+    a major part made of the run's factors and a whole minor rest), the bounds up to E."""
+    total = bounds[-1]
+    divisors = sorted({d for k in range(1, math.isqrt(total) + 1) if total % k == 0 for d in (k, total // k)},
+                      reverse=True)
+    for e in divisors:
+        if e in (1, total):
+            continue
+        run = sorted({p for p in pa + pb if p < e} | {e})
+        if any(run[k] % run[k - 1] for k in range(1, len(run))):
+            continue
+        if all(next(p for p in prefix if p >= e) % e == 0 for prefix in (pa, pb)):
+            return run
+    return []
 
 
 def reshape_factors(a, b, fb):
