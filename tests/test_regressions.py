@@ -281,3 +281,6 @@ def test_a_split_of_the_major_part_crosses_a_reshape_without_common_refinement()
         v = sp.shard(lambda a: a.reshape((8, 3, 4, 2)), (P(("a", "b"), "c", None),))(x)
         return jnp.sum(v, axis=(0, 2, 3)), v
     check_parallel(f, (x,), mesh=((2, 2, 2), ("a", "b", "c")))
+    # (8, 7) -> (2, 2, 7, 2): dim 0 split 4 ways is its major 2 x 2 (seed 60003 #891)
+    y = np.arange(56, dtype=np.float32).reshape(8, 7)
+    check_parallel(lambda y: sp.shard(lambda a: a.reshape((2, 2, 7, 2)), ((4, 1),))(y), (y,), mesh=4)
