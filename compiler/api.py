@@ -45,8 +45,13 @@ def _memory_limit(limit, mode: str):
     return parsed
 
 
+class _NoSplits(tuple):
+    """``()`` where it meets an array: split counts with no entries (a rank-0 tensor's),
+    kept a leaf of the strategy tree and checked against the array's rank like any."""
+
+
 def _is_tensor_strategy(x) -> bool:
-    if x is None or isinstance(x, PartitionSpec):
+    if x is None or isinstance(x, (PartitionSpec, _NoSplits)):
         return True
     return isinstance(x, tuple) and all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in x) \
         and len(x) > 0
@@ -60,10 +65,12 @@ def _shapes_of(tree):
 
 def _scalar_strategies_as_specs(prefix, tree_value):
     """``()`` is both an empty container and a scalar's strategy (no dims to split);
-    where it meets an array leaf it is the latter, which PartitionSpec() says plainly."""
+    where it meets an array leaf it is the latter: split counts, so an array of rank 1 or
+    more given ``()`` is an error, as with any split counts of the wrong length (it was
+    read as PartitionSpec(), which replicates any rank, and accepted silently)."""
     if prefix == () and not isinstance(prefix, PartitionSpec) and jax.tree_util.treedef_is_leaf(
             jax.tree_util.tree_structure(tree_value)) and tree_value is not None:
-        return PartitionSpec()
+        return _NoSplits()
     if isinstance(prefix, (tuple, list)) and not _is_tensor_strategy(prefix) \
             and isinstance(tree_value, (tuple, list)) and len(prefix) == len(tree_value):
         items = [_scalar_strategies_as_specs(p, v) for p, v in zip(prefix, tree_value)]

@@ -231,6 +231,20 @@ def test_a_scalar_argument_takes_the_empty_strategy():
         sp.parallelize(f, mesh=8, in_strategy=((2,), (8,)))(s, x)
 
 
+@pytest.mark.parametrize("used", [False, True])
+def test_empty_split_counts_on_an_array_are_an_error(used):
+    """``()`` at a rank-1 argument is split counts of the wrong length, like (1, 1); it
+    was read as PartitionSpec() (replicated) and accepted (fuzz seed 60004 #1400, where
+    the argument was not even used)."""
+    def f(a, b, c):
+        return jnp.einsum("i,p->pi", c, a) + (b.sum() if used else 0)
+    args = (np.ones(4, np.float32), np.ones(6, np.float32), np.ones(8, np.float32))
+    with pytest.raises(sp.ShardingError, match=r"in_strategy for input b has 0 split counts but the tensor has rank 1"):
+        sp.parallelize(f, mesh=((2, 4), ("dp", "mp")), in_strategy=(None, (), None))(*args)
+    with pytest.raises(sp.ShardingError, match=r"out_strategy .*0 split counts but the tensor has rank 2"):
+        sp.parallelize(f, mesh=8, out_strategy=())(*args)
+
+
 def test_in_strategy_for_optimizer_state_namedtuples():
     """optax states are NamedTuples: a strategy tree shaped like one, with () for the
     step count, is read leaf by leaf (rebuilding it once failed on the NamedTuple)."""
