@@ -192,9 +192,7 @@ class Problem:
         if any(sum(u.kind in DECIDERS for u in self._users.get(v, ())) >= 2 for v in op.outputs):
             return None
         rule = self.rules(op)
-        group = self._partial_sum_group(op, rule)
-        if group is not None:
-            self.partial_sums[op] = group
+        if self._note_partial_sum(op, rule):
             return None
         best = None
         for m, v in enumerate(op.inputs):
@@ -222,10 +220,15 @@ class Problem:
         passthrough candidates.)"""
         if op.kind in DECIDERS or op.subgraphs or op.kind in FIXED or op.region is not None or op.kind == CONSTRAINT:
             return None
-        group = self._partial_sum_group(op, self.rules(op))
+        self._note_partial_sum(op, self.rules(op))
+        return None
+
+    def _note_partial_sum(self, op: Op, rule) -> bool:
+        """Record ``op`` in ``partial_sums`` if it is one (``_partial_sum_group``)."""
+        group = self._partial_sum_group(op, rule)
         if group is not None:
             self.partial_sums[op] = group
-        return None
+        return group is not None
 
     def _partial_sum_group(self, op: Op, rule) -> Optional[int]:
         """The linear group of a sum where two values that may arrive partial meet

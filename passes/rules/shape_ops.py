@@ -55,24 +55,15 @@ def _factor_block(a, b, fb, need):
     """Factors of one block of dims with equal element counts on both sides."""
     pa, pb = _prefixes(a), _prefixes(b)
     bounds = sorted(set(pa) | set(pb))
+    # Where the bounds of both sides refine one another (a chain), every factor is
+    # shared. Otherwise the block's longest leading run that does keeps its factors
+    # (blocks stay contiguous while a split takes whole sub-factors from the major end);
+    # past its end E every dim part is whole.
     chain = all(bounds[k] % bounds[k - 1] == 0 for k in range(1, len(bounds)))
-    if chain:
-        ids = [fb.new(bounds[0])] + [fb.new(bounds[k] // bounds[k - 1]) for k in range(1, len(bounds))]
-
-        def split(dims, prefix):
-            out, lo = [], 1
-            for s, hi in zip(dims, prefix):
-                out.append(tuple(f for f, bd in zip(ids, bounds) if lo < bd <= hi) if s != 1 else ())
-                lo = hi
-            return out
-        return split(a, pa), split(b, pb)
-    # No common refinement of the whole block: the longest leading run of bounds that
-    # refines both sides keeps its factors (blocks stay contiguous while a split takes
-    # whole sub-factors from the major end); past its end E every dim part is whole.
-    end = _chain_end(bounds, pa, pb)
+    end = bounds if chain else _chain_end(bounds, pa, pb)
     ids = [fb.new(end[0])] + [fb.new(end[k] // end[k - 1]) for k in range(1, len(end))] if end else []
 
-    def split_rest(dims, prefix):
+    def split(dims, prefix):
         out, lo = [], 1
         e = end[-1] if end else 1
         for s, hi in zip(dims, prefix):
@@ -87,7 +78,7 @@ def _factor_block(a, b, fb, need):
                 out.append(keep + (rest,))
             lo = hi
         return out
-    return split_rest(a, pa), split_rest(b, pb)
+    return split(a, pa), split(b, pb)
 
 
 def _chain_end(bounds, pa, pb) -> list:
