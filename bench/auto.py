@@ -10,6 +10,12 @@ MILP, and the plan's modeled step time, bytes moved and peak per device.
 
     python bench/auto.py                       # 12 and 48 layers
     python bench/auto.py --layers 12 --repeat 3 --embed 256 --batch 16
+    python bench/auto.py --layers 2 --meshes 2x4 --limits 0.8 0.6   # under memory limits, each memory method
+
+With --limits: the plan without a limit, then under each fraction of its modeled
+peak, searched by each memory method in turn ("lagrange": multipliers first, exact
+rows where they leave a gap above 1%; "exact": exact rows only), the median search
+seconds of --repeat, the plan's modeled step and peak, and how the solver ended.
 """
 import argparse
 import os
@@ -51,11 +57,8 @@ def traced(layers: int, heads: int, head_dim: int, batch: int, seq: int):
 
 def plan_once(step, args, closed, out_shape, mesh) -> dict:
     plan_redistribution.cache_clear()   # every run pays for its redistribution costs (no warm cache)
-    spec = resolve_mesh(mesh)
     with gc_paused():
-        graph = import_jaxpr(closed, spec.ir_mesh, input_names(step, args, {}), "train_step")
-        graph.count_mesh = not spec.named
-        graph.tied_outputs = state_ties(args, (0, 1), out_shape)
+        graph = unmarked_graph(step, args, closed, out_shape, mesh)
         t0 = time.perf_counter()
         res = run_pipeline(graph, Options(mode="auto"))
         total = time.perf_counter() - t0
@@ -64,6 +67,45 @@ def plan_once(step, args, closed, out_shape, mesh) -> dict:
                 variables=auto.solver["variables"], binaries=auto.solver["binaries"], nodes=auto.solver["nodes"],
                 decisions=auto.solver["decisions"], step=auto.step_time, bytes=auto.bytes_moved,
                 peak=auto.peak_memory, mesh=auto.mesh, gap=auto.solver["gap"], ops=len(graph.ops))
+
+
+def unmarked_graph(step, args, closed, out_shape, mesh):
+    spec = resolve_mesh(mesh)
+    graph = import_jaxpr(closed, spec.ir_mesh, input_names(step, args, {}), "train_step")
+    graph.count_mesh = not spec.named
+    graph.tied_outputs = state_ties(args, (0, 1), out_shape)
+    return graph
+
+
+def under_limits(t, mesh, fractions, methods, repeat) -> None:
+    """Search under memory limits (fractions of the free plan's modeled peak), each memory
+    method in turn per repetition, so the figures of one line are measured side by side."""
+    from shardprop.passes.auto import SearchStrategies
+    from shardprop.passes.bind_strategies import BindUserStrategies
+    g = BindUserStrategies()(unmarked_graph(*t, mesh))
+    _, free, free_peak = SearchStrategies().search(g)
+    print(f"  free plan: step {free.modeled * 1e3:.4f} ms, peak {free_peak / 1e6:.3f} MB", flush=True)
+    for frac in fractions:
+        limit = int(frac * free_peak)
+        seconds = {m: [] for m in methods}
+        found = {}
+        for _ in range(repeat):
+            for m in methods:
+                plan_redistribution.cache_clear()
+                t0 = time.perf_counter()
+                _, sol, peak = SearchStrategies(memory_limit=limit, memory_method=m).search(g)
+                seconds[m].append(time.perf_counter() - t0)
+                found[m] = (sol, peak)
+        for m in methods:
+            sol, peak = found[m]
+            how = "no plan fits" if sol is None else (f"step {sol.modeled * 1e3:.4f} ms, peak {peak / 1e6:.3f} MB, "
+                                                     f"{sol.rounds} solves; {_short(sol.status)}")
+            print(f"  limit {frac:g} x free ({limit / 1e6:.3f} MB) {m:>8}: search {statistics.median(seconds[m]):6.2f} s"
+                  f" | {how}", flush=True)
+
+
+def _short(status: str) -> str:
+    return status.replace("Optimization terminated successfully. (HiGHS Status 7: Optimal)", "exact rows: optimal")
 
 
 def repeated_matmuls(graph, strategies: dict) -> int:
@@ -130,7 +172,19 @@ def main():
     ap.add_argument("--hand", action="store_true", help="also price Megatron's dp x mp hand plan on the named meshes")
     ap.add_argument("--pressure", type=float, default=None,
                     help="with --hand: auto's memory limit, as a fraction of the hand plan's modeled peak")
+    ap.add_argument("--limits", type=float, nargs="+", default=None,
+                    help="search under memory limits, fractions of the unlimited plan's modeled peak")
+    ap.add_argument("--memory-methods", nargs="+", default=["lagrange", "exact"], choices=["lagrange", "exact"])
     args = ap.parse_args()
+    if args.limits:
+        print(f"GPT training step (Adam), no marks, under memory limits; heads {args.heads} x {args.head_dim}, batch "
+              f"{args.batch}, seq {args.seq}; median search seconds of {args.repeat}, methods in turns")
+        for layers in args.layers:
+            t = traced(layers, args.heads, args.head_dim, args.batch, args.seq)
+            for name in args.meshes:
+                print(f"{layers} layers, mesh {name}:", flush=True)
+                under_limits(t, MESHES[name], args.limits, args.memory_methods, args.repeat)
+        return
     if args.hand:
         print("modeled step (ms), bytes moved (MB), peak (MB) per device and matmuls computed more than once: "
               "Megatron dp x mp marks vs auto" + (f" under {args.pressure:g} x the hand plan's peak" if args.pressure else ""))

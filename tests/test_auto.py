@@ -488,6 +488,86 @@ def evaluate_reduced(red, choice):
             + sum(e.at(choice[e.a], choice[e.b]) for e in red.edges))
 
 
+def _memory_problem(seed, n=10, k=4):
+    """A random search problem (costs ~1e-4 s) with two memory rows: per-decision bytes
+    and, in the second, a copy between two decisions."""
+    from shardprop.passes.auto.problem import Edge
+    rng = np.random.default_rng(seed)
+    unary = {t: rng.random(k) * 1e-4 for t in range(n)}
+    edges = [Edge(a, b, np.arange(k) % 2, np.arange(k) % 2, rng.random((2, 2)) * 1e-4)
+             for a in range(n) for b in (a + 1, a + 2) if b < n]
+    red = milp.Reduced(unary, edges, {t: np.arange(k) for t in range(n)})
+    # cheaper candidates hold more bytes: the limit trades time for memory
+    rows = [milp.MemoryRow({t: (1.5e-4 - unary[t]) * 1e10 + rng.random(k) * 2e5 for t in range(n)}),
+            milp.MemoryRow({t: (1.5e-4 - unary[t]) * 2e10 for t in range(0, n, 2)},
+                           [(1, 3, np.arange(k), np.arange(k), rng.random((k, k)) * 1e6)])]
+    return red, rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lagrange_multipliers_bound_the_optimum_and_their_plan_fits(seed):
+    """The multipliers' lower bound is below the exact rows' optimum, their plan fits every
+    row (on some seeds the second row binds too), and the gap they report is a true one."""
+    from shardprop.passes.auto import lagrange
+    red, rows = _memory_problem(seed)
+
+    def peak(choice):
+        held = [lagrange.row_bytes(r, choice) for r in rows]
+        return max(held), int(np.argmax(held))
+    free = milp.solve(red).choice
+    limit = 0.85 * peak(free)[0]
+    exact = milp.solve(red, rows, limit)
+    assert exact.choice and peak(exact.choice)[0] <= limit
+    optimum = evaluate_reduced(red, exact.choice)
+    out = lagrange.search(red, lambda c: evaluate_reduced(red, c), peak, lambda at: rows[at], limit, tolerance=0.05)
+    assert out.bound <= optimum * (1 + 1e-7)
+    assert out.choice is not None and peak(out.choice)[0] <= limit
+    assert out.objective == pytest.approx(evaluate_reduced(red, out.choice), rel=1e-12) and out.objective >= optimum * (1 - 1e-9)
+    assert out.gap == pytest.approx((out.objective - out.bound) / out.objective)
+
+
+def test_multipliers_and_exact_rows_plan_alike_under_a_limit():
+    """The MLP step whose weights do not fit: multipliers first (exact rows where they
+    leave a gap above 1%) plan within 1% of the exact rows' plan, and fit."""
+    params, x, y = problem_data(4096, 1024, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,))
+    _, free, _ = SearchStrategies().search(g)
+    limit = int(free.peak * 0.7)
+    _, exact, exact_peak = SearchStrategies(memory_limit=limit, memory_method="exact").search(g)
+    _, lag, lag_peak = SearchStrategies(memory_limit=limit, memory_method="lagrange").search(g)
+    assert exact_peak <= limit and lag_peak <= limit
+    assert lag.objective <= exact.objective * 1.01
+    assert lag.bound <= exact.objective * (1 + 1e-4)   # (a solver's bound holds the 1e-16 s/byte tie-break)
+
+
+def test_exact_rows_out_of_time_leave_the_multipliers_plan(monkeypatch):
+    """Where the exact rows find no plan within their time limit (simulated), the
+    multipliers' plan that fits is returned with its gap, not an error (with either
+    memory method); where the multipliers find none either, the time limit's error."""
+    params, x, y = problem_data(4096, 1024, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,))
+    _, free, _ = SearchStrategies().search(g)
+    limit = int(free.peak * 0.7)
+    solve = milp.solve
+
+    def out_of_time(red, memory_rows=(), *a, **k):
+        if memory_rows:
+            raise sp.ShardingError("the strategy search found no plan within its time limit of 1 s")
+        return solve(red, memory_rows, *a, **k)
+    monkeypatch.setattr(milp, "solve", out_of_time)
+    for method in ("exact", "lagrange"):
+        _, sol, peak = SearchStrategies(memory_limit=limit, memory_method=method, memory_tolerance=0.0).search(g)
+        assert peak <= limit and "the exact rows found no plan within their time limit" in sol.status
+        assert 0 < sol.gap < 1 and sol.bound <= sol.objective
+    with pytest.raises(sp.ShardingError, match="time limit"):   # a limit no plan fits: nothing to return
+        SearchStrategies(memory_limit=int(free.peak * 0.01)).search(g)
+
+
+def test_memory_method_is_checked():
+    with pytest.raises(sp.ShardingError, match="memory_method='fast'"):
+        SearchStrategies(memory_method="fast")
+
+
 def test_exact_dp_on_the_search_problem_gives_the_same_plan():
     params, x, y = problem_data(2048, 512, 4)
     g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,))

@@ -89,13 +89,21 @@ def reduce(problem, memory_matters: bool, upper: Optional[float] = None) -> Redu
     kept = {t: _undominated(t, unary, edges, memory.get(t, {})) for t in unary}
     if upper is not None:
         kept = _bounded(unary, edges, kept, upper)
+    whole = {t: np.arange(len(u)) for t, u in unary.items()}
+    return restrict(Reduced(unary, edges, whole, {t: list(vs.values()) for t, vs in memory.items()}), kept)
+
+
+def restrict(red: Reduced, keep: dict) -> Reduced:
+    """``red`` with only the candidates ``keep[t]`` (indices into ``red``'s own numbering)."""
+    from .problem import Edge
     out = []
-    for e in edges:
-        rows, rmap = _compact(e.rows[kept[e.a]])
-        cols, cmap = _compact(e.cols[kept[e.b]])
+    for e in red.edges:
+        rows, rmap = _compact(e.rows[keep[e.a]])
+        cols, cmap = _compact(e.cols[keep[e.b]])
         out.append(Edge(e.a, e.b, rows, cols, e.cost[np.ix_(rmap, cmap)]))
-    return Reduced({t: unary[t][kept[t]] for t in unary}, out, kept,
-                   {t: [v[kept[t]] for v in vs.values()] for t, vs in memory.items()})
+    return Reduced({t: u[keep[t]] for t, u in red.unary.items()}, out,
+                   {t: red.kept[t][keep[t]] for t in red.unary},
+                   {t: [v[keep[t]] for v in vs] for t, vs in red.memory.items()})
 
 
 def _bounded(unary: dict, edges: list, kept: dict, upper: float) -> dict:
@@ -247,18 +255,18 @@ def _milp(unary: dict, edges: list, kept: dict, memory_rows, limit, time_limit, 
             lo.append(0.0)
             hi.append(0.0)
             r += 1
-    for row, row_copies in zip(memory_rows, copies):
+    for row, row_copies in zip(memory_rows, copies):   # in units of the limit (HiGHS wants rows near 1)
         for t, vec in row.nodes.items():
             vec = vec[kept[t]]
             rows += [r] * len(vec)
             cols += range(xoff[t], xoff[t] + len(vec))
-            vals += list(vec)
+            vals += list(vec / float(limit))
         for ei, nbytes in row_copies:
             rows += [r] * nbytes.size
             cols += range(eoff[ei], eoff[ei] + nbytes.size)
-            vals += list(nbytes.ravel())
+            vals += list(nbytes.ravel() / float(limit))
         lo.append(-np.inf)
-        hi.append(float(limit))
+        hi.append(1.0)
         r += 1
     A = coo_matrix((vals, (rows, cols)), shape=(r, n)).tocsr()
     integrality = np.zeros(n)

@@ -30,7 +30,7 @@ from ..cost import DEFAULT_COST, CostModel
 from ..loop_boundaries import boundary_layouts
 from ..propagate import PropagateSharding
 from ..rules import FIXED
-from . import milp
+from . import lagrange, milp
 from .memory import copy_bytes, largest_at_peak, live_intervals, plan_peak, plan_profile
 from .pricing import Prices
 from .refine import refine
@@ -103,12 +103,18 @@ class SearchStrategies:
     name = "search-strategies"
 
     def __init__(self, cost: CostModel = DEFAULT_COST, memory_limit: Optional[int] = None,
-                 time_limit: Optional[float] = 60.0, allow_reduce_scatter: bool = True):
+                 time_limit: Optional[float] = 60.0, allow_reduce_scatter: bool = True,
+                 memory_method: str = "exact", memory_tolerance: float = 0.01):
         self.cost = cost
         # the user's limit (or the device's memory, as parallelize found it), else the profile's
         self.memory_limit = memory_limit if memory_limit is not None else getattr(cost, "memory_capacity_bytes", None)
         self.time_limit = time_limit
         self.allow_rs = allow_reduce_scatter
+        if memory_method not in ("lagrange", "exact"):
+            raise ShardingError(f"memory_method={memory_method!r}: use 'exact' (exact memory rows; Lagrange "
+                                "multipliers only where a solve runs out of time) or 'lagrange' (multipliers first, "
+                                "exact rows where they leave a gap above memory_tolerance)")
+        self.memory_method, self.memory_tolerance = memory_method, memory_tolerance
 
     def __call__(self, graph: Graph) -> Graph:
         best = None
@@ -153,31 +159,89 @@ class SearchStrategies:
         if beat is not None:
             upper = beat if upper is None else min(upper, beat)
         red = milp.reduce(problem, memory_matters=limit is not None, upper=upper)
-        rows, total = [], 0.0
         smallest = (memory.peak(first)[0], first) if limit is not None else None   # for the error
-        for _ in range(MAX_MEMORY_ROUNDS):
-            sol = milp.solve(red, rows, limit, self.time_limit)
+        if limit is None:
+            sol = milp.solve(red, time_limit=self.time_limit)
+            sol.rounds = 1
+        else:
+            sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest)
+            if sol is None:
+                return problem, None, smallest
+        return problem, sol, self._finish(graph, problem, sol, limit)
+
+    def _solve_under_limit(self, red, problem: Problem, memory: "_Liveness", limit: float, smallest: tuple):
+        """(solution that fits or None, the smallest-peak plan met). The exact rows: solve,
+        add the row where the plan peaks over the limit, solve again. With
+        ``memory_method="lagrange"`` the multipliers (``lagrange.py``) go first, and their
+        plan is kept where it is proven within ``memory_tolerance`` of the best; either
+        way, where an exact solve runs out of time before any plan, the multipliers'
+        plan that fits is returned with its gap."""
+        lag = None
+
+        def multipliers():
+            nonlocal smallest
+            out = lagrange.search(red, problem.objective, memory.peak, memory.row, limit,
+                                  tolerance=self.memory_tolerance, time_limit=self.time_limit)
+            if out.smallest is not None and out.smallest[0] < smallest[0]:
+                smallest = out.smallest
+            return out
+        if self.memory_method == "lagrange":
+            lag = multipliers()
+            if lag.choice is not None and lag.gap <= self.memory_tolerance:
+                sol = milp.Solution(lag.choice, lag.objective, lag.bound, lag.gap,
+                                    f"Lagrange multipliers on {len(lag.rows)} memory rows: {lag.iterations} solves, "
+                                    f"within {lag.gap:.2%} of the lower bound ({lag.seconds:.1f} s)", lag.seconds,
+                                    lag.variables, lag.binaries)
+                sol.rounds = lag.iterations
+                return sol, smallest
+        rows = list(lag.rows) if lag is not None else []
+        total = lag.seconds if lag is not None else 0.0
+        for k in range(MAX_MEMORY_ROUNDS):
+            try:
+                sol = milp.solve(red, rows, limit, self.time_limit)
+            except ShardingError:   # the time limit, before any plan
+                lag = lag or multipliers()
+                if lag.choice is None:
+                    raise
+                break
             total += sol.seconds
             if not sol.choice:
-                return problem, None, smallest
+                break
             peak, at = memory.peak(sol.choice)
-            if limit is None or peak <= limit:
-                sol.seconds = total
-                sol.rounds = len(rows) + 1
-                sol.objective = problem.objective(sol.choice)   # (the solver's includes the tie-break)
-                sol.plan = problem.op_strategies(sol.choice)
-                refined = refine(problem, *sol.plan)
-                refined_peak = plan_peak(graph, *refined)
-                if limit is None or refined_peak <= limit:
-                    sol.plan, peak = refined, refined_peak
-                sol.peak = peak
-                e = problem.evaluate(*sol.plan)
-                sol.modeled = e["compute"] + e["communication"]
-                return problem, sol, peak
+            if peak <= limit:
+                if lag is not None and lag.choice is not None and lag.objective < problem.objective(sol.choice):
+                    sol.choice = lag.choice   # (the exact solve hit its time limit above the multipliers' plan)
+                sol.seconds, sol.rounds = total, k + 1 + (lag.iterations if lag is not None else 0)
+                if lag is not None:
+                    sol.status += (f"; after Lagrange multipliers ({lag.iterations} solves, {lag.seconds:.1f} s) left "
+                                   f"a gap of {lag.gap:.2%}, exact rows")
+                    sol.bound = max(sol.bound, lag.bound)
+                return sol, smallest
             rows.append(memory.row(at))
             if peak < smallest[0]:
                 smallest = (peak, sol.choice)
-        return problem, None, smallest
+        if lag is not None and lag.choice is not None:   # (only where an exact solve ran out of time)
+            sol = milp.Solution(lag.choice, lag.objective, lag.bound, lag.gap,
+                                f"Lagrange multipliers ({lag.iterations} solves), within {lag.gap:.2%} of the lower "
+                                f"bound; the exact rows found no plan within their time limit",
+                                total + lag.seconds, lag.variables, lag.binaries)
+            sol.rounds = lag.iterations + k
+            return sol, smallest
+        return None, smallest
+
+    def _finish(self, graph: Graph, problem: Problem, sol, limit) -> float:
+        """Refine the solved plan (kept only where it still fits); its peak."""
+        sol.objective = problem.objective(sol.choice)   # (the solver's includes the tie-break)
+        sol.plan = problem.op_strategies(sol.choice)
+        peak = plan_peak(graph, *sol.plan)
+        refined = refine(problem, *sol.plan)
+        refined_peak = plan_peak(graph, *refined)
+        if limit is None or refined_peak <= limit:
+            sol.plan, peak = refined, refined_peak
+        sol.peak = peak
+        e = problem.evaluate(*sol.plan)
+        sol.modeled = e["compute"] + e["communication"]
+        return peak
 
     def _arrangements(self, graph: Graph) -> list[Mesh]:
         """The meshes to search: the graph's own, or on a device-count mesh with nothing
