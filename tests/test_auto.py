@@ -362,6 +362,22 @@ def test_plan_within_one_percent_of_the_exact_ilp(layers, batch, width):
     assert c_time <= e_time * 1.01
 
 
+@pytest.mark.parametrize("batch,width,within", [(8192, 512, 1.01), (2048, 256, 1.05)])
+def test_adam_plan_near_the_exact_ilp(batch, width, within):
+    """Adam reads each weight gradient twice (its two moments): the transpose that passes
+    the gradient on, partial, decides for itself, so it is completed once for both
+    readers. (While it followed the gradient's matmul the plan was 28% / 11% above the
+    exact ILP's here; today 0% / 3.4%.)"""
+    import optax
+    params, x, y = problem_data(batch, width, 2)
+    g = traced_graph(adam_step, (params, optax.adam(1e-3).init(params), x, y), Mesh(("a", "b"), (2, 4)), tied=(0, 1))
+    exact = Problem(g, DEFAULT_COST, follow=False, share_layers=False)
+    e = exact.evaluate(*exact.op_strategies(milp.solve(milp.reduce(exact, False)).choice))
+    _, coarse, _ = SearchStrategies().search(g)
+    c = exact.evaluate(*coarse.plan)
+    assert c["compute"] + c["communication"] <= (e["compute"] + e["communication"]) * within
+
+
 def test_repeated_layers_share_variables():
     """Layers between the first and the last share one set of variables: the problem's
     size does not grow with depth."""

@@ -213,7 +213,18 @@ class Problem:
         biggest_out = max((_numel(v) for v in op.outputs), default=0)
         if best is None or _numel(op.inputs[best]) < biggest_out:
             return EXPANDS if len(op.outputs) == 1 else None
+        # a value that may arrive partial (a weight gradient), passed on to two or more
+        # readers (Adam's two moments read the transposed gradient): following, this op
+        # would carry the partial to each reader, completed once per reader; deciding, it
+        # completes it once, into the layout that suits them all
+        if self._may_be_partial(op.inputs[best]) and sum(len(self._users.get(v, ())) for v in op.outputs) >= 2:
+            return None
         return best
+
+    def _may_be_partial(self, v: Value) -> bool:
+        """Whether ``v``'s node's root is a matmul/conv or a sum of partials."""
+        root = self.nodes[self.owner[v][0]].root
+        return isinstance(root, Op) and (root.kind in DECIDERS or root in self.partial_sums)
 
     def _own_decision(self, op: Op) -> None:
         """(Without followers: every op decides; a sum of partials still gets its
@@ -244,9 +255,7 @@ class Problem:
                 v = op.inputs[m]
                 if v.literal is not None or v not in self.owner:
                     continue
-                root = self.nodes[self.owner[v][0]].root
-                if isinstance(root, Op) and (root.kind in DECIDERS or root in self.partial_sums):
-                    maybe_partial += 1
+                maybe_partial += self._may_be_partial(v)
             if maybe_partial >= 2:
                 return gi
         return None
