@@ -89,21 +89,13 @@ def reduce(problem, memory_matters: bool, upper: Optional[float] = None) -> Redu
     kept = {t: _undominated(t, unary, edges, memory.get(t, {})) for t in unary}
     if upper is not None:
         kept = _bounded(unary, edges, kept, upper)
-    whole = {t: np.arange(len(u)) for t, u in unary.items()}
-    return restrict(Reduced(unary, edges, whole, {t: list(vs.values()) for t, vs in memory.items()}), kept)
-
-
-def restrict(red: Reduced, keep: dict) -> Reduced:
-    """``red`` with only the candidates ``keep[t]`` (indices into ``red``'s own numbering)."""
-    from .problem import Edge
     out = []
-    for e in red.edges:
-        rows, rmap = _compact(e.rows[keep[e.a]])
-        cols, cmap = _compact(e.cols[keep[e.b]])
+    for e in edges:
+        rows, rmap = _compact(e.rows[kept[e.a]])
+        cols, cmap = _compact(e.cols[kept[e.b]])
         out.append(Edge(e.a, e.b, rows, cols, e.cost[np.ix_(rmap, cmap)]))
-    return Reduced({t: u[keep[t]] for t, u in red.unary.items()}, out,
-                   {t: red.kept[t][keep[t]] for t in red.unary},
-                   {t: [v[keep[t]] for v in vs] for t, vs in red.memory.items()})
+    return Reduced({t: unary[t][kept[t]] for t in unary}, out, kept,
+                   {t: [v[kept[t]] for v in vs.values()] for t, vs in memory.items()})
 
 
 def _bounded(unary: dict, edges: list, kept: dict, upper: float) -> dict:

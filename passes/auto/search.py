@@ -195,7 +195,7 @@ class SearchStrategies:
                 sol.rounds = lag.iterations
                 return sol, smallest
         rows = list(lag.rows) if lag is not None else []
-        total = lag.seconds if lag is not None else 0.0
+        exact_seconds = 0.0
         for k in range(MAX_MEMORY_ROUNDS):
             try:
                 sol = milp.solve(red, rows, limit, self.time_limit)
@@ -204,14 +204,15 @@ class SearchStrategies:
                 if lag.choice is None:
                     raise
                 break
-            total += sol.seconds
+            exact_seconds += sol.seconds
             if not sol.choice:
                 break
             peak, at = memory.peak(sol.choice)
             if peak <= limit:
                 if lag is not None and lag.choice is not None and lag.objective < problem.objective(sol.choice):
                     sol.choice = lag.choice   # (the exact solve hit its time limit above the multipliers' plan)
-                sol.seconds, sol.rounds = total, k + 1 + (lag.iterations if lag is not None else 0)
+                sol.seconds = exact_seconds + (lag.seconds if lag is not None else 0.0)
+                sol.rounds = k + 1 + (lag.iterations if lag is not None else 0)
                 if lag is not None:
                     sol.status += (f"; after Lagrange multipliers ({lag.iterations} solves, {lag.seconds:.1f} s) left "
                                    f"a gap of {lag.gap:.2%}, exact rows")
@@ -224,7 +225,7 @@ class SearchStrategies:
             sol = milp.Solution(lag.choice, lag.objective, lag.bound, lag.gap,
                                 f"Lagrange multipliers ({lag.iterations} solves), within {lag.gap:.2%} of the lower "
                                 f"bound; the exact rows found no plan within their time limit",
-                                total + lag.seconds, lag.variables, lag.binaries)
+                                exact_seconds + lag.seconds, lag.variables, lag.binaries)
             sol.rounds = lag.iterations + k
             return sol, smallest
         return None, smallest
