@@ -193,3 +193,36 @@ def test_fused_qkv_column_split_gathers_once_per_layer():
     assert kinds.count("all_gather") == CFG.layers and "all_to_all" not in kinds
     assert kinds.count("all_reduce") <= 4 * CFG.layers
     assert_trees_close(pstep(params, state, TOKENS, TARGETS), jax.jit(step)(params, state, TOKENS, TARGETS))
+
+
+# -- the same two layers with mode="auto": the marks kept, every other op searched --------------
+MESH_2x4 = ((2, 4), ("dp", "mp"))
+MP_GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def test_auto_post_ln_step_keeps_megatrons_all_reduce_count():
+    """The search, like propagation, sums the q/k/v partial input gradients before
+    reducing them: 4 mp all_reduces per layer (Megatron's count; the partials reduced one
+    by one would be 6)."""
+    step, opt = train_step_of(post_ln_forward, M.Parallelism.data_and_tensor(), CFG)
+    state = opt.init(PARAMS)
+    pstep = sp.parallelize(step, mesh=MESH_2x4, mode="auto", donate_argnums=(0, 1))
+    plan = pstep.plan(PARAMS, state, TOKENS, TARGETS)
+    tp = [c.kind for c in plan.collectives if c.groups == MP_GROUPS and c.kind in ("all_reduce", "reduce_scatter")]
+    assert tp == ["all_reduce"] * (4 * CFG.layers)
+    assert_trees_close(pstep(PARAMS, state, TOKENS, TARGETS), jax.jit(step)(PARAMS, state, TOKENS, TARGETS))
+
+
+def test_auto_fused_qkv_gathers_the_projection_once_per_layer():
+    """GPT-2's fused [q|k|v] projection split on columns: the search gathers it once per
+    layer over mp, never q, k and v one by one."""
+    params = fused_qkv_params(CFG)
+    step, opt = train_step_of(fused_qkv_forward, M.Parallelism.data_and_tensor(), CFG)
+    state = opt.init(params)
+    pstep = sp.parallelize(step, mesh=MESH_2x4, mode="auto", donate_argnums=(0, 1))
+    plan = pstep.plan(params, state, TOKENS, TARGETS)
+    mp_gathers = [c.in_shape[-1] for c in plan.collectives if c.kind == "all_gather" and c.groups == MP_GROUPS
+                  and len(c.in_shape) == 3]
+    assert mp_gathers.count(3 * CFG.embed // 4) == CFG.layers     # the fused projection, once per layer
+    assert CFG.embed // 4 not in mp_gathers                         # q, k or v gathered on its own
+    assert_trees_close(pstep(params, state, TOKENS, TARGETS), jax.jit(step)(params, state, TOKENS, TARGETS))
