@@ -346,10 +346,14 @@ def traced_graph(fn, args, mesh: Mesh, tied=()):
     return BindUserStrategies()(g)
 
 
-@pytest.mark.parametrize("layers,batch,width", [(2, 8192, 256), (3, 64, 1024), (4, 2048, 512)])
-def test_plan_within_one_percent_of_the_exact_ilp(layers, batch, width):
+@pytest.mark.parametrize("layers,batch,width,mesh", [
+    (2, 8192, 256, (2, 4)), (3, 64, 1024, (2, 4)), (4, 2048, 512, (2, 4)),
+    # 1.3-2.9% above the exact ILP before refinement moved an op with what follows it and
+    # offered free slices, and before stacks of up to 6 layers kept a decision per layer
+    (2, 2048, 512, (4, 2)), (2, 256, 2048, (4, 2)), (4, 256, 2048, (2, 4))])
+def test_plan_within_one_percent_of_the_exact_ilp(layers, batch, width, mesh):
     params, x, y = problem_data(batch, width, layers)
-    g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,))
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), mesh), tied=(0,))
     exact = Problem(g, DEFAULT_COST, follow=False, share_layers=False)
     coarse = Problem(g, DEFAULT_COST)
     assert len(coarse.unary) < len(exact.unary)          # the coarsening did something
@@ -362,20 +366,23 @@ def test_plan_within_one_percent_of_the_exact_ilp(layers, batch, width):
     assert c_time <= e_time * 1.01
 
 
-@pytest.mark.parametrize("batch,width,within", [(8192, 512, 1.01), (2048, 256, 1.05)])
-def test_adam_plan_near_the_exact_ilp(batch, width, within):
+@pytest.mark.parametrize("batch,width,layers,mesh", [(8192, 512, 2, (2, 4)), (2048, 256, 2, (2, 4)),
+                                                      (2048, 512, 3, (2, 4)), (256, 2048, 4, (4, 2))])
+def test_adam_plan_near_the_exact_ilp(batch, width, layers, mesh):
     """Adam reads each weight gradient twice (its two moments): the transpose that passes
     the gradient on, partial, decides for itself, so it is completed once for both
     readers. (While it followed the gradient's matmul the plan was 28% / 11% above the
-    exact ILP's here; today 0% / 3.4%.)"""
+    exact ILP's on the first two; then 0% / 3.4%, the second from ReLU's backward select
+    following the forward activation's mask, which now decides where the two matmuls'
+    values meet; the last two were 2.3% / 1.6% above it.)"""
     import optax
-    params, x, y = problem_data(batch, width, 2)
-    g = traced_graph(adam_step, (params, optax.adam(1e-3).init(params), x, y), Mesh(("a", "b"), (2, 4)), tied=(0, 1))
+    params, x, y = problem_data(batch, width, layers)
+    g = traced_graph(adam_step, (params, optax.adam(1e-3).init(params), x, y), Mesh(("a", "b"), mesh), tied=(0, 1))
     exact = Problem(g, DEFAULT_COST, follow=False, share_layers=False)
     e = exact.evaluate(*exact.op_strategies(milp.solve(milp.reduce(exact, False)).choice))
     _, coarse, _ = SearchStrategies().search(g)
     c = exact.evaluate(*coarse.plan)
-    assert c["compute"] + c["communication"] <= (e["compute"] + e["communication"]) * within
+    assert c["compute"] + c["communication"] <= (e["compute"] + e["communication"]) * 1.01
 
 
 def test_repeated_layers_share_variables():

@@ -43,7 +43,7 @@ from .candidates import factor_assignments, tensor_layouts
 from .pricing import Prices
 
 DECIDERS = ("dot_general", "conv_general_dilated")   # ops that always decide for themselves
-ENDS_FREE_UP_TO = 6   # repetitions: see _repeat_map
+SHARED_FROM = 7   # repetitions: see _repeat_map
 EXPANDS = "expands"   # _main_operand: the op makes a bigger tensor than it reads (it follows a consumer)
 
 
@@ -198,7 +198,8 @@ class Problem:
         for m, v in enumerate(op.inputs):
             if v.literal is not None or rule.operands[m] is None or v not in self.owner:
                 continue
-            if best is None or _numel(v) > _numel(op.inputs[best]):
+            # the most bytes: a select follows the values it picks from, not its boolean mask
+            if best is None or _nbytes(v) > _nbytes(op.inputs[best]):
                 best = m
         # an argument and a value an op made, of one size (a residual x + f(x), an update
         # p - lr * g): following the argument would tie its layout to this op's, though it is
@@ -206,6 +207,11 @@ class Problem:
         if best is not None and self.owner[op.inputs[best]][1] == -1 and any(
                 v.literal is None and rule.operands[m] is not None and v in self.owner and self.owner[v][1] != -1
                 and _numel(v) == _numel(op.inputs[best]) for m, v in enumerate(op.inputs)):
+            return None
+        # where values of one size that two matmuls made meet (ReLU's backward select of
+        # the cotangent by the forward activation's mask), following either would tie
+        # the other's matmul to this op's layout; the op decides where they meet
+        if self._joins_two_matmuls(op, rule):
             return None
         # an op that makes a bigger tensor than it reads (a broadcast, a concatenate, a
         # pad) takes the layout its consumer wants (slicing it is free): following its
@@ -220,6 +226,17 @@ class Problem:
         if self._may_be_partial(op.inputs[best]) and sum(len(self._users.get(v, ())) for v in op.outputs) >= 2:
             return None
         return best
+
+    def _joins_two_matmuls(self, op: Op, rule) -> bool:
+        size = max((_numel(v) for v in op.outputs), default=0)
+        roots = {self.owner[v][0] for m, v in enumerate(op.inputs)
+                 if v.literal is None and rule.operands[m] is not None and v in self.owner and _numel(v) == size
+                 and self._made_by_matmul(v)}
+        return len(roots) >= 2
+
+    def _made_by_matmul(self, v: Value) -> bool:
+        root = self.nodes[self.owner[v][0]].root
+        return isinstance(root, Op) and root.kind in DECIDERS
 
     def _may_be_partial(self, v: Value) -> bool:
         """Whether ``v``'s node's root is a matmul/conv or a sum of partials."""
@@ -718,7 +735,7 @@ def _repeat_map(tokens: list) -> dict:
             walk(r.inner, start, inner)
             for rep in range(r.count):
                 # the repetition this one shares with: in a short run the ends keep their own
-                like = (rep if rep in (0, r.count - 1) else 1) if r.count <= ENDS_FREE_UP_TO else 0
+                like = rep if r.count <= SHARED_FROM - 1 else 0
                 for i in range(r.period):
                     first = start + i
                     own = start + rep * r.period + i
@@ -732,6 +749,10 @@ def _repeat_map(tokens: list) -> dict:
 
 def _numel(v: Value) -> int:
     return math.prod(v.type.shape)
+
+
+def _nbytes(v: Value) -> int:
+    return _numel(v) * v.type.itemsize
 
 
 @dataclass

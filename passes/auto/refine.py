@@ -17,6 +17,8 @@ from ...ir.layout import Layout
 
 from ..sharding import OpStrategy, project
 
+MOVE_SIZE = 4   # ops a refinement move may take along (the first and what its layout decides)
+
 
 def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dict]:
     g, mesh = problem.graph, problem.mesh
@@ -54,14 +56,50 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
                 total += problem.redistribution(v, have, target)
         return total
 
-    def op_cost(op, st):
-        total = problem.op_compute(op, st)
-        for m, v in enumerate(op.inputs):
-            have = layout_of(v) if v.literal is None else None
-            if have is not None:
-                total += problem.redistribution(v, have, st.operand_layout(m, v.type.rank, mesh))
-        for k, v in enumerate(op.outputs):
-            total += out_cost(v, st.result_layout(k, mesh))
+    # a move takes along the ops whose layout is derived from the moved one: what is made
+    # for it (a broadcast of a scalar into a select: the layout it needs) and the next
+    # ops that follow it (a loss's square and sum on the free slice its difference gets)
+    made_for: dict = {}
+    followed_by: dict = {}
+    for n in problem.nodes:
+        for op, m in zip(n.members, n.main):
+            if type(m) is tuple:
+                made_for.setdefault(n.members[m[1]], []).append((op, m[2]))
+            elif m >= 0 and op.inputs[m] in producer_of:
+                followed_by.setdefault(producer_of[op.inputs[m]], []).append((op, m))
+
+    def moved_with(op, st) -> dict:
+        """{op: st} and the strategies of what moves with it, breadth first, at most
+        MOVE_SIZE ops (beyond, an op keeps its strategy and its operand is moved to it)."""
+        group, todo = {op: st}, [op]
+        while todo:
+            u = todo.pop(0)
+            for b, m in made_for.get(u, ()):
+                if b not in group and len(group) < MOVE_SIZE:
+                    group[b] = problem._follow_consumer(b, group[u].operand_layout(m, u.inputs[m].type.rank, mesh))
+                    todo.append(b)
+            for f, m in followed_by.get(u, ()):
+                if f not in group and len(group) < MOVE_SIZE:
+                    k = u.outputs.index(f.inputs[m])
+                    group[f] = problem._follow(f, m, group[u].result_layout(k, mesh))
+                    todo.append(f)
+        return group
+
+    def group_cost(group) -> float:
+        """Compute and every redistribution into and out of the ops of ``group`` under
+        ``ops``; a move between two of them counted once (as its producer's output)."""
+        total = 0.0
+        for op in group:
+            st = ops[op]
+            total += problem.op_compute(op, st)
+            for m, v in enumerate(op.inputs):
+                if v.literal is not None or producer_of.get(v) in group:
+                    continue
+                have = layout_of(v)
+                if have is not None:
+                    total += problem.redistribution(v, have, st.operand_layout(m, v.type.rank, mesh))
+            for k, v in enumerate(op.outputs):
+                total += out_cost(v, st.result_layout(k, mesh))
         return total
 
     def proposals(op):
@@ -79,6 +117,16 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
         for fs, dims in dims_list:
             prop = project(fs, dims, rule, mesh)
             cands.append(tuple(prop.get(f, ()) if rule.shardable(f) else () for f in range(rule.num_factors)))
+        # and the op on a free slice of what it has: a mesh axis it leaves unused added to
+        # one of its factors (a loss's square and sum split over the axis its difference
+        # is replicated on; a slice of a value is free, its reader pays what follows)
+        current = ops[op].factors
+        used = {a for axes in current for a in axes}
+        for a in mesh.axis_names:
+            if a not in used:
+                for f in range(rule.num_factors):
+                    if rule.shardable(f) and f not in rule.reduction:
+                        cands.append(current[:f] + (current[f] + (a,),) + current[f + 1:])
         for factors in cands:
             st = OpStrategy(rule, factors)
             if st not in seen and not st.problems(mesh):
@@ -99,14 +147,16 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
     for _ in range(sweeps):
         improved = False
         for op in followers:
-            best, best_cost = ops[op], op_cost(op, ops[op])
+            best = {u: ops[u] for u in moved_with(op, ops[op])}   # the same ops for every st
+            best_cost = group_cost(best)
             for st in proposals(op):
-                ops[op] = st
-                c = op_cost(op, st)
+                group = moved_with(op, st)
+                ops.update(group)
+                c = group_cost(group)
                 if c < best_cost - 1e-15:
-                    best, best_cost = st, c
+                    best, best_cost = group, c
                     improved = True
-            ops[op] = best
+            ops.update(best)
         for i, v in enumerate(g.inputs):
             if i in g.pinned_inputs or not users.get(v):
                 continue
