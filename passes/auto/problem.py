@@ -718,12 +718,11 @@ def _op_token(op: Op) -> tuple:
 def _repeat_map(tokens: list) -> dict:
     """position -> the position it repeats. Inside a run of repetitions (and runs
     inside one repetition: the optimizer's update of each layer inside the update of
-    each state), every repetition maps to the first. In a short run (up to
-    ``ENDS_FREE_UP_TO`` repetitions) the first and the last keep their own and the
-    others map to the second: the layers at either end touch what comes before and
-    after the stack (an embedding, the loss) and may want another strategy, which
-    matters most when they are a large part of it; a deep stack shares one set (the
-    problem's size then does not grow with depth at all)."""
+    each state), every repetition maps to the first, from ``SHARED_FROM`` repetitions
+    on. A shorter run keeps a decision per repetition: its problem is small anyway, and
+    the layers next to what comes before and after the stack (an embedding, the loss)
+    want other strategies, which matters most when they are a large part of it; a deep
+    stack shares one set (the problem's size then does not grow with depth at all)."""
     ids: dict = {}
     seq = [ids.setdefault(t, len(ids)) for t in tokens]
     out: dict = {}
@@ -734,8 +733,8 @@ def _repeat_map(tokens: list) -> dict:
             inner: dict = {}
             walk(r.inner, start, inner)
             for rep in range(r.count):
-                # the repetition this one shares with: in a short run the ends keep their own
-                like = rep if r.count <= SHARED_FROM - 1 else 0
+                # the repetition this one shares with: in a short run, its own
+                like = rep if r.count < SHARED_FROM else 0
                 for i in range(r.period):
                     first = start + i
                     own = start + rep * r.period + i
