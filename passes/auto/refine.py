@@ -85,13 +85,15 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
                     todo.append(f)
         return group
 
-    def group_cost(group) -> float:
+    def group_cost(group, bound=float("inf")) -> float:
         """Compute and every redistribution into and out of the ops of ``group`` under
-        ``ops``; a move between two of them counted once (as its producer's output)."""
-        total = 0.0
+        ``ops``; a move between two of them counted once (as its producer's output).
+        Stops once past ``bound`` (a move that costs more is not taken anyway)."""
+        total = sum(problem.op_compute(op, ops[op]) for op in group)
         for op in group:
+            if total >= bound:
+                return total
             st = ops[op]
-            total += problem.op_compute(op, st)
             for m, v in enumerate(op.inputs):
                 if v.literal is not None or producer_of.get(v) in group:
                     continue
@@ -128,10 +130,18 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
                     if rule.shardable(f) and f not in rule.reduction:
                         cands.append(current[:f] + (current[f] + (a,),) + current[f + 1:])
         for factors in cands:
-            st = OpStrategy(rule, factors)
-            if st not in seen and not st.problems(mesh):
+            st = valid_strategy(rule, factors)
+            if st is not None and st not in seen:
                 seen.add(st)
-                yield problem._strategy(rule, factors, None)
+                yield st
+
+    valid: dict = {}   # memo: (rule, factors) -> its strategy, or None where the mesh rejects it
+
+    def valid_strategy(rule, factors):
+        key = (id(rule), factors)
+        if key not in valid:
+            valid[key] = None if OpStrategy(rule, factors).problems(mesh) else problem._strategy(rule, factors, None)
+        return valid[key]
 
     def input_cost(i, layout):
         v = g.inputs[i]
@@ -144,18 +154,24 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
                     total += problem.redistribution(w, have, layout)   # returned state comes back in it
         return total
 
+    # every follower in the first sweep; later sweeps revisit only the neighbours of what moved
+    dirty = set(followers)
     for _ in range(sweeps):
         improved = False
+        moved: set = set()
         for op in followers:
+            if op not in dirty:
+                continue
             best = {u: ops[u] for u in moved_with(op, ops[op])}   # the same ops for every st
             best_cost = group_cost(best)
             for st in proposals(op):
                 group = moved_with(op, st)
                 ops.update(group)
-                c = group_cost(group)
+                c = group_cost(group, best_cost)
                 if c < best_cost - 1e-15:
                     best, best_cost = group, c
                     improved = True
+                    moved.update(group)
             ops.update(best)
         for i, v in enumerate(g.inputs):
             if i in g.pinned_inputs or not users.get(v):
@@ -173,7 +189,12 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
                 if c < best_cost - 1e-15:
                     best, best_cost = need, c
                     improved = True
+                    moved.update(u for u, _ in users[v])
             inputs[i] = best
         if not improved:
             break
+        dirty = set(moved)
+        for op in moved:   # what reads from or feeds an op that moved may now move too
+            dirty.update(producer_of[v] for v in op.inputs if v in producer_of)
+            dirty.update(u for v in op.outputs for u, _ in users.get(v, ()))
     return ops, inputs
