@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import shardprop as sp
-from tests.fuzz.generate import FEATURES, generate
+from tests.fuzz.generate import FEATURES, MODES, generate
 from tests.fuzz.oracle import CLASSES, compare, message_problems, run_program
 from tests.fuzz.program import Instr, Mark, Program, TType
 from tests.fuzz.render import render
@@ -56,6 +56,7 @@ def test_programs_are_deterministic_and_cover_the_features():
     assert {"reshape", "scan", "random", "conv", "pool", "topk", "einsum", "dot_general", "take"} <= ops
     wrappers = {generate(5, i).wrapper for i in range(300)}
     assert wrappers == {"fwd", "grad", "sgd", "adam"}
+    assert {generate(5, i).mode for i in range(300)} == set(MODES)   # mode="auto" too
     without = {ins.op for i in range(100) for ins in generate(5, i, tuple(f for f in FEATURES if f != "scan")).instrs}
     assert "scan" not in without and without
 

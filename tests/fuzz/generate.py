@@ -13,11 +13,12 @@ from .program import FLOAT, KEY, RAWKEY, Inconsistent, Instr, Mark, Program, TTy
 SIZES = (1, 2, 3, 4, 5, 7, 8, 16)
 SIZE_WEIGHTS = (0.07, 0.2, 0.09, 0.2, 0.06, 0.06, 0.22, 0.1)
 MESHES = {8: 8, 4: 4, "dp_mp": ((2, 4), ("dp", "mp")), "abc": ((2, 2, 2), ("a", "b", "c"))}
-MODES = ("sharding_propagation", "semi_auto", "data_parallel")
+MODES = ("sharding_propagation", "semi_auto", "data_parallel", "auto")
+AUTO_SHARE = 0.25   # of the programs drawn in sharding_propagation or semi_auto mode
 
 # Features: the op families' names, plus these switches of the generator.
 SWITCHES = ("broadcast", "size1", "scan_float", "marks", "mark_out", "in_out", "named_mesh", "mesh4",
-            "semi_auto", "data_parallel", "grad", "train", "invalid", "unused")
+            "semi_auto", "data_parallel", "auto", "grad", "train", "invalid", "unused")
 FEATURES = tuple(sorted({f.feature for f in FAMILIES.values()} | set(SWITCHES)))
 MAX_ELEMS = 256
 
@@ -143,6 +144,11 @@ def generate(seed: int, index: int, features=FEATURES) -> Program:
         fams = {"unary": 1.0}
     for _ in range(int(rng.integers(2, 13))):
         _emit(g, rng, fams)
+    if "auto" in f and mode != "data_parallel" and np.random.default_rng([seed, index, 1]).random() < AUTO_SHARE:
+        # mode="auto" keeps the marks and in/out strategies as constraints and searches the
+        # rest: the same program, planned by the search (drawn apart, so a seed's programs
+        # are the ones it drew before this mode)
+        mode = "auto"
     program = _finish(g, rng, seed, index, mode)
     if "invalid" in f and rng.random() < 0.1:
         _plant(g, rng, program, fams)
