@@ -4,12 +4,15 @@ tied them to, where that is cheaper under the same cost model.
 The problem makes an elementwise op follow its operand and shares one choice
 between repeated layers; both are restrictions. Here every op that followed (and
 every argument) is offered, one at a time with everything else kept, the layouts
-its neighbours propose: each operand's layout, what each consumer needs of it,
-and the whole tensor. A move is kept only when it lowers the plan's modeled time
-(its own compute plus every redistribution into and out of it), so the refined
-plan is never worse than the solver's. Typical win: an activation that two
-consumers need whole is gathered once before its elementwise op, instead of
-after it for each consumer.
+its neighbours propose (each operand's layout, what each consumer needs of it, the
+whole tensor) and free slices of its own (one unused mesh axis added to a factor).
+An op moves together with the few ops whose layout follows from its own (what
+follows it, what is made for it; ``MOVE_SIZE``), priced as one group. A move is
+kept only when it lowers the plan's modeled time (the group's compute plus every
+redistribution into and out of it), so the refined plan is never worse than the
+solver's. Typical wins: an activation that two consumers need whole is gathered
+once before its elementwise op, instead of after it for each consumer; a loss's
+square and sum run on a slice of a difference that is replicated.
 """
 from __future__ import annotations
 
