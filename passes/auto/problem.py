@@ -235,13 +235,13 @@ class Problem:
         return len(roots) >= 2
 
     def _made_by_matmul(self, v: Value) -> bool:
+        """Whether ``v``'s node's root is a matmul/conv."""
         root = self.nodes[self.owner[v][0]].root
         return isinstance(root, Op) and root.kind in DECIDERS
 
     def _may_be_partial(self, v: Value) -> bool:
         """Whether ``v``'s node's root is a matmul/conv or a sum of partials."""
-        root = self.nodes[self.owner[v][0]].root
-        return isinstance(root, Op) and (root.kind in DECIDERS or root in self.partial_sums)
+        return self._made_by_matmul(v) or self.nodes[self.owner[v][0]].root in self.partial_sums
 
     def _own_decision(self, op: Op) -> None:
         """(Without followers: every op decides; a sum of partials still gets its

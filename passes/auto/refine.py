@@ -160,8 +160,7 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
     # every follower in the first sweep; later sweeps revisit only the neighbours of what moved
     dirty = set(followers)
     for _ in range(sweeps):
-        improved = False
-        moved: set = set()
+        moved: set = set()   # ops that moved this sweep, and the readers of arguments that did
         for op in followers:
             if op not in dirty:
                 continue
@@ -173,7 +172,6 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
                 c = group_cost(group, best_cost)
                 if c < best_cost - 1e-15:
                     best, best_cost = group, c
-                    improved = True
                     moved.update(group)
             ops.update(best)
         for i, v in enumerate(g.inputs):
@@ -191,10 +189,9 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
                 inputs[i] = current
                 if c < best_cost - 1e-15:
                     best, best_cost = need, c
-                    improved = True
                     moved.update(u for u, _ in users[v])
             inputs[i] = best
-        if not improved:
+        if not moved:
             break
         dirty = set(moved)
         for op in moved:   # what reads from or feeds an op that moved may now move too
