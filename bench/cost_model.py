@@ -23,12 +23,10 @@ otherwise) is scored beside the profile on the same measurements, and so is a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -102,27 +100,11 @@ def problems() -> dict:
     return out
 
 
-@contextlib.contextmanager
-def unmarked_gpt():
-    """examples/gpt_megatron.py calls sp.shard itself: for the plans without marks (data
-    parallel, ZeRO-1, replicated) its shard() is the identity while it is traced."""
-    import gpt_megatron
-    real = gpt_megatron.sp
-    gpt_megatron.sp = types.SimpleNamespace(shard=lambda fn, *_, **__: fn)
-    try:
-        yield
-    finally:
-        gpt_megatron.sp = real
-
-
 def build(case, mode, mesh, kwargs, args):
     """(plan, a callable running one step as a training loop would)."""
     zoo.annotate.mode, zoo.annotate.mesh = mode, mesh
 
     def fn(*a):   # a fresh function: a trace of the same one with other marks is not reused
-        if mode == "plain" and case.name.startswith("gpt"):
-            with unmarked_gpt():
-                return case.fn(*a)
         return case.fn(*a)
     pf = sp.parallelize(fn, mesh=mesh, progress=False, **kwargs)
     plan = pf.plan(*args)
