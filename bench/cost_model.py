@@ -81,16 +81,11 @@ def problems() -> dict:
                      ("semi_auto", c, "shardprop", m, dict(mode="semi_auto")),
                      ("sequence split", c, "plain", m, dict(in_strategy=seq)),
                      ("replicated", c, "plain", m, dict(mode="data_parallel", batch_argnums=()))]
-    mp8, dpmp = cases["gpt2_train_mp8"], cases["gpt2_train_dp2xmp4"]
     eight = _mesh((8,), ("dp",))
     state = dict(donate_argnums=(0, 1))
-    out["gpt2_train"] = [
-        ("megatron mp8", mp8, "shardprop", _mesh(*mp8.mesh), state),
-        ("dp2 x mp4", dpmp, "shardprop", _mesh(*dpmp.mesh), state),
-        ("data parallel", mp8, "plain", eight, dict(mode="data_parallel", batch_argnums=(2, 3), **state)),
-        ("ZeRO-1", mp8, "plain", eight, dict(mode="data_parallel", batch_argnums=(2, 3), shard_optimizer_state=True,
-                                              **state)),
-        ("replicated", mp8, "plain", eight, dict(mode="data_parallel", batch_argnums=(), **state))]
+    for layers in (2, 12):
+        mp8, dpmp = cases[f"gpt{layers}_train_mp8"], cases[f"gpt{layers}_train_dp2xmp4"]
+        out[f"gpt{layers}_train"] = _gpt_plans(mp8, dpmp, eight, state)
     c = cases["cnn_data_parallel"]
     out["cnn_train"] = [
         ("marks (batch split)", c, "shardprop", _mesh(*c.mesh), dict(donate_argnums=(0,))),
@@ -98,6 +93,17 @@ def problems() -> dict:
                                                              donate_argnums=(0,))),
         ("replicated", c, "plain", _mesh(*c.mesh), dict(mode="data_parallel", batch_argnums=(), donate_argnums=(0,)))]
     return out
+
+
+def _gpt_plans(mp8, dpmp, eight, state) -> list:
+    """The GPT training step's plans: Megatron on 8, dp x mp, data parallel, ZeRO-1, replicated."""
+    return [
+        ("megatron mp8", mp8, "shardprop", _mesh(*mp8.mesh), state),
+        ("dp2 x mp4", dpmp, "shardprop", _mesh(*dpmp.mesh), state),
+        ("data parallel", mp8, "plain", eight, dict(mode="data_parallel", batch_argnums=(2, 3), **state)),
+        ("ZeRO-1", mp8, "plain", eight, dict(mode="data_parallel", batch_argnums=(2, 3), shard_optimizer_state=True,
+                                              **state)),
+        ("replicated", mp8, "plain", eight, dict(mode="data_parallel", batch_argnums=(), **state))]
 
 
 def build(case, mode, mesh, kwargs, args):
@@ -155,13 +161,14 @@ def main():
         measured = measure([b[2] for b in built], args.reps)
         for (name, plan, _, predicted), t in zip(built, measured):
             rows.append(dict(problem=problem, plan=name, measured=t, collectives=predicted["profile"]["collectives"],
+                             launched=predicted["profile"]["launched"],
                              bytes=plan.bytes, **{f"{k}_{part}": p[part] for k, p in predicted.items()
                                                   for part in ("compute", "communication", "total")}))
     base = "baseline" in models
-    print(f"{'problem':<20} {'plan':<31} {'colls':>5} {'bytes':>9} {'measured':>10} {'profile':>10} "
+    print(f"{'problem':<20} {'plan':<31} {'colls':>5} {'launch':>6} {'bytes':>9} {'measured':>10} {'profile':>10} "
           f"{'(comm)':>9} " + (f"{'baseline':>10} " if base else "") + f"{'default':>10}")
     for r in rows:
-        print(f"{r['problem']:<20} {r['plan']:<31} {r['collectives']:>5} {compare.fmt_bytes(r['bytes']):>9} "
+        print(f"{r['problem']:<20} {r['plan']:<31} {r['collectives']:>5} {r['launched']:>6} {compare.fmt_bytes(r['bytes']):>9} "
               f"{r['measured'] * 1e3:>8.3f}ms {r['profile_total'] * 1e3:>8.3f}ms "
               f"{r['profile_communication'] * 1e3:>7.3f}ms "
               + (f"{r['baseline_total'] * 1e3:>8.3f}ms " if base else "") +

@@ -11,7 +11,9 @@ machine are noisy, and a kind's three points alone would follow the noise). Matm
 of several shapes, square and skinny (few rows against a wide weight), running on
 every device at once, give the contraction's two rates: time = flops / matmul rate +
 operand and result bytes / streaming rate (a skinny matmul does little arithmetic per
-byte it packs); a chain of elementwise ops gives the memory rate. Each time is the
+byte it packs); fused loops of elementwise ops (one more in a row against one, at
+three sizes) give the memory rate, counted as the model counts a fused loop: its input
+read and its output written once (``passes/fusion.py``). Each time is the
 median of repetitions; a
 collective's is the difference between a program that runs it 9 times in a row and
 one that runs it once, over 8 (what a program costs to start is no collective's), the
@@ -38,10 +40,14 @@ SIZES = (256, 4096, 32768)          # float32 elements per device per collective
 # few rows meet a wide weight (a batch or sequence split leaves those)
 MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256), (256, 256, 128), (512, 64, 512), (32, 256, 1024),
                  (16, 512, 512))
-ELEMENTWISE_SIZES = (1 << 18, 1 << 21)
+ELEMENTWISE_SIZES = (1 << 16, 1 << 18, 1 << 21)
 FUSED_CHAIN = 6                      # elementwise ops in a row, one multiply or add each
 CHAIN = 8                            # collectives in a row, against one alone
-FLOW_SIZES = (64, 128, 256)         # n of the n x n matmuls between collectives (sync_s)
+# a step's compute between two collectives, as the sync measurement runs it: rows x width
+# per device, and how many layer-like blocks (four independent matmul branches, then a
+# normalization) make one phase
+PHASE_SHAPE = (32, 128)
+PHASE_BLOCKS = (1, 4, 16)
 KIND_APART = 0.5                     # a kind gets its own fit where the group's misses it by more
 
 
@@ -116,10 +122,18 @@ def _prefix(body, elems: int):
     return lambda x: body(x[:elems])
 
 
-def _elementwise_chain(x):
-    for k in range(FUSED_CHAIN):
-        x = x * 0.5 if k % 2 else x + 1.0
-    return x
+def _fused_loops(count: int):
+    """``count`` fused loops in a row, each a chain of elementwise ops (one multiply or add
+    each) that XLA fuses into one pass; a barrier between loops keeps them apart."""
+    from jax import lax
+
+    def body(x):
+        for _ in range(count):
+            for k in range(FUSED_CHAIN):
+                x = x * 0.5 if k % 2 else x + 1.0
+            x = lax.optimization_barrier(x)
+        return x
+    return body
 
 
 def _fit(samples) -> Link:
@@ -228,6 +242,8 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
     default = _fit(pooled_all) if pooled_all else Link(5e-6, 100e9)
     sync = _sync_time(timed, names, mesh, links)
     say(f"  a collective after compute waits {sync * 1e6:.1f} us more than back to back (all devices)")
+    combined = _combined_kinds(jmesh)
+    say(f"  the compiler combines independent {', '.join(combined) or 'collectives of no kind'} into one launch")
 
     # operand and result bytes as the model counts a contraction's: each at its local size
     # (one more matmul in a row is what one matmul costs, as for collectives)
@@ -238,17 +254,20 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
                                            max(times[2 * i] - times[2 * i + 1], 0.0) / CHAIN)
                                           for i, (m, k, n) in enumerate(MATMUL_SHAPES)])
     # a chain of elementwise ops, which XLA fuses into one pass over memory, counted as the
-    # model counts it: every op its input and output bytes (fitted like wire bytes, in the
-    # model's own accounting); the sizes in turns on one buffer
-    times = timed(*[_prefix(_elementwise_chain, s) for s in ELEMENTWISE_SIZES][:1], max(ELEMENTWISE_SIZES),
-                  *[_prefix(_elementwise_chain, s) for s in ELEMENTWISE_SIZES][1:])
-    touched = _rate([(8.0 * FUSED_CHAIN * s, t) for s, t in zip(ELEMENTWISE_SIZES, times)])
+    # model counts it (passes/fusion.py): the loop's input read and its output written once,
+    # the values between them in registers; one more loop in a row is what one loop costs
+    # (the program's dispatch cancels), the sizes in turns on one buffer
+    bodies = [b for s in ELEMENTWISE_SIZES for b in (_prefix(_fused_loops(1 + CHAIN), s), _prefix(_fused_loops(1), s))]
+    times = timed(bodies[0], max(ELEMENTWISE_SIZES), *bodies[1:])
+    touched = _rate([(8.0 * s, max(times[2 * i] - times[2 * i + 1], 0.0) / CHAIN)
+                     for i, s in enumerate(ELEMENTWISE_SIZES)])
     say(f"  matmul {flops / 1e9:.2f} GFLOP/s + its operands streamed at {streamed / 1e9:.2f} GB/s per device, "
         f"elementwise {touched / 1e9:.2f} GB/s per device (all devices busy at once)")
     device = devices[0]
     kind = getattr(device, "device_kind", device.platform)
     return CostModel(latency_s=default.latency_s, link_bytes_per_s=default.bytes_per_s, flops_per_s=flops,
                      memory_bytes_per_s=touched, contraction_bytes_per_s=streamed, sync_s=sync,
+                     combined_kinds=combined,
                      memory_capacity_bytes=_memory_capacity(device),
                      links=tuple(links), device_count=n, mesh_shape=tuple(mesh_shape), mesh_axes=names,
                      device_kind=f"{device.platform}:{kind}", name=f"calibrated-{device.platform}-{n}",
@@ -257,36 +276,84 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
                            f"median of {reps} runs")
 
 
-def _flow_body(m: int, axes, chain: int, collective: bool):
-    """``chain`` [m, m] matmuls in a row per device, each result all-reduced over ``axes``
-    (``collective``) or not before the next: the collective sits between compute phases."""
+def _phase(a, w, blocks: int):
+    """``blocks`` layer-like blocks: four independent matmul branches (a layer's q, k, v and
+    more, which XLA may run side by side), combined, normalized, added to the input."""
     import jax.numpy as jnp
     from jax import lax
+    for _ in range(blocks):
+        h = [jnp.tanh(a @ (w * (i + 1))) for i in range(4)]
+        h = h[0] * h[1] + h[2] * h[3]
+        m = h.mean(-1, keepdims=True)
+        v = ((h - m) ** 2).mean(-1, keepdims=True)
+        a = jnp.tanh((h - m) * lax.rsqrt(v + 1e-5)) + a
+    return a
+
+
+def _flow_body(blocks: int, axes, chain: int, collective: bool):
+    """``chain`` compute phases in a row per device, each followed (``collective``) or not by
+    an all_reduce of one element over ``axes`` that the next phase waits for: a collective
+    between compute phases, priced for its wait alone (its bytes are nothing)."""
+    import jax.numpy as jnp
+    from jax import lax
+    rows, width = PHASE_SHAPE
 
     def body(x):
-        a = x[:m * m].reshape(m, m)
+        a = x[:rows * width].reshape(rows, width)
+        w = jnp.eye(width, dtype=x.dtype) * 0.5
         for _ in range(chain):
-            a = jnp.tanh(a @ a)
+            a = _phase(a, w, blocks)
             if collective:
-                a = lax.psum(a, axes) * 0.125
-        return jnp.concatenate([a.reshape(-1), x[m * m:]])
+                a = a + lax.psum(a[0, 0], axes) * 1e-9
+        return jnp.concatenate([a.reshape(-1), x[rows * width:]])
     return body
 
 
 def _sync_time(timed, names, mesh, links) -> float:
-    """What a collective between compute phases costs beyond its back-to-back price: chains
-    of (matmul -> all_reduce over every device) against the same matmuls alone, in turns,
-    less the fitted all_reduce; the median over a few matmul sizes, never negative."""
+    """What a collective that compute waits for costs beyond its back-to-back price: the
+    devices reach it at different times (on a host whose cores are shared by the devices'
+    threads, a descheduled thread holds the group up), so the group waits for its last.
+    Chains of (compute phase -> one-element all_reduce over every device) against the same
+    phases alone, in turns, at phases of 1, 4 and 16 layer-like blocks, less the
+    all_reduce's fitted back-to-back time; the median, never negative."""
     group = group_shape(names, mesh)
     link = next(l for g, k, l in reversed(links) if g == group and k in ("all_reduce", ""))
-    g = mesh.axes_size(names)
     extra = []
-    for m in FLOW_SIZES:
-        bodies = [_flow_body(m, names, c, coll) for coll in (True, False) for c in (1 + CHAIN, 1)]
-        t = timed(bodies[0], m * m, *bodies[1:])
+    for blocks in PHASE_BLOCKS:
+        bodies = [_flow_body(blocks, names, c, coll) for coll in (True, False) for c in (1 + CHAIN, 1)]
+        t = timed(bodies[0], PHASE_SHAPE[0] * PHASE_SHAPE[1], *bodies[1:])
         per = ((t[0] - t[1]) - (t[2] - t[3])) / CHAIN
-        extra.append(per - link.time(wire_bytes("all_reduce", 4 * m * m, g)))
+        extra.append(per - link.time(wire_bytes("all_reduce", 4, mesh.axes_size(names))))
     return max(statistics.median(extra), 0.0)
+
+
+def _combined_kinds(jmesh) -> tuple:
+    """The collective kinds the compiler merges when they do not depend on each other: a
+    program with three independent collectives of a kind, on values of other shapes and
+    ranks (as a step's gradients are), compiled and counted in its HLO."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    axes = tuple(jmesh.axis_names)
+    n = jmesh.devices.size
+    ops = {"all_reduce": ("all-reduce", lambda a: lax.psum(a, axes)),
+           "reduce_scatter": ("reduce-scatter", lambda a: lax.psum_scatter(a, axes, tiled=True)),
+           "all_gather": ("all-gather", lambda a: lax.all_gather(a, axes, tiled=True))}
+    shapes = ((n,), (n, 4), (2 * n, 3))
+    size = sum(math.prod(s) for s in shapes)
+    combined = []
+    for kind, (hlo_name, collective) in ops.items():
+        def body(x, collective=collective):
+            out, start = jnp.zeros((), x.dtype), 0
+            for k, shape in enumerate(shapes):   # none computed from another's result
+                part = x[start:start + math.prod(shape)].reshape(shape) * (k + 1.0)
+                out, start = out + collective(part).sum(), start + math.prod(shape)
+            return jnp.broadcast_to(out, x.shape)
+        text = _program(jmesh, body).lower(jax.ShapeDtypeStruct((n * size,), np.float32)).compile().as_text()
+        launched = sum(line.count(f" {hlo_name}(") + line.count(f" {hlo_name}-start(") for line in text.splitlines())
+        if launched < len(shapes):
+            combined.append(kind)
+    return tuple(combined)
 
 
 def _memory_capacity(device):

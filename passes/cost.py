@@ -99,6 +99,13 @@ class CostModel:
     device_kind: str = ""
     name: str = ""
     notes: str = field(default="", compare=False)
+    # the collective kinds the compiler combines into one launch when they do not depend on
+    # each other (XLA's combiners: all three on GPUs; on CPUs, measured by calibrate, only
+    # all_reduce)
+    combined_kinds: tuple = ("all_reduce", "reduce_scatter", "all_gather")
+    # the share of its launch a collective of those kinds pays: 1/n where n ride one launch
+    # (``at_step_end(n)``); not a profile's
+    launch_share: float = 1.0
 
     # A calibrated model has dozens of links and is a cache key on hot paths:
     # hash it once.
@@ -108,22 +115,44 @@ class CostModel:
     @functools.cached_property
     def _hash(self) -> int:
         return hash((self.latency_s, self.link_bytes_per_s, self.flops_per_s, self.memory_bytes_per_s,
-                     self.contraction_bytes_per_s, self.sync_s, self.memory_capacity_bytes, self.links, self.device_count, self.device_kind, self.name))
+                     self.contraction_bytes_per_s, self.sync_s, self.memory_capacity_bytes, self.links, self.device_count,
+                     self.device_kind, self.name, self.combined_kinds, self.launch_share))
 
     # -- time ----------------------------------------------------------------
     def collective_time(self, wire_bytes: float, kind: Optional[str] = None, axes=None, mesh=None) -> float:
         """Seconds for one collective moving ``wire_bytes`` per device. Given its kind,
         mesh axes and mesh, a profile's per-group terms apply; without them (or in a
         model without links) the model's single latency and bandwidth do."""
+        if self.launch_share != 1.0 and kind in self.combined_kinds:
+            link = self._link_for(kind, axes, mesh)
+            return self.launch_share * link.latency_s + wire_bytes / link.bytes_per_s
         if not self.links or not axes or mesh is None:
             return self.latency_s + wire_bytes / self.link_bytes_per_s
         return self.sync_s + self.link(kind or "", tuple(axes), mesh).time(wire_bytes)
+
+    def _link_for(self, kind: str, axes, mesh) -> Link:
+        if not self.links or not axes or mesh is None:
+            return Link(self.latency_s, self.link_bytes_per_s)
+        return self.link(kind, tuple(axes), mesh)
+
+    def at_step_end(self, riders: int) -> "CostModel":
+        """This model for moving a value nothing computes on before the step ends (a
+        terminal value: a gradient on its way to the update). No compute waits for it, so
+        it pays no ``sync_s``; and the compiler combines collectives of ``combined_kinds``
+        that do not depend on each other into one launch, so each of ``riders`` such
+        values pays its bytes and 1/riders of the launch (one rider: the whole launch)."""
+        if riders <= 1 and not self.sync_s:
+            return self
+        cache = self.__dict__.setdefault("_at_step_end", {})
+        if riders not in cache:
+            cache[riders] = replace(self, sync_s=0.0, launch_share=1.0 / max(riders, 1))
+        return cache[riders]
 
     def step_time(self, step, mesh=None) -> float:
         """Seconds for one step of the redistribution planner (a local slice is free)."""
         if step.kind == "slice":
             return 0.0
-        if not self.links or mesh is None:   # the hot path of propagation: no per-group terms to look up
+        if (not self.links or mesh is None) and self.launch_share == 1.0:   # propagation's hot path
             return self.latency_s + step.wire_bytes / self.link_bytes_per_s
         return self.collective_time(step.wire_bytes, step.kind, step.param("axes"), mesh)
 
@@ -195,6 +224,7 @@ class CostModel:
             "mesh": {"shape": list(self.mesh_shape), "axes": list(self.mesh_axes)},
             "default_link": {"latency_s": self.latency_s, "bytes_per_s": self.link_bytes_per_s},
             "collective_sync_s": self.sync_s,
+            "combined_kinds": list(self.combined_kinds),
             "compute": {"matmul_flops_per_s": self.flops_per_s, "elementwise_bytes_per_s": self.memory_bytes_per_s,
                         "contraction_bytes_per_s": self.contraction_bytes_per_s},
             "memory_capacity_bytes": self.memory_capacity_bytes,
@@ -221,6 +251,8 @@ class CostModel:
                        memory_bytes_per_s=float(data["compute"]["elementwise_bytes_per_s"]),
                        contraction_bytes_per_s=None if streaming is None else float(streaming),
                        sync_s=float(data.get("collective_sync_s", 0.0)),   # absent in older profiles
+                       # absent in older profiles: what XLA:CPU combines, the only kind they were measured on
+                       combined_kinds=tuple(data.get("combined_kinds", ("all_reduce",))),
                        memory_capacity_bytes=None if cap is None else int(cap), links=links,
                        device_count=data.get("device_count"),
                        mesh_shape=tuple(data["mesh"]["shape"]), mesh_axes=tuple(data["mesh"]["axes"]),
@@ -320,13 +352,17 @@ def wire_bytes(kind: str, local_bytes: float, group: int) -> float:
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
-def tensor_factors(op, rule) -> tuple:
+def tensor_factors(op, rule, resident=frozenset()) -> tuple:
     """What an op's work per device depends on besides its strategy: for each operand and
-    result, (whole bytes, the factors its dims carry); an operand the rule leaves out
-    (None) is read whole. Equal ops (repeated layers) give equal tuples."""
+    result that reaches memory, (whole bytes, the factors its dims carry); an operand the
+    rule leaves out (None) is read whole; a ``resident`` value (``fusion.resident_values``:
+    fused into the loop that makes or reads it) touches no memory. Equal ops (repeated
+    layers) give equal tuples."""
     out = []
     for values, tensors in ((op.inputs, rule.operands), (op.outputs, rule.results)):
         for i, v in enumerate(values):
+            if v in resident:
+                continue
             dims = tensors[i] if i < len(tensors) else None
             out.append((v.type.nbytes, () if dims is None else tuple(sorted({f for d in dims for f in d}))))
     return tuple(out)
@@ -353,10 +389,11 @@ def strategy_work(flops: float, factors, tensors: tuple, mesh) -> tuple[float, f
 class ComputeTimes:
     """What a strategy costs in compute: the one definition propagation, the search
     and the step model share (``CostModel.compute_time`` of ``strategy_work``),
-    memoized for one cost model and mesh."""
+    memoized for one cost model and mesh; ``resident``: the values of the graph
+    priced that fusion keeps out of memory (``fusion.resident_values``)."""
 
-    def __init__(self, cost: CostModel, mesh):
-        self.cost, self.mesh = cost, mesh
+    def __init__(self, cost: CostModel, mesh, resident=frozenset()):
+        self.cost, self.mesh, self.resident = cost, mesh, resident
         self._tensors: dict = {}   # op -> (tensor_factors(op, rule), is_contraction(rule))
         self._memo: dict = {}      # (flops, factors, tensors, contraction) -> seconds: all the time depends on
 
@@ -365,7 +402,7 @@ class ComputeTimes:
         if t is None:
             from .rules import rule_for
             rule = rule_for(op)
-            t = self._tensors[op] = (tensor_factors(op, rule), is_contraction(rule))
+            t = self._tensors[op] = (tensor_factors(op, rule, self.resident), is_contraction(rule))
         return t
 
     def work(self, op, flops: float, factors) -> tuple[float, float]:
@@ -382,14 +419,90 @@ class ComputeTimes:
         return t
 
 
+# XLA's combiners merge collectives of one kind that do not depend on each other (a data
+# parallel step's gradient reductions) into one, up to a buffer of this many bytes
+COMBINE_BYTES = 30 * 2**20
+
+
+def combined_collectives(graph, kinds=("all_reduce",)) -> set:
+    """The collectives of ``graph`` that ride in an earlier one's launch: the compiler
+    combines collectives of one of ``kinds`` over the same device groups when neither
+    depends on the other (so a data parallel step launches one all_reduce, not one per
+    gradient), until the buffer reaches ``COMBINE_BYTES``. Greedy in program order: each
+    joins the first open launch of its kind and axes that none of its inputs came from."""
+    ancestors: dict = {}    # value -> bitmask of the collectives it was computed from
+    bit: dict = {}          # collective op -> its bit
+    launches: dict = {}     # (kind, axes) -> [(mask of members, bytes)]
+    riders: set = set()
+    for op in graph.ops:
+        mask = 0
+        for v in op.inputs:
+            mask |= ancestors.get(v, 0)
+        if op.kind in kinds:
+            size = sum(v.type.nbytes for v in op.inputs)
+            open_ = launches.setdefault((op.kind, tuple(op.params.get("axes") or ())), [])
+            for k, (members, nbytes) in enumerate(open_):
+                if not members & mask and nbytes + size <= COMBINE_BYTES:
+                    open_[k] = (members | 1 << len(bit), nbytes + size)
+                    riders.add(op)
+                    break
+            else:
+                open_.append((1 << len(bit), size))
+            bit[op] = len(bit)
+            mask |= 1 << bit[op]
+        for v in op.outputs:
+            ancestors[v] = mask
+    return riders
+
+
+def terminal_values(graph) -> frozenset:
+    """The values of ``graph`` whose redistribution can wait for the step's end: nothing
+    but elementwise ops, transposes, reshapes and reductions lie between them and the
+    outputs (a gradient on its way to the optimizer's update, a loss). No matmul waits
+    for them, so their collectives do not depend on each other and the compiler
+    launches those of a kind together (``combined_collectives``); the search prices
+    them with ``CostModel.at_step_end``."""
+    from .fusion import LOOP_FUSIBLE, REDUCTIONS
+    readers: dict = {}
+    for op in graph.ops:
+        for v in op.inputs:
+            readers.setdefault(v, []).append(op)
+    terminal: set = set()
+    for op in reversed(graph.ops):
+        for v in op.outputs:
+            if all((u.kind in LOOP_FUSIBLE or u.kind in REDUCTIONS) and not u.subgraphs
+                   and all(w in terminal for w in u.outputs) for u in readers.get(v, ())):
+                terminal.add(v)
+    for v in graph.inputs:
+        if all((u.kind in LOOP_FUSIBLE or u.kind in REDUCTIONS) and all(w in terminal for w in u.outputs)
+               for u in readers.get(v, ())):
+            terminal.add(v)
+    return frozenset(terminal)
+
+
+def launch_riders(graph, terminal: frozenset) -> int:
+    """How many collectives could share one launch at the step's end: the terminal values
+    made by an op outside the fused elementwise tail (a matmul, a reduction; not an
+    argument), the ones that can arrive as partial sums or split. A step's gradients
+    give one each; a forward pass whose last matmul leaves a partial output, one."""
+    from .fusion import LOOP_FUSIBLE
+    return sum(1 for op in graph.ops if op.kind not in LOOP_FUSIBLE
+               for v in op.outputs if v in terminal)
+
+
 def modeled_step_time(graph, cost: CostModel) -> dict:
     """What ``cost`` says a planned (localized) graph's step takes per device:
-    {"compute": s, "communication": s, "total": s, "collectives": n}. Each op's work is
-    its rule's flops and the bytes it touches, divided over the devices its strategy
-    splits it on (a loop's or branch's rule already holds its body's work); each
-    collective is priced by its kind, axes and wire bytes, once per iteration of a
-    scan around it (a while loop's count is unknown: once; every branch of a cond)."""
-    out = {"compute": 0.0, "communication": 0.0, "collectives": 0}
+    {"compute": s, "communication": s, "total": s, "collectives": n, "launched": n}. Each
+    op's work is its rule's flops and the bytes it touches (but those fusion keeps out of
+    memory), divided over the devices its strategy splits it on (a loop's or branch's rule
+    already holds its body's work); each collective is priced by its kind, axes and wire
+    bytes, once per iteration of a scan around it (a while loop's count is unknown: once;
+    every branch of a cond); a collective the compiler combines into an earlier one's
+    launch (``combined_collectives``) pays its bytes but no latency of its own, and a collective
+    whose result nothing computes on before the step ends (``terminal_values``) pays no
+    wait for its group (``CostModel.at_step_end``). ``collectives``
+    counts the planned ones, ``launched`` those left after combining."""
+    out = {"compute": 0.0, "communication": 0.0, "collectives": 0, "launched": 0}
     _add_step_time(graph, cost, graph.mesh, 1, True, out)
     out["total"] = out["compute"] + out["communication"]
     return out
@@ -397,17 +510,28 @@ def modeled_step_time(graph, cost: CostModel) -> dict:
 
 def _add_step_time(graph, cost: CostModel, mesh, times: int, compute: bool, out: dict) -> None:
     from ..ir.graph import is_collective
+    from .fusion import resident_values
+    resident = resident_values(graph) if compute else frozenset()
+    riders = combined_collectives(graph, cost.combined_kinds)
+    terminal = terminal_values(graph)
     for op in graph.ops:
         if is_collective(op):
             if op.kind != "slice":
+                axes = op.params.get("axes") or ()
+                # nothing computes on a terminal result before the step ends: no wait for the group
+                model = cost.at_step_end(1) if all(v in terminal for v in op.outputs) else cost
+                seconds = model.collective_time(op.params.get("wire_bytes", 0), op.kind, axes, mesh)
+                if op in riders:   # its bytes travel in an earlier launch
+                    seconds -= model.collective_time(0, op.kind, axes, mesh)
+                else:
+                    out["launched"] += times
                 out["collectives"] += times
-                out["communication"] += times * cost.collective_time(op.params.get("wire_bytes", 0), op.kind,
-                                                                     op.params.get("axes") or (), mesh)
+                out["communication"] += times * seconds
             continue
         st = op.strategy
         if compute and st is not None:
             out["compute"] += times * cost.compute_time(*strategy_work(st.rule.flops, st.factors,
-                                                                       tensor_factors(op, st.rule), mesh),
+                                                                       tensor_factors(op, st.rule, resident), mesh),
                                                         contraction=is_contraction(st.rule))
         for sub in op.subgraphs:
             n = op.params.get("length", 1) if op.kind == "scan" else 1

@@ -24,7 +24,8 @@ from typing import Optional
 
 from ..ir.graph import CONSTRAINT, Graph, Op
 
-from .cost import DEFAULT_COST, CostModel
+from .cost import DEFAULT_COST, CostModel, launch_riders, terminal_values
+from .fusion import resident_values
 from .loop_boundaries import boundary_layouts, boundary_pairs
 from .propagation_state import Propagation
 from .rules import FIXED, rule_for
@@ -49,7 +50,7 @@ class PropagateSharding:
         self.memo: Optional[dict] = {} if memoize else None
         self.whole_memo: dict = {}  # the same, for the round that completes partials whole
         self.wish_memo: Optional[dict] = {} if memoize else None  # situation -> wishes passed on
-        self.compute_times: dict = {}  # id(mesh) -> cost.ComputeTimes (what a strategy costs in compute)
+        self.compute_times: dict = {}  # (id(mesh), id(graph)) -> cost.ComputeTimes (what a strategy costs in compute)
         self.partial_memo: dict = {}  # (rule, factors, passthrough) -> the results' pending partial
         self.strategies: dict = {}  # (rule, factors, passthrough) -> the one OpStrategy ops share
         # (signature, factors, passthrough) -> (strategy, layout each operand needs or None
@@ -73,15 +74,43 @@ class PropagateSharding:
             self._rules[id(graph)] = {op: self._rule(op) for op in graph.ops}
         return self._rules[id(graph)]
 
+    def resident_of(self, graph: Graph) -> frozenset:
+        """The values of ``graph`` fusion keeps out of memory (``fusion.resident_values``)."""
+        key = ("resident", id(graph))
+        if key not in self._rules:
+            self._rules[key] = resident_values(graph)
+        return self._rules[key]
+
+    def terminal_of(self, graph: Graph) -> frozenset:
+        """The values of ``graph`` whose all_reduces XLA launches together (``cost.terminal_values``)."""
+        key = ("terminal", id(graph))
+        if key not in self._rules:
+            self._rules[key] = terminal_values(graph)
+        return self._rules[key]
+
+    def cost_for(self, graph: Graph, v) -> CostModel:
+        """The model that prices moving ``v``: a terminal value's all_reduce shares one
+        launch with the other terminal reductions (``CostModel.at_step_end``), as the search
+        prices it."""
+        if v not in self.terminal_of(graph):
+            return self.cost
+        key = ("riders", id(graph))
+        if key not in self._rules:
+            self._rules[key] = launch_riders(graph, self.terminal_of(graph))
+        return self.cost.at_step_end(self._rules[key])
+
     def signatures_of(self, graph: Graph) -> dict:
-        """op -> a small int naming its rule, operand types (and which are literals) and
-        result types: everything static a memo key needs, in one cheap hash."""
+        """op -> a small int naming its rule, operand types (and which are literals, kept
+        out of memory by fusion or terminal) and result types (and which are kept out of
+        memory or terminal): everything static a memo key needs, in one cheap hash."""
         key = ("signatures", id(graph))
         if key not in self._rules:
             rules, ids = self.rules_of(graph), self._signature_ids
+            resident, terminal = self.resident_of(graph), self.terminal_of(graph)
             self._rules[key] = {
-                op: ids.setdefault((id(rules[op]), tuple((v.type, v.literal is not None) for v in op.inputs),
-                                    tuple(v.type for v in op.outputs)), len(ids))
+                op: ids.setdefault((id(rules[op]), tuple((v.type, v.literal is not None, v in resident, v in terminal)
+                                                         for v in op.inputs),
+                                    tuple((v.type, v in resident, v in terminal) for v in op.outputs)), len(ids))
                 for op in graph.ops}
         return self._rules[key]
 

@@ -515,20 +515,21 @@ class ChoiceMixin:
         if not have.fits(v.type.shape, self.mesh) or not want.fits(v.type.shape, self.mesh):
             return IMPOSSIBLE
         return redistribution_cost(v.type.shape, v.type.itemsize, have, want, self.mesh,
-                                   self.cfg.allow_reduce_scatter, self.cfg.cost)
+                                   self.cfg.allow_reduce_scatter, self.cfg.cost_for(self.g, v))
 
     def _completion(self, v: Value, dims, partial) -> float:
         layout = Layout(tuple(a if a is not None else () for a in dims), partial[0], partial[1])
         if not layout.fits(v.type.shape, self.mesh):
             return IMPOSSIBLE
         return cheapest_completion(v.type.shape, v.type.itemsize, layout, self.mesh, self.cfg.allow_reduce_scatter,
-                                   self.cfg.cost)[1]
+                                   self.cfg.cost_for(self.g, v))[1]
 
     def _compute_time(self, op: Op, rule: FactorRule, factors) -> float:
         """The op's own work per device, as the search prices it (``cost.ComputeTimes``)."""
-        times = self.cfg.compute_times.get(id(self.mesh))
+        key = (id(self.mesh), id(self.g))
+        times = self.cfg.compute_times.get(key)
         if times is None or times.mesh is not self.mesh:
-            times = self.cfg.compute_times[id(self.mesh)] = ComputeTimes(self.cfg.cost, self.mesh)
+            times = self.cfg.compute_times[key] = ComputeTimes(self.cfg.cost, self.mesh, self.cfg.resident_of(self.g))
         return times.time(op, rule.flops, factors)
 
     def _growth_charge(self, op: Op, rule: FactorRule, cand: list, group, axes) -> float:

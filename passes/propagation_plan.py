@@ -62,7 +62,7 @@ class PlanMixin:
         total = self._compute
         for v, need in needs:
             total += redistribution_cost(v.type.shape, v.type.itemsize, v.layout, need, self.mesh,
-                                         self.cfg.allow_reduce_scatter, self.cfg.cost)
+                                         self.cfg.allow_reduce_scatter, self.cfg.cost_for(self.g, v))
         return total
 
     def _placement(self, op: Op, factors: tuple, passthrough) -> tuple:

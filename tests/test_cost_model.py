@@ -6,14 +6,16 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import shardprop as sp
 from shardprop.ir.layout import Layout
 from shardprop.ir.mesh import Mesh
-from shardprop.passes.cost import (DEFAULT_COST, ComputeTimes, CostModel, Link, group_shape, modeled_step_time,
-                                   resolve_cost_model, wire_bytes)
+from shardprop.passes.cost import (DEFAULT_COST, ComputeTimes, CostModel, Link, combined_collectives, group_shape,
+                                   modeled_step_time, resolve_cost_model, wire_bytes)
+from shardprop.passes.fusion import resident_values
 from shardprop.passes.redistribute import plan_redistribution, redistribution_cost
 from tests import golden_nets
 
@@ -147,6 +149,58 @@ def test_modeled_step_time_counts_collectives_and_compute():
     assert t["communication"] == pytest.approx(sum(DEFAULT_COST.collective_time(c.bytes) for c in plan.collectives
                                                    if c.kind != "slice"))   # a local slice moves nothing
     assert 0 < t["compute"] < t["total"]
+
+
+def test_fused_elementwise_chain_touches_only_its_ends():
+    # tanh(x * 2 + 1) @ w: XLA runs the multiply, add and tanh as one loop, reading x and
+    # writing tanh's result; the two values between them never reach memory
+    x, w = np.ones((64, 32), np.float32), np.ones((32, 16), np.float32)
+    plan = sp.parallelize(lambda x, w: jnp.tanh(x * 2.0 + 1.0) @ w, mesh=8, mode="data_parallel",
+                          batch_argnums=(0,), progress=False).plan(x, w)
+    g = plan.graph
+    ops = {op.kind: op for op in g.ops}
+    resident = resident_values(g)
+    assert resident == {ops["mul"].outputs[0], ops["add"].outputs[0]}   # tanh's result is the matmul's operand
+    times = ComputeTimes(DEFAULT_COST, g.mesh, resident)
+    local = 64 * 32 * 4 / 8   # one device's rows of x (and of each value of the chain)
+    touched = {k: times.work(ops[k], ops[k].strategy.rule.flops, ops[k].strategy.factors)[1]
+               for k in ("mul", "add", "tanh")}
+    scalar = 4   # the literal 2.0 or 1.0 each reads
+    assert touched == {"mul": local + scalar, "add": scalar, "tanh": local}
+    # priced op by op (no fusion), every value is read and written
+    unfused = ComputeTimes(DEFAULT_COST, g.mesh)
+    assert unfused.work(ops["add"], ops["add"].strategy.rule.flops, ops["add"].strategy.factors)[1] == 2 * local + scalar
+    # the step model counts the same
+    assert modeled_step_time(g, DEFAULT_COST)["compute"] < sum(
+        DEFAULT_COST.compute_time(*unfused.work(op, op.strategy.rule.flops, op.strategy.factors),
+                                  contraction=op.kind == "dot_general") for op in g.ops if op.strategy is not None)
+
+
+def test_independent_all_reduces_are_launched_together():
+    # a data parallel step reduces each gradient over the batch axis; no reduction depends
+    # on another, so XLA combines them into one launch: one latency, every gradient's bytes
+    def loss(w1, w2, x):
+        return jnp.sum(jnp.tanh(x @ w1) @ w2)
+    args = (np.ones((32, 64), np.float32), np.ones((64, 8), np.float32), np.ones((16, 32), np.float32))
+    plan = sp.parallelize(jax.grad(loss, argnums=(0, 1)), mesh=8, mode="data_parallel", batch_argnums=(2,),
+                          progress=False).plan(*args)
+    reductions = [c for c in plan.collectives if c.kind == "all_reduce"]
+    assert len(reductions) == 2
+    t = modeled_step_time(plan.graph, DEFAULT_COST)
+    assert t["collectives"] == 2 and t["launched"] == 1
+    assert t["communication"] == pytest.approx(DEFAULT_COST.latency_s + sum(c.bytes for c in reductions)
+                                               / DEFAULT_COST.link_bytes_per_s)
+    assert len(combined_collectives(plan.graph)) == 1
+    # a reduction computed from another's result waits for it: two launches (the batch's
+    # variance needs its mean first)
+    def normalize(x):
+        centered = x - jnp.mean(x, axis=0)
+        return centered / jnp.sqrt(jnp.mean(centered * centered, axis=0) + 1e-5)
+    chain = sp.parallelize(normalize, mesh=8, mode="data_parallel", batch_argnums=(0,),
+                           progress=False).plan(np.ones((16, 32), np.float32))
+    assert [c.kind for c in chain.collectives if c.kind != "slice"] == ["all_reduce", "all_reduce"]
+    t = modeled_step_time(chain.graph, DEFAULT_COST)
+    assert t["collectives"] == t["launched"] == 2 and not combined_collectives(chain.graph)
 
 
 def _first_matmul(plan):

@@ -13,6 +13,8 @@ same as on 4 x 2's major one under a model that prices groups by size alone).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import math
 
 from ...ir.layout import Layout
@@ -30,7 +32,10 @@ class Prices:
         self._by_virtual: dict = {}
         self._strides: dict = {}
 
-    def __call__(self, shape: tuple, itemsize: int, src: Layout, dst: Layout, mesh: Mesh) -> float:
+    def __call__(self, shape: tuple, itemsize: int, src: Layout, dst: Layout, mesh: Mesh,
+                 riders: Optional[int] = None) -> float:
+        """``riders``: for a terminal value, how many reductions share its launch
+        (``CostModel.at_step_end``); None for any other value."""
         chains = _bundles(src, dst, mesh)
         name_of = {a: f"v{i}" for i, c in enumerate(chains) for a in c}
         sizes = tuple(mesh.axes_size(c) for c in chains)
@@ -39,10 +44,12 @@ class Prices:
         if self.cost.links:   # a profile prices a group by the ranks it spans
             strides = self._axis_strides(mesh)
             geometry = tuple(tuple((mesh.axis_size(a), strides[a]) for a in c) for c in chains)
-        key = (shape, itemsize, _to_virtual(src, name_of, vmesh), _to_virtual(dst, name_of, vmesh), sizes, geometry)
+        key = (shape, itemsize, _to_virtual(src, name_of, vmesh), _to_virtual(dst, name_of, vmesh), sizes, geometry,
+               riders)
         t = self._by_virtual.get(key)
         if t is None:
-            t = self._by_virtual[key] = redistribution_cost(shape, itemsize, src, dst, mesh, self.allow_rs, self.cost)
+            cost = self.cost if riders is None else self.cost.at_step_end(riders)
+            t = self._by_virtual[key] = redistribution_cost(shape, itemsize, src, dst, mesh, self.allow_rs, cost)
         return t
 
     def _axis_strides(self, mesh: Mesh) -> dict:

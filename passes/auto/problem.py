@@ -34,7 +34,8 @@ from ...ir.layout import Layout
 from ...ir.mesh import Mesh
 from ...runtime.repeats import find_repeats
 
-from ..cost import IMPOSSIBLE, ComputeTimes, CostModel
+from ..cost import IMPOSSIBLE, ComputeTimes, CostModel, launch_riders, terminal_values
+from ..fusion import resident_values
 from ..insert_reshards import cheapest_completion
 from ..redistribute import plan_redistribution
 from ..rules import FIXED, rule_for
@@ -103,7 +104,10 @@ class Problem:
         self._class_ids: dict = {}
         self._matrix_cache: dict = {}
         self._compute_cache: dict = {}
-        self.compute_times = ComputeTimes(cost, self.mesh)
+        self.compute_times = ComputeTimes(cost, self.mesh, resident_values(graph))
+        # values whose all_reduces XLA launches together at the step's end (cost.terminal_values)
+        self.terminal = terminal_values(graph)
+        self.riders = launch_riders(graph, self.terminal)
         if like is not None and like.graph is graph and (like.follow, like.share) == (follow, share_layers):
             self._reuse_nodes(like)
         else:
@@ -283,7 +287,8 @@ class Problem:
         repetition (its root and members repeat the same ops, following the same
         operands; an argument: same type, pin and readers)."""
         g = self.graph
-        op_tmpl = _repeat_map([_op_token(op) for op in g.ops]) if self.share else {}
+        resident = self.compute_times.resident
+        op_tmpl = _repeat_map([_op_token(op, resident) for op in g.ops]) if self.share else {}
         index = {op: k for k, op in enumerate(g.ops)}
 
         def canon(op):
@@ -489,7 +494,8 @@ class Problem:
                                 for k in range(len(pnode.candidates))])
             else:
                 vec = np.array([cheapest_completion(v.type.shape, v.type.itemsize, self.layout_of(v, pnode, k), mesh,
-                                                    self.allow_rs, cost)[1] for k in range(len(pnode.candidates))])
+                                                    self.allow_rs, self.cost_for(v))[1]
+                                for k in range(len(pnode.candidates))])
             self.unary[T[pi]] += vec
         self._memory_terms()
         self._edges()
@@ -555,23 +561,29 @@ class Problem:
         layers, and every op reading a value of the same type in the same layouts,
         share one."""
         if same:
-            key = ("same", v.type, src.ident, dst.ident, src.index.tobytes(), dst.index.tobytes())
+            key = ("same", v.type, v in self.terminal, src.ident, dst.ident, src.index.tobytes(), dst.index.tobytes())
             vec = self._matrix_cache.get(key)
             if vec is None:
                 vec = self._matrix_cache[key] = np.array([
                     self.redistribution(v, src.layouts[a], dst.layouts[b]) for a, b in zip(src.index, dst.index)])
             return vec
-        key = (v.type, src.ident, dst.ident)
+        key = (v.type, v in self.terminal, src.ident, dst.ident)
         small = self._matrix_cache.get(key)
         if small is None:
             small = self._matrix_cache[key] = np.array([[self.redistribution(v, a, b) for b in dst.layouts]
                                                         for a in src.layouts])
         return small, src.index, dst.index
 
+    def cost_for(self, v: Value) -> CostModel:
+        """The model that prices moving ``v``: a terminal value's all_reduces ride in one
+        launch with the others (``CostModel.at_step_end``)."""
+        return self.cost.at_step_end(self.riders) if v in self.terminal else self.cost
+
     def redistribution(self, v: Value, src: Layout, dst: Layout) -> float:
         if src == dst:
             return 0.0
-        key = (v.type, src, dst)
+        terminal = v in self.terminal
+        key = (v.type, terminal, src, dst)
         t = self._redistribution_cache.get(key)
         if t is None and not src.partial and not dst.partial and all(
                 d[:len(s)] == s for s, d in zip(src.dims, dst.dims)):
@@ -580,7 +592,8 @@ class Problem:
             t = self._redistribution_cache[key] = IMPOSSIBLE   # nothing makes a partial value
         if t is None:
             try:
-                t = self.prices(tuple(v.type.shape), v.type.itemsize, src, dst, self.mesh)
+                t = self.prices(tuple(v.type.shape), v.type.itemsize, src, dst, self.mesh,
+                                self.riders if terminal else None)
             except ValueError:   # no redistribution reaches it (a partial cannot be created)
                 t = IMPOSSIBLE
             self._redistribution_cache[key] = t
@@ -589,13 +602,15 @@ class Problem:
     def wire_bytes(self, v: Value, src: Layout, dst: Layout) -> float:
         if src == dst:
             return 0.0
-        steps = plan_redistribution(tuple(v.type.shape), v.type.itemsize, src, dst, self.mesh, self.allow_rs, self.cost)
+        steps = plan_redistribution(tuple(v.type.shape), v.type.itemsize, src, dst, self.mesh, self.allow_rs,
+                                    self.cost_for(v))
         return sum(s.wire_bytes for s in steps)
 
     def op_compute(self, op: Op, st: OpStrategy) -> float:
         """The op's compute seconds per device (``cost.ComputeTimes``, as propagation prices it);
-        once per rule and factors (ops with one rule are the same computation on the same types)."""
-        key = (id(st.rule), st.factors)
+        once per rule, factors and the tensors it touches in memory (ops with one rule are the
+        same computation on the same types; fusion may keep some of them out of memory)."""
+        key = (id(st.rule), st.factors, self.compute_times.tensors(op))
         t = self._compute_cache.get(key)
         if t is None:
             t = self._compute_cache[key] = self.compute_times.time(op, st.rule.flops, st.factors)
@@ -666,7 +681,7 @@ class Problem:
                 target = layout[g.inputs[g.tied_outputs[i]]]
             if target is None:
                 target = cheapest_completion(v.type.shape, v.type.itemsize, layout[v], mesh, self.allow_rs,
-                                             self.cost)[0]
+                                             self.cost_for(v))[0]
             add("(outputs)", "communication", self.redistribution(v, layout[v], target))
             add("(outputs)", "bytes", self.wire_bytes(v, layout[v], target))
         return total
@@ -701,9 +716,10 @@ class _Rules:
         return rule
 
 
-def _op_token(op: Op) -> tuple:
+def _op_token(op: Op, resident=frozenset()) -> tuple:
     """Equal for ops that are the same computation on the same types (so the same rule
-    and candidates); an op whose params do not hash is only equal to itself."""
+    and candidates) touching the same tensors in memory (``resident``: the values fusion
+    keeps out of it); an op whose params do not hash is only equal to itself."""
     try:
         params = tuple(sorted(op.params.items()))
         hash(params)
@@ -711,8 +727,8 @@ def _op_token(op: Op) -> tuple:
         params = op
     if op.subgraphs:
         params = op
-    return (op.kind, tuple((v.type, v.literal is not None) for v in op.inputs), tuple(v.type for v in op.outputs),
-            op.pinned, op.region is not None, params)
+    return (op.kind, tuple((v.type, v.literal is not None, v in resident) for v in op.inputs),
+            tuple((v.type, v in resident) for v in op.outputs), op.pinned, op.region is not None, params)
 
 
 def _repeat_map(tokens: list) -> dict:

@@ -16,11 +16,27 @@ square and sum run on a slice of a difference that is replicated.
 """
 from __future__ import annotations
 
+import itertools
+
+from ...ir.graph import CONSTRAINT
 from ...ir.layout import Layout
 
+from ..rules import FIXED
 from ..sharding import OpStrategy, project
+from .problem import DECIDERS
 
 MOVE_SIZE = 4   # ops a refinement move may take along (the first and what its layout decides)
+
+
+def free_slices(rule, current: tuple, mesh_axes: tuple, all_at_once: bool) -> list:
+    """Factors ``current`` with mesh axes it leaves unused added: one unused axis on one
+    shardable factor that is not reduced; with ``all_at_once`` also all of them on one
+    (in either order, since the order is how the split nests)."""
+    used = {a for axes in current for a in axes}
+    spare = [a for a in mesh_axes if a not in used]
+    targets = [f for f in range(rule.num_factors) if rule.shardable(f) and f not in rule.reduction]
+    added = [(a,) for a in spare] + (list(itertools.permutations(spare)) if all_at_once and len(spare) > 1 else [])
+    return [current[:f] + (current[f] + axes,) + current[f + 1:] for axes in added for f in targets]
 
 
 def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dict]:
@@ -33,7 +49,11 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
     out_target = {}   # output value -> [(index, how)]
     for i, v in enumerate(g.outputs):
         out_target.setdefault(v, []).append(i)
-    followers = [op for n in problem.nodes for op in (n.members[1:] if not n.is_input else n.members)]
+    # every op but the matmuls and what the user or a loop fixes: followers, and the
+    # elementwise ops that decide for themselves (a weight's update, a residual sum)
+    followers = [op for n in problem.nodes for op in n.members
+                 if not (op is n.root and (op.kind in DECIDERS or op.subgraphs or op.kind in FIXED
+                                           or op.region is not None or op.kind == CONSTRAINT))]
     producer_of = {v: op for op in g.ops for v in op.outputs}
 
     def layout_of(v):
@@ -71,13 +91,25 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
             elif m >= 0 and op.inputs[m] in producer_of:
                 followed_by.setdefault(producer_of[op.inputs[m]], []).append((op, m))
 
+    # and the followers that feed it alone (a weight gradient's transpose and its scaling
+    # by the learning rate, on their way to the update): where the update moves to a
+    # split, they make its operand in that split, so the gradient is reduce-scattered
+    # where it is made instead of all-reduced
+    fed_by: dict = {}
+    follower_set = {op for n in problem.nodes for op in n.members[1:]}
+    for op in g.ops:
+        for m, v in enumerate(op.inputs):
+            p = producer_of.get(v)
+            if p in follower_set and len(p.outputs) == 1 and [u for u, _ in users.get(v, ())] == [op]:
+                fed_by.setdefault(op, []).append((p, m))
+
     def moved_with(op, st) -> dict:
         """{op: st} and the strategies of what moves with it, breadth first, at most
         MOVE_SIZE ops (beyond, an op keeps its strategy and its operand is moved to it)."""
         group, todo = {op: st}, [op]
         while todo:
             u = todo.pop(0)
-            for b, m in made_for.get(u, ()):
+            for b, m in [*made_for.get(u, ()), *fed_by.get(u, ())]:
                 if b not in group and len(group) < MOVE_SIZE:
                     group[b] = problem._follow_consumer(b, group[u].operand_layout(m, u.inputs[m].type.rank, mesh))
                     todo.append(b)
@@ -122,16 +154,13 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
         for fs, dims in dims_list:
             prop = project(fs, dims, rule, mesh)
             cands.append(tuple(prop.get(f, ()) if rule.shardable(f) else () for f in range(rule.num_factors)))
-        # and the op on a free slice of what it has: a mesh axis it leaves unused added to
-        # one of its factors (a loss's square and sum split over the axis its difference
-        # is replicated on; a slice of a value is free, its reader pays what follows)
-        current = ops[op].factors
-        used = {a for axes in current for a in axes}
-        for a in mesh.axis_names:
-            if a not in used:
-                for f in range(rule.num_factors):
-                    if rule.shardable(f) and f not in rule.reduction:
-                        cands.append(current[:f] + (current[f] + (a,),) + current[f + 1:])
+        # and the op on a free slice of what it has: mesh axes it leaves unused added to its
+        # factors (a loss's square and sum split over the axis its difference is replicated
+        # on; a slice of a value is free, its reader pays what follows)
+        # (every unused axis at once where an operand arrives partial: the sum is then
+        # reduce-scattered over them rather than all-reduced, a weight's update split)
+        partial_in = any(v.literal is None and (layout_of(v) or Layout(())).partial for v in op.inputs)
+        cands += free_slices(rule, ops[op].factors, mesh.axis_names, partial_in)
         for factors in cands:
             st = valid_strategy(rule, factors)
             if st is not None and st not in seen:

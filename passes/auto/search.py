@@ -37,6 +37,10 @@ from .refine import refine
 from .problem import DECIDERS, Problem, _unique
 
 MAX_MEMORY_ROUNDS = 25
+# a graph of at most this many ops is also searched without coarsening (every op its own
+# decision, no shared layers): the exact ILP solves such graphs in about a second, and
+# the better of the two plans is kept
+EXACT_OPS = 150
 
 
 @dataclass
@@ -104,8 +108,9 @@ class SearchStrategies:
 
     def __init__(self, cost: CostModel = DEFAULT_COST, memory_limit: Optional[int] = None,
                  time_limit: Optional[float] = 60.0, allow_reduce_scatter: bool = True,
-                 memory_method: str = "exact", memory_tolerance: float = 0.01):
+                 memory_method: str = "exact", memory_tolerance: float = 0.01, exact_ops: int = EXACT_OPS):
         self.cost = cost
+        self.exact_ops = exact_ops
         # the user's limit (or the device's memory, as parallelize found it), else the profile's
         self.memory_limit = memory_limit if memory_limit is not None else getattr(cost, "memory_capacity_bytes", None)
         self.time_limit = time_limit
@@ -167,7 +172,14 @@ class SearchStrategies:
             sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest)
             if sol is None:
                 return problem, None, smallest
-        return problem, sol, self._finish(graph, problem, sol, limit)
+        found = (problem, sol, self._finish(graph, problem, sol, limit))
+        if follow and share_layers and len(graph.ops) <= self.exact_ops:
+            # small enough to solve without coarsening: keep whichever plan is cheaper
+            exact = self.search(graph, follow=False, share_layers=False, beat=sol.modeled, prices=prices)
+            if exact[1] is not None and exact[1].modeled < sol.modeled - 1e-15:
+                exact[1].status += " (the un-coarsened problem: every op its own decision)"
+                return exact
+        return found
 
     def _solve_under_limit(self, red, problem: Problem, memory: "_Liveness", limit: float, smallest: tuple):
         """(solution that fits or None, the smallest-peak plan met). The exact rows: solve,

@@ -75,3 +75,7 @@ def _select_n(op):
     # select_n(pred, *cases): a partial passes through when every case carries it.
     cases = tuple(range(1, len(op.inputs)))
     return elementwise_rule(op, ((cases, "sum"), (cases, "max"), (cases, "min")))
+
+
+# Every primitive this module gives the elementwise rule (what a compiler fuses into loops).
+KINDS = frozenset((*UNARY, *BINARY, *NARY, *_LINEAR, "convert_element_type", "select_n"))
