@@ -17,6 +17,8 @@ device (float32, 1e-4 relative: whole training steps).
     python bench/compare.py                  # every case (a few minutes)
     python bench/compare.py --quick          # fewer timing repetitions
     python bench/compare.py --cases seed_network megatron_mlp
+    python bench/compare.py --auto --hand    # mode="auto" on the unmarked program against XLA and
+                                             # the hand plans (results/auto.txt on a whole run)
 
 Prints the table; a run of every case also writes it to bench/results/compare.txt
 (and the rows to compare.json). On forced CPU devices
@@ -28,6 +30,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -69,15 +72,18 @@ def median_interleaved(fa, fb, reps: int) -> tuple[float, float]:
 
 
 def median_interleaved_all(fns: list, reps: int) -> list[float]:
-    """Median seconds of each of ``fns``, run in turns (f1, f2, ..., f1, f2, ...)."""
+    """Median seconds of each of ``fns``, run in turns, each round starting one later
+    (f1, f2, f3, then f2, f3, f1, ...): where a program runs in the round (after which
+    other program) changes its time, so every position is taken in turn."""
     for f in fns:               # warm-up
         jax.block_until_ready(f())
     times = [[] for _ in fns]
-    for _ in range(reps):
-        for f, ts in zip(fns, times):
+    for r in range(reps):
+        for k in range(len(fns)):
+            i = (r + k) % len(fns)
             t = time.perf_counter()
-            jax.block_until_ready(f())
-            ts.append(time.perf_counter() - t)
+            jax.block_until_ready(fns[i]())
+            times[i].append(time.perf_counter() - t)
     return [statistics.median(ts) for ts in times]
 
 
@@ -99,6 +105,15 @@ def hand_plans(case: zoo.Case) -> dict:
         plans["ZeRO-1"] = ("plain", dict(mode="data_parallel", batch_argnums=batch, shard_optimizer_state=True,
                                          optimizer_argnums=(1,)))
     return plans
+
+
+def program_text(compiled) -> str:
+    """A compiled program's HLO without its name and debug information (op metadata, and
+    the tables of source files, functions and stack frames it points into): equal texts
+    are the same program, whichever function, plan or mode produced it."""
+    text = re.sub(r"^HloModule [^,]+", "HloModule", compiled.as_text())
+    text = re.sub(r",? ?metadata=\{[^}]*\}", "", text)
+    return re.sub(r"\n(FileNames|FunctionNames|FileLocations|StackFrames)\n(.+\n)*", "\n", text)
 
 
 def fresh(fn):
@@ -233,6 +248,7 @@ def run_auto(case: zoo.Case, reps: int, cost_model, hand: bool = False) -> dict:
     row["correct_c"] = close(out_c, reference, case.train)
     cc = collectives(comp_c.as_text(), n)
     row.update(summary_c=cc.summary(), bytes_c=cc.bytes, memory_c=peak_memory(comp_c))
+    auto_program = program_text(comp_c)
 
     # (b) XLA with the marks, its state arriving in the layouts auto keeps it in
     zoo.annotate.mode, zoo.annotate.mesh = "xla", mesh
@@ -268,7 +284,8 @@ def run_auto(case: zoo.Case, reps: int, cost_model, hand: bool = False) -> dict:
                 continue
             steps.append(step)
             names.append(name)
-            row["hand"][name] = dict(correct=ok, bytes=collectives(comp.as_text(), n).bytes, memory=peak_memory(comp))
+            row["hand"][name] = dict(correct=ok, bytes=collectives(comp.as_text(), n).bytes, memory=peak_memory(comp),
+                                     same_program=program_text(comp) == auto_program)
         # XLA without the marks: the unmarked program under jit, its inputs placed as (b)'s
         zoo.annotate.mode = "plain"
         flat_u = [jax.device_put(x, s) for x, s in zip(jax.tree_util.tree_leaves(host), in_b)]
@@ -292,7 +309,7 @@ def run_auto(case: zoo.Case, reps: int, cost_model, hand: bool = False) -> dict:
 def hand_table(rows: list[dict]) -> str:
     names = ["marks", "DP", "ZeRO-1"]
     head = f"{'case':<22} {'auto ms':>8} {'XLA ms':>8} {'XLA- ms':>8} " + " ".join(f"{n + ' ms':>10}" for n in names) + \
-        f" {'best hand':>10} {'auto/best':>9} {'correct':>8}"
+        f" {'best hand':>10} {'auto/best':>9} {'correct':>8}  auto's program is"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -304,9 +321,10 @@ def hand_table(rows: list[dict]) -> str:
             cells.append(f"{'-':>10}" if h is None else f"{'n/a':>10}" if "error" in h else f"{h['step_ms']:>10.3f}")
             ok &= h is None or "error" in h or h["correct"]
         ratio = f"{r['auto_vs_best_hand']:>9.2f}" if r["auto_vs_best_hand"] else f"{'-':>9}"
+        same = [n for n, h in r["hand"].items() if h.get("same_program")]
         lines.append(f"{r['case']:<22} {r['step_c_ms']:>8.3f} {r['step_b_ms']:>8.3f} {r['step_xla_plain_ms']:>8.3f} "
                      + " ".join(cells)
-                     + f" {r['best_hand'] or '-':>10} {ratio} {str(ok):>8}")
+                     + f" {r['best_hand'] or '-':>10} {ratio} {str(ok):>8}  {', '.join(same) or '-'}")
         lines += [f"  {n} n/a: {h['error']}" for n, h in r["hand"].items() if "error" in h]
     return "\n".join(lines)
 
@@ -397,16 +415,24 @@ def main():
                 rows.append(run_auto(case, reps, args.cost_model, hand=args.hand))
             except sp.ShardingError as e:
                 rows.append({"case": case.name, "error": str(e).splitlines()[0]})
-        print(auto_table(rows))
+        lines = [auto_table(rows)]
         if args.hand:
-            print("\n" + hand_table(rows))
-            print(f"\nmedian of {reps} runs per plan, all plans of a case in turns; XLA: jit with the marks as "
-                  "sharding constraints; XLA-: jit of the unmarked program; marks: shardprop with the case's "
-                  "marks (Megatron, dp x mp, ...); DP: mode='data_parallel'; ZeRO-1: DP with Adam's state split; "
-                  "auto/best: auto's step over the fastest hand plan's.")
-        print(f"\nsearch: the strategy search's seconds; model ms: auto's modeled step; bytes: per device per step "
-              f"(ring formulas); mem C/B: peak per-device memory, auto / XLA with marks; step C/B: median of {reps} "
-              "interleaved runs, auto / XLA with marks.")
+            lines += ["", hand_table(rows),
+                      f"\nmedian of {reps} runs per plan, all plans of a case in turns (each round starting one "
+                      "plan later); XLA: jit with the marks as sharding constraints; XLA-: jit of the unmarked "
+                      "program; marks: shardprop with the case's marks (Megatron, dp x mp, ...); DP: "
+                      "mode='data_parallel'; ZeRO-1: DP with Adam's state split; auto/best: auto's step over the "
+                      "fastest hand plan's; auto's program is: the hand plans whose compiled program (HLO without "
+                      "metadata) is auto's."]
+        lines.append(f"\nsearch: the strategy search's seconds; model ms: auto's modeled step; bytes: per device per "
+                     f"step (ring formulas); mem C/B: peak per-device memory, auto / XLA with marks; step C/B: median "
+                     f"of {reps} interleaved runs, auto / XLA with marks.")
+        report = "\n".join(lines)
+        print(report)
+        if not args.cases and args.hand:   # the stored results are always a whole run
+            RESULTS.mkdir(exist_ok=True)
+            (RESULTS / "auto.txt").write_text(report + "\n")
+            (RESULTS / "auto.json").write_text(json.dumps(rows, indent=1, default=str))
         return
     start = time.perf_counter()
     rows = []

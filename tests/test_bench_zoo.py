@@ -44,3 +44,20 @@ def test_gpt_case_marks_go_where_the_harness_says():
     import gpt_megatron
     import shardprop
     assert gpt_megatron.sp is shardprop
+
+
+def test_program_text_tells_programs_apart_not_call_sites():
+    import jax.numpy as jnp
+
+    from bench.compare import program_text
+
+    def here(x):
+        return jnp.sin(x) * 2
+
+    def there(x):   # the same computation, written at another source line
+        return jnp.sin(x) * 2
+    x = jnp.ones(16)
+    a, b = (jax.jit(f).lower(x).compile() for f in (here, there))
+    assert a.as_text() != b.as_text()       # their debug tables and metadata name other lines
+    assert program_text(a) == program_text(b)
+    assert program_text(jax.jit(lambda x: jnp.cos(x) * 2).lower(x).compile()) != program_text(a)
