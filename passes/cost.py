@@ -125,7 +125,8 @@ class CostModel:
         model without links) the model's single latency and bandwidth do."""
         if self.launch_share != 1.0 and kind in self.combined_kinds:
             link = self._link_for(kind, axes, mesh)
-            return self.launch_share * link.latency_s + wire_bytes / link.bytes_per_s
+            wait = self.sync_s if self.links and axes and mesh is not None else 0.0
+            return self.launch_share * link.latency_s + wait + wire_bytes / link.bytes_per_s
         if not self.links or not axes or mesh is None:
             return self.latency_s + wire_bytes / self.link_bytes_per_s
         return self.sync_s + self.link(kind or "", tuple(axes), mesh).time(wire_bytes)
@@ -137,16 +138,24 @@ class CostModel:
 
     def at_step_end(self, riders: int) -> "CostModel":
         """This model for moving a value nothing computes on before the step ends (a
-        terminal value: a gradient on its way to the update). No compute waits for it, so
-        it pays no ``sync_s``; and the compiler combines collectives of ``combined_kinds``
-        that do not depend on each other into one launch, so each of ``riders`` such
-        values pays its bytes and 1/riders of the launch (one rider: the whole launch)."""
-        if riders <= 1 and not self.sync_s:
+        terminal value: a gradient on its way to the update), one of ``riders`` such
+        values. The group waits once for its last device there, not once per collective
+        (after the first, the rest run back to back), and the compiler combines those of
+        ``combined_kinds`` that do not depend on each other into one launch: each pays its
+        bytes, 1/riders of the wait and, of a combined kind, 1/riders of the launch. One
+        rider (a forward pass's partial output) pays the whole wait and launch."""
+        if riders <= 1:
             return self
         cache = self.__dict__.setdefault("_at_step_end", {})
         if riders not in cache:
-            cache[riders] = replace(self, sync_s=0.0, launch_share=1.0 / max(riders, 1))
+            cache[riders] = replace(self, sync_s=self.sync_s / riders, launch_share=1.0 / riders)
         return cache[riders]
+
+    def with_sync_share(self, n: int) -> "CostModel":
+        """This model with the wait for a group's last device paid 1/n times per
+        collective (n collectives after one another's wait: ``modeled_step_time``'s
+        collectives at the step's end)."""
+        return self if n <= 1 or not self.sync_s else replace(self, sync_s=self.sync_s / n)
 
     def step_time(self, step, mesh=None) -> float:
         """Seconds for one step of the redistribution planner (a local slice is free)."""
@@ -514,12 +523,16 @@ def _add_step_time(graph, cost: CostModel, mesh, times: int, compute: bool, out:
     resident = resident_values(graph) if compute else frozenset()
     riders = combined_collectives(graph, cost.combined_kinds)
     terminal = terminal_values(graph)
+    at_end = [op for op in graph.ops if is_collective(op) and op.kind != "slice" and op not in riders
+              and all(v in terminal for v in op.outputs)]
+    # nothing computes on a terminal result before the step ends: the group waits for its
+    # last device once for all of them, then they run back to back
+    end_model = cost.with_sync_share(len(at_end))
     for op in graph.ops:
         if is_collective(op):
             if op.kind != "slice":
                 axes = op.params.get("axes") or ()
-                # nothing computes on a terminal result before the step ends: no wait for the group
-                model = cost.at_step_end(1) if all(v in terminal for v in op.outputs) else cost
+                model = end_model if all(v in terminal for v in op.outputs) else cost
                 seconds = model.collective_time(op.params.get("wire_bytes", 0), op.kind, axes, mesh)
                 if op in riders:   # its bytes travel in an earlier launch
                     seconds -= model.collective_time(0, op.kind, axes, mesh)
