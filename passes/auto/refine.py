@@ -17,6 +17,7 @@ square and sum run on a slice of a difference that is replicated.
 from __future__ import annotations
 
 import itertools
+import math
 
 from ...ir.graph import CONSTRAINT
 from ...ir.layout import Layout
@@ -186,6 +187,9 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
                     total += problem.redistribution(w, have, layout)   # returned state comes back in it
         return total
 
+    def held(v, layout) -> int:
+        return math.prod(layout.local_shape(v.type.shape, mesh))
+
     # every follower in the first sweep; later sweeps revisit only the neighbours of what moved
     dirty = set(followers)
     for _ in range(sweeps):
@@ -216,8 +220,11 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
                 inputs[i] = need
                 c = input_cost(i, need)
                 inputs[i] = current
-                if c < best_cost - 1e-15:
-                    best, best_cost = need, c
+                # on a tie, the layout that holds fewer bytes (an argument a reader takes a
+                # free slice of arrives as that slice; the solver's own tie-break is below
+                # HiGHS's tolerances)
+                if c < best_cost - 1e-15 or (c <= best_cost + 1e-15 and held(v, need) < held(v, best)):
+                    best, best_cost = need, min(c, best_cost)
                     moved.update(u for u, _ in users[v])
             inputs[i] = best
         if not moved:
