@@ -31,7 +31,6 @@ import numpy as np
 
 from ...ir.graph import CONSTRAINT, Graph, Op, Value
 from ...ir.layout import Layout
-from ...ir.mesh import Mesh
 from ...runtime.repeats import find_repeats
 
 from ..cost import IMPOSSIBLE, ComputeTimes, CostModel, launch_riders, terminal_values
@@ -447,7 +446,7 @@ class Problem:
         return node.strategies[k][p].result_layout(out, self.mesh)
 
     def _costs(self) -> None:
-        g, mesh, cost = self.graph, self.mesh, self.cost
+        g, mesh = self.graph, self.mesh
         T = [n.template for n in self.nodes]
         self.unary = {t: np.zeros(len(self.nodes[t].candidates)) for t in set(T)}
         self.compute = {t: np.zeros(len(self.nodes[t].candidates)) for t in set(T)}

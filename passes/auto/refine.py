@@ -1,18 +1,21 @@
-"""After the solve: let followers and arguments leave the layout the coarse problem
-tied them to, where that is cheaper under the same cost model.
+"""After the solve: let ops and arguments leave the layout the coarse problem tied
+them to, where that is cheaper under the same cost model.
 
 The problem makes an elementwise op follow its operand and shares one choice
-between repeated layers; both are restrictions. Here every op that followed (and
-every argument) is offered, one at a time with everything else kept, the layouts
-its neighbours propose (each operand's layout, what each consumer needs of it, the
-whole tensor) and free slices of its own (one unused mesh axis added to a factor).
-An op moves together with the few ops whose layout follows from its own (what
-follows it, what is made for it; ``MOVE_SIZE``), priced as one group. A move is
-kept only when it lowers the plan's modeled time (the group's compute plus every
-redistribution into and out of it), so the refined plan is never worse than the
-solver's. Typical wins: an activation that two consumers need whole is gathered
-once before its elementwise op, instead of after it for each consumer; a loss's
-square and sum run on a slice of a difference that is replicated.
+between repeated layers; both are restrictions. Here every op but the matmuls (the
+followers, and the elementwise ops that decide for themselves) and every argument is
+offered, one at a time with everything else kept, the layouts its neighbours propose
+(each operand's layout, what each consumer needs of it, the whole tensor) and free
+slices of its own (an unused mesh axis added to a factor; all of them at once where an
+operand arrives partial). An op moves together with the few ops whose layout follows
+from its own (what follows it, what is made for it, the followers that feed it alone;
+``MOVE_SIZE``), priced as one group. A move is kept only when it lowers the plan's
+modeled time (the group's compute plus every redistribution into and out of it), so
+the refined plan is never worse than the solver's; an argument's tie goes to the layout
+that holds fewer bytes. Typical wins: an activation that two consumers need whole is
+gathered once before its elementwise op, instead of after it for each consumer; a
+loss's square and sum run on a slice of a difference that is replicated; a weight's
+update runs split over every axis, its gradient reduce-scattered where it is made.
 """
 from __future__ import annotations
 
@@ -52,9 +55,9 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
         out_target.setdefault(v, []).append(i)
     # every op but the matmuls and what the user or a loop fixes: followers, and the
     # elementwise ops that decide for themselves (a weight's update, a residual sum)
-    followers = [op for n in problem.nodes for op in n.members
-                 if not (op is n.root and (op.kind in DECIDERS or op.subgraphs or op.kind in FIXED
-                                           or op.region is not None or op.kind == CONSTRAINT))]
+    movable = [op for n in problem.nodes for op in n.members
+               if not (op is n.root and (op.kind in DECIDERS or op.subgraphs or op.kind in FIXED
+                                         or op.region is not None or op.kind == CONSTRAINT))]
     producer_of = {v: op for op in g.ops for v in op.outputs}
 
     def layout_of(v):
@@ -190,11 +193,11 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
     def held(v, layout) -> int:
         return math.prod(layout.local_shape(v.type.shape, mesh))
 
-    # every follower in the first sweep; later sweeps revisit only the neighbours of what moved
-    dirty = set(followers)
+    # every movable op in the first sweep; later sweeps revisit only the neighbours of what moved
+    dirty = set(movable)
     for _ in range(sweeps):
         moved: set = set()   # ops that moved this sweep, and the readers of arguments that did
-        for op in followers:
+        for op in movable:
             if op not in dirty:
                 continue
             best = {u: ops[u] for u in moved_with(op, ops[op])}   # the same ops for every st

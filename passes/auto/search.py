@@ -16,7 +16,6 @@ one or two axes is searched and the cheapest plan kept.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
