@@ -123,18 +123,14 @@ class CostModel:
         """Seconds for one collective moving ``wire_bytes`` per device. Given its kind,
         mesh axes and mesh, a profile's per-group terms apply; without them (or in a
         model without links) the model's single latency and bandwidth do."""
-        if self.launch_share != 1.0 and kind in self.combined_kinds:
-            link = self._link_for(kind, axes, mesh)
-            wait = self.sync_s if self.links and axes and mesh is not None else 0.0
-            return self.launch_share * link.latency_s + wait + wire_bytes / link.bytes_per_s
-        if not self.links or not axes or mesh is None:
-            return self.latency_s + wire_bytes / self.link_bytes_per_s
-        return self.sync_s + self.link(kind or "", tuple(axes), mesh).time(wire_bytes)
-
-    def _link_for(self, kind: str, axes, mesh) -> Link:
-        if not self.links or not axes or mesh is None:
-            return Link(self.latency_s, self.link_bytes_per_s)
-        return self.link(kind, tuple(axes), mesh)
+        if self.links and axes and mesh is not None:
+            link = self.link(kind or "", tuple(axes), mesh)
+            latency, bytes_per_s, wait = link.latency_s, link.bytes_per_s, self.sync_s
+        else:
+            latency, bytes_per_s, wait = self.latency_s, self.link_bytes_per_s, 0.0
+        # at the step's end, a combined kind shares its launch (``at_step_end``)
+        share = self.launch_share if kind in self.combined_kinds else 1.0
+        return wait + (share * latency + wire_bytes / bytes_per_s)
 
     def at_step_end(self, riders: int) -> "CostModel":
         """This model for moving a value nothing computes on before the step ends (a
@@ -472,20 +468,15 @@ def terminal_values(graph) -> frozenset:
     launches those of a kind together (``combined_collectives``); the search prices
     them with ``CostModel.at_step_end``."""
     from .fusion import LOOP_FUSIBLE, REDUCTIONS
-    readers: dict = {}
-    for op in graph.ops:
-        for v in op.inputs:
-            readers.setdefault(v, []).append(op)
+    readers = graph.users()
     terminal: set = set()
+
+    def waits_for_the_end(v) -> bool:   # every reader a fused tail op whose results are terminal
+        return all((u.kind in LOOP_FUSIBLE or u.kind in REDUCTIONS) and not u.subgraphs
+                   and all(w in terminal for w in u.outputs) for u in readers.get(v, ()))
     for op in reversed(graph.ops):
-        for v in op.outputs:
-            if all((u.kind in LOOP_FUSIBLE or u.kind in REDUCTIONS) and not u.subgraphs
-                   and all(w in terminal for w in u.outputs) for u in readers.get(v, ())):
-                terminal.add(v)
-    for v in graph.inputs:
-        if all((u.kind in LOOP_FUSIBLE or u.kind in REDUCTIONS) and all(w in terminal for w in u.outputs)
-               for u in readers.get(v, ())):
-            terminal.add(v)
+        terminal.update(v for v in op.outputs if waits_for_the_end(v))
+    terminal.update(v for v in graph.inputs if waits_for_the_end(v))
     return frozenset(terminal)
 
 
@@ -497,6 +488,21 @@ def launch_riders(graph, terminal: frozenset) -> int:
     from .fusion import LOOP_FUSIBLE
     return sum(1 for op in graph.ops if op.kind not in LOOP_FUSIBLE
                for v in op.outputs if v in terminal)
+
+
+class StepEnd:
+    """A graph's values whose collectives wait for the step's end (``terminal_values``)
+    and how many reductions share their launch (``launch_riders``): what propagation and
+    the search both need to price moving a value."""
+
+    def __init__(self, graph):
+        self.terminal = terminal_values(graph)
+        self.riders = launch_riders(graph, self.terminal)
+
+    def cost_for(self, cost: CostModel, v) -> CostModel:
+        """The model that prices moving ``v``: a terminal value's all_reduces ride in one
+        launch with the others (``CostModel.at_step_end``)."""
+        return cost.at_step_end(self.riders) if v in self.terminal else cost
 
 
 def modeled_step_time(graph, cost: CostModel) -> dict:

@@ -28,10 +28,7 @@ REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
 
 def resident_values(graph) -> frozenset:
     """The values of ``graph`` (not its loop bodies) that fusion keeps out of memory."""
-    readers: dict = {}
-    for op in graph.ops:
-        for v in op.inputs:
-            readers.setdefault(v, []).append(op)
+    readers = graph.users()
     outputs = set(graph.outputs)
     out = set()
     for op in graph.ops:

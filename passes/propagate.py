@@ -24,7 +24,7 @@ from typing import Optional
 
 from ..ir.graph import CONSTRAINT, Graph, Op
 
-from .cost import DEFAULT_COST, CostModel, launch_riders, terminal_values
+from .cost import DEFAULT_COST, CostModel, StepEnd
 from .fusion import resident_values
 from .loop_boundaries import boundary_layouts, boundary_pairs
 from .propagation_state import Propagation
@@ -81,23 +81,16 @@ class PropagateSharding:
             self._rules[key] = resident_values(graph)
         return self._rules[key]
 
-    def terminal_of(self, graph: Graph) -> frozenset:
-        """The values of ``graph`` whose all_reduces XLA launches together (``cost.terminal_values``)."""
-        key = ("terminal", id(graph))
+    def step_end_of(self, graph: Graph) -> StepEnd:
+        """What waits for ``graph``'s step end (``cost.StepEnd``)."""
+        key = ("step_end", id(graph))
         if key not in self._rules:
-            self._rules[key] = terminal_values(graph)
+            self._rules[key] = StepEnd(graph)
         return self._rules[key]
 
     def cost_for(self, graph: Graph, v) -> CostModel:
-        """The model that prices moving ``v``: a terminal value's all_reduce shares one
-        launch with the other terminal reductions (``CostModel.at_step_end``), as the search
-        prices it."""
-        if v not in self.terminal_of(graph):
-            return self.cost
-        key = ("riders", id(graph))
-        if key not in self._rules:
-            self._rules[key] = launch_riders(graph, self.terminal_of(graph))
-        return self.cost.at_step_end(self._rules[key])
+        """The model that prices moving ``v``, as the search prices it (``cost.StepEnd``)."""
+        return self.step_end_of(graph).cost_for(self.cost, v)
 
     def signatures_of(self, graph: Graph) -> dict:
         """op -> a small int naming its rule, operand types (and which are literals, kept
@@ -106,7 +99,7 @@ class PropagateSharding:
         key = ("signatures", id(graph))
         if key not in self._rules:
             rules, ids = self.rules_of(graph), self._signature_ids
-            resident, terminal = self.resident_of(graph), self.terminal_of(graph)
+            resident, terminal = self.resident_of(graph), self.step_end_of(graph).terminal
             self._rules[key] = {
                 op: ids.setdefault((id(rules[op]), tuple((v.type, v.literal is not None, v in resident, v in terminal)
                                                          for v in op.inputs),

@@ -33,7 +33,7 @@ from ...ir.graph import CONSTRAINT, Graph, Op, Value
 from ...ir.layout import Layout
 from ...runtime.repeats import find_repeats
 
-from ..cost import IMPOSSIBLE, ComputeTimes, CostModel, launch_riders, terminal_values
+from ..cost import IMPOSSIBLE, ComputeTimes, CostModel, StepEnd
 from ..fusion import resident_values
 from ..insert_reshards import cheapest_completion
 from ..redistribute import plan_redistribution
@@ -104,9 +104,8 @@ class Problem:
         self._matrix_cache: dict = {}
         self._compute_cache: dict = {}
         self.compute_times = ComputeTimes(cost, self.mesh, resident_values(graph))
-        # values whose all_reduces XLA launches together at the step's end (cost.terminal_values)
-        self.terminal = terminal_values(graph)
-        self.riders = launch_riders(graph, self.terminal)
+        # values whose all_reduces XLA launches together at the step's end
+        self.step_end = StepEnd(graph)
         if like is not None and like.graph is graph and (like.follow, like.share) == (follow, share_layers):
             self._reuse_nodes(like)
         else:
@@ -560,13 +559,14 @@ class Problem:
         layers, and every op reading a value of the same type in the same layouts,
         share one."""
         if same:
-            key = ("same", v.type, v in self.terminal, src.ident, dst.ident, src.index.tobytes(), dst.index.tobytes())
+            key = ("same", v.type, v in self.step_end.terminal, src.ident, dst.ident, src.index.tobytes(),
+                   dst.index.tobytes())
             vec = self._matrix_cache.get(key)
             if vec is None:
                 vec = self._matrix_cache[key] = np.array([
                     self.redistribution(v, src.layouts[a], dst.layouts[b]) for a, b in zip(src.index, dst.index)])
             return vec
-        key = (v.type, v in self.terminal, src.ident, dst.ident)
+        key = (v.type, v in self.step_end.terminal, src.ident, dst.ident)
         small = self._matrix_cache.get(key)
         if small is None:
             small = self._matrix_cache[key] = np.array([[self.redistribution(v, a, b) for b in dst.layouts]
@@ -574,14 +574,13 @@ class Problem:
         return small, src.index, dst.index
 
     def cost_for(self, v: Value) -> CostModel:
-        """The model that prices moving ``v``: a terminal value's all_reduces ride in one
-        launch with the others (``CostModel.at_step_end``)."""
-        return self.cost.at_step_end(self.riders) if v in self.terminal else self.cost
+        """The model that prices moving ``v`` (``cost.StepEnd``)."""
+        return self.step_end.cost_for(self.cost, v)
 
     def redistribution(self, v: Value, src: Layout, dst: Layout) -> float:
         if src == dst:
             return 0.0
-        terminal = v in self.terminal
+        terminal = v in self.step_end.terminal
         key = (v.type, terminal, src, dst)
         t = self._redistribution_cache.get(key)
         if t is None and not src.partial and not dst.partial and all(
@@ -592,7 +591,7 @@ class Problem:
         if t is None:
             try:
                 t = self.prices(tuple(v.type.shape), v.type.itemsize, src, dst, self.mesh,
-                                self.riders if terminal else None)
+                                self.step_end.riders if terminal else None)
             except ValueError:   # no redistribution reaches it (a partial cannot be created)
                 t = IMPOSSIBLE
             self._redistribution_cache[key] = t

@@ -20,13 +20,13 @@ update runs split over every axis, its gradient reduce-scattered where it is mad
 from __future__ import annotations
 
 import itertools
-import math
 
 from ...ir.graph import CONSTRAINT
 from ...ir.layout import Layout
 
 from ..rules import FIXED
 from ..sharding import OpStrategy, project
+from .memory import local_bytes
 from .problem import DECIDERS
 
 MOVE_SIZE = 4   # ops a refinement move may take along (the first and what its layout decides)
@@ -190,9 +190,6 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
                     total += problem.redistribution(w, have, layout)   # returned state comes back in it
         return total
 
-    def held(v, layout) -> int:
-        return math.prod(layout.local_shape(v.type.shape, mesh))
-
     # every movable op in the first sweep; later sweeps revisit only the neighbours of what moved
     dirty = set(movable)
     for _ in range(sweeps):
@@ -226,7 +223,8 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
                 # on a tie, the layout that holds fewer bytes (an argument a reader takes a
                 # free slice of arrives as that slice; the solver's own tie-break is below
                 # HiGHS's tolerances)
-                if c < best_cost - 1e-15 or (c <= best_cost + 1e-15 and held(v, need) < held(v, best)):
+                if c < best_cost - 1e-15 or (c <= best_cost + 1e-15
+                                             and local_bytes(v, need, mesh) < local_bytes(v, best, mesh)):
                     best, best_cost = need, min(c, best_cost)
                     moved.update(u for u, _ in users[v])
             inputs[i] = best
