@@ -529,16 +529,16 @@ def _add_step_time(graph, cost: CostModel, mesh, times: int, compute: bool, out:
     resident = resident_values(graph) if compute else frozenset()
     riders = combined_collectives(graph, cost.combined_kinds)
     terminal = terminal_values(graph)
-    at_end = [op for op in graph.ops if is_collective(op) and op.kind != "slice" and op not in riders
-              and all(v in terminal for v in op.outputs)]
+    at_end = {op for op in graph.ops if is_collective(op) and op.kind != "slice"
+              and all(v in terminal for v in op.outputs)}
     # nothing computes on a terminal result before the step ends: the group waits for its
-    # last device once for all of them, then they run back to back
-    end_model = cost.with_sync_share(len(at_end))
+    # last device once for all of them (a rider's wait is its launch's), then they run back to back
+    end_model = cost.with_sync_share(len(at_end - riders))
     for op in graph.ops:
         if is_collective(op):
             if op.kind != "slice":
                 axes = op.params.get("axes") or ()
-                model = end_model if all(v in terminal for v in op.outputs) else cost
+                model = end_model if op in at_end else cost
                 seconds = model.collective_time(op.params.get("wire_bytes", 0), op.kind, axes, mesh)
                 if op in riders:   # its bytes travel in an earlier launch
                     seconds -= model.collective_time(0, op.kind, axes, mesh)

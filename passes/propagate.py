@@ -58,16 +58,20 @@ class PropagateSharding:
         self.placements: dict = {}
         self.axes_memo: dict = {}  # (rule, factors) -> per-dim axes of its operands and results
         self.hints_memo: dict = {}  # (rule, result, hints) -> the hints that makes for its operands
-        self._rules: dict = {}  # graph id -> {op: rule}, built once for all rounds
+        self._rules: dict = {}  # graph id -> {op: rule}; (name, graph id) -> _per_graph's: built once for all rounds
         self._interned: dict = {}  # rule -> the one equal rule object every op shares
         self._by_signature: dict = {}  # (primitive, types, params) -> its rule
         self._signature_ids: dict = {}  # (rule, operand types, result types) -> small int
 
-    def maps_of(self, graph: Graph) -> tuple:
-        key = ("maps", id(graph))
+    def _per_graph(self, name: str, graph: Graph, make):
+        """``make(graph)``, built once per graph for all rounds."""
+        key = (name, id(graph))
         if key not in self._rules:
-            self._rules[key] = (graph.producers(), graph.users())
+            self._rules[key] = make(graph)
         return self._rules[key]
+
+    def maps_of(self, graph: Graph) -> tuple:
+        return self._per_graph("maps", graph, lambda g: (g.producers(), g.users()))
 
     def rules_of(self, graph: Graph) -> dict:
         if id(graph) not in self._rules:
@@ -76,17 +80,11 @@ class PropagateSharding:
 
     def resident_of(self, graph: Graph) -> frozenset:
         """The values of ``graph`` fusion keeps out of memory (``fusion.resident_values``)."""
-        key = ("resident", id(graph))
-        if key not in self._rules:
-            self._rules[key] = resident_values(graph)
-        return self._rules[key]
+        return self._per_graph("resident", graph, resident_values)
 
     def step_end_of(self, graph: Graph) -> StepEnd:
         """What waits for ``graph``'s step end (``cost.StepEnd``)."""
-        key = ("step_end", id(graph))
-        if key not in self._rules:
-            self._rules[key] = StepEnd(graph)
-        return self._rules[key]
+        return self._per_graph("step_end", graph, StepEnd)
 
     def cost_for(self, graph: Graph, v) -> CostModel:
         """The model that prices moving ``v``, as the search prices it (``cost.StepEnd``)."""
@@ -96,16 +94,15 @@ class PropagateSharding:
         """op -> a small int naming its rule, operand types (and which are literals, kept
         out of memory by fusion or terminal) and result types (and which are kept out of
         memory or terminal): everything static a memo key needs, in one cheap hash."""
-        key = ("signatures", id(graph))
-        if key not in self._rules:
-            rules, ids = self.rules_of(graph), self._signature_ids
-            resident, terminal = self.resident_of(graph), self.step_end_of(graph).terminal
-            self._rules[key] = {
-                op: ids.setdefault((id(rules[op]), tuple((v.type, v.literal is not None, v in resident, v in terminal)
+        return self._per_graph("signatures", graph, self._signatures)
+
+    def _signatures(self, graph: Graph) -> dict:
+        rules, ids = self.rules_of(graph), self._signature_ids
+        resident, terminal = self.resident_of(graph), self.step_end_of(graph).terminal
+        return {op: ids.setdefault((id(rules[op]), tuple((v.type, v.literal is not None, v in resident, v in terminal)
                                                          for v in op.inputs),
                                     tuple((v.type, v in resident, v in terminal) for v in op.outputs)), len(ids))
                 for op in graph.ops}
-        return self._rules[key]
 
     def _rule(self, op: Op):
         """The op's rule, one object for all equal rules (so a memo key can name a rule
