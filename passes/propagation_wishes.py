@@ -37,8 +37,21 @@ def _open_soft(old: tuple, axes: tuple, soft: frozenset) -> tuple:
 
 
 def fill_open(old: tuple, axes: tuple) -> tuple:
-    """``old`` with its unknown (None) dims taken from ``axes``."""
-    return tuple(a if o is None else o for o, a in zip(old, axes))
+    """``old`` with its unknown (None) dims taken from ``axes``, but a dim whose axes
+    another dim holds already is taken whole: wishes from different ops may disagree (a
+    weight's rows split on an axis by one reader, its columns on the same axis by
+    another), and a mesh axis splits one dim of a value at most. (Left unknown, the dim
+    would be wished again and again: propagation would not settle.)"""
+    used = {a for o in old if o for a in o}
+    out = []
+    for o, a in zip(old, axes):
+        if o is None and a:
+            if used.intersection(a):
+                a = ()
+            else:
+                used.update(a)
+        out.append(a if o is None else o)
+    return tuple(out)
 
 
 class WishMixin:

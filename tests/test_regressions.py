@@ -298,3 +298,33 @@ def test_a_split_of_the_major_part_crosses_a_reshape_without_common_refinement()
     # (8, 7) -> (2, 2, 7, 2): dim 0 split 4 ways is its major 2 x 2 (seed 60003 #891)
     y = np.arange(56, dtype=np.float32).reshape(8, 7)
     check_parallel(lambda y: sp.shard(lambda a: a.reshape((2, 2, 7, 2)), ((4, 1),))(y), (y,), mesh=4)
+
+
+def test_readers_wishing_one_axis_on_two_dims_of_an_argument():
+    """A weight read by an einsum whose batch dim a scan mark splits on one axis and whose
+    contracted dim a reshape mark splits on both: the two wishes for the weight disagree,
+    and a reshape of the weight took both (seed 90001, program 2639: 'mesh axes used twice')."""
+    import optax
+
+    def f(x2, x3, x6, x8, x10):
+        v6 = jnp.einsum("ij,pji->pi", x6, x2)
+
+        def body(c, x):
+            c = c * jnp.tanh(x) + x
+            return c, c * 2.0
+        _, v7 = sp.shard(lambda a, b: jax.lax.scan(body, a, b), ((2, 1), (1, 2, 1)))(v6, x3)
+        v8 = jax.lax.cond(x2.reshape(-1)[0] > 0, lambda a, b: a + jnp.tanh(b), lambda a, b: a - b, x10, x8)
+        v11 = sp.shard(lambda a: a.reshape((2, 4)), ((1, 4),))(x6)
+        return v7, v8, v11
+    opt = optax.sgd(0.1)
+
+    def step(params, opt_state, x6, x8, x10):
+        def loss(params):
+            return sum(jnp.mean(jnp.square(o)) for o in f(params["x2"], params["x3"], x6, x8, x10))
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+    rng = np.random.default_rng(0)
+    params = {"x2": rand(rng, 4, 8, 1), "x3": rand(rng, 1, 4, 1)}
+    args = (params, opt.init(params), rand(rng, 1, 8), rand(rng, 1, 1), rand(rng, 1, 1))
+    assert_trees_close(sp.parallelize(step, mesh=4, progress=False)(*args), jax.jit(step)(*args))
