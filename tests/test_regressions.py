@@ -328,3 +328,30 @@ def test_readers_wishing_one_axis_on_two_dims_of_an_argument():
     params = {"x2": rand(rng, 4, 8, 1), "x3": rand(rng, 1, 4, 1)}
     args = (params, opt.init(params), rand(rng, 1, 8), rand(rng, 1, 1), rand(rng, 1, 1))
     assert_trees_close(sp.parallelize(step, mesh=4, progress=False)(*args), jax.jit(step)(*args))
+
+
+# -- mode="auto" -----------------------------------------------------------------------
+def test_auto_on_a_marked_batched_matmul():
+    """Issue 27: the search's candidate filter dropped every candidate of an argument
+    whose costs differed by less than its tolerance (a ~ b ~ c, a beats c), and the
+    bound then took the minimum of nothing."""
+    rng = np.random.default_rng(0)
+    x1, x4 = rand(rng, 12, 8, 1, 16), rand(rng, 12, 8, 16, 2)
+
+    def f(a, b):
+        return sp.shard(lambda a, b: jnp.matmul(a, b), (P("mp", "dp"), P("mp", "dp")))(a, b)
+    check_parallel(f, (x1, x4), mesh=MESH_2x4, mode="auto", progress=False)
+
+
+def test_candidate_filter_keeps_one_of_every_chain_of_near_ties():
+    """Near ties within the tolerance are not transitive: the filter must still keep a
+    candidate no worse (within the tolerance) than each one it drops."""
+    from shardprop.passes.auto.milp import _undominated
+    tol = 1e-12
+    # 0 ~ 1 and 1 ~ 2 tie within tol on both features, but 2 beats 0 by more than tol
+    unary = {0: np.array([1.9 * tol, 0.95 * tol, 0.0])}
+    kept = _undominated(0, unary, [], {})
+    assert list(kept) == [2]
+    feats = np.stack([unary[0]], axis=1)
+    for j in range(3):
+        assert any(np.all(feats[i] <= feats[j] + tol) for i in kept)

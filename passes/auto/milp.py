@@ -145,15 +145,16 @@ def _undominated(t: int, unary: dict, edges: list, memory: dict) -> np.ndarray:
     possible = np.abs(feats[feats < IMPOSSIBLE])
     tol = 1e-12 * max(1.0, float(possible.max(initial=0.0)))   # (an impossible move's price would swamp it)
     le = np.all(feats[:, None, :] <= feats[None, :, :] + tol, axis=2)   # le[i, j]: i no worse than j anywhere
+    # "no worse within tol" is not transitive (a ~ b ~ c while a beats c), so asking of
+    # each candidate whether any other beats it can drop them all. Instead walk them from
+    # the cheapest in sum (ties by index) and drop one only when a candidate already kept
+    # is no worse: every dropped candidate has a kept one at least as good.
+    order = sorted(range(k), key=lambda j: (float(feats[j].sum()), j))
     keep = []
-    for j in range(k):
-        beaten = False
-        for i in range(k):
-            if i != j and le[i, j] and (not le[j, i] or i < j):
-                beaten = True
-                break
-        if not beaten:
+    for j in order:
+        if not any(le[i, j] for i in keep):
             keep.append(j)
+    keep.sort()
     return np.array(keep, dtype=int)
 
 
