@@ -1,0 +1,147 @@
+"""The docs: every ```python block of the guide (docs/guide/*.md) and of README.md runs,
+the site builds with ``mkdocs build --strict`` (a broken link fails it), and the README
+stays a front door (at most 200 lines).
+
+A page's blocks run in order in one fresh interpreter on 8 forced CPU devices, sharing one
+namespace, as a reader following along would. A block preceded by ``<!-- requires: ray -->``
+needs that optional module; where it is missing the block is skipped and the test says so.
+```bash blocks are not run.
+"""
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = sorted((ROOT / "docs" / "guide").glob("*.md"))
+PAGES = [ROOT / "README.md"] + GUIDE
+README_MAX_LINES = 200
+# pages whose blocks start Ray: minutes of cluster start-up, so they are slow and need ray
+SLOW_PAGES = {"parameter_servers.md"}
+
+_BLOCK = re.compile(r"(?:<!--\s*requires:\s*(?P<req>[\w., -]+?)\s*-->\s*\n)?^```python[ \t]*\n(?P<code>.*?)^```[ \t]*$",
+                    re.M | re.S)
+
+
+def python_blocks(text: str) -> list:
+    """[(line number, required modules, code)] of every ```python block, in order."""
+    out = []
+    for m in _BLOCK.finditer(text):
+        req = tuple(r.strip() for r in (m.group("req") or "").split(",") if r.strip())
+        out.append((text.count("\n", 0, m.start("code")) + 1, req, m.group("code")))
+    return out
+
+
+def page_script(path: Path) -> tuple:
+    """The script that runs a page's blocks in order, and the blocks skipped (with why)."""
+    parts, skipped = [], []
+    for line, req, code in python_blocks(path.read_text()):
+        missing = [r for r in req if importlib.util.find_spec(r) is None]
+        if missing:
+            skipped.append(f"{path.name}:{line} needs {', '.join(missing)} (not installed)")
+            continue
+        # each block compiled apart, so an error names the page and the block's first line
+        parts.append(f"exec(compile({code!r}, {f'{path.name}:{line}'!r}, 'exec'))\n")
+    return "".join(parts), skipped
+
+
+def run_page(path: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    script, skipped = page_script(path)
+    for s in skipped:
+        print("skipped block:", s)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               SHARDPROP_PROGRESS="0", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def _param(p: Path):
+    marks = [pytest.mark.slow, pytest.mark.ray] if p.name in SLOW_PAGES else []
+    return pytest.param(p, id=p.name, marks=marks)
+
+
+def test_guide_pages_exist():
+    names = {p.name for p in GUIDE}
+    for page in ["marks_and_propagation.md", "training.md", "auto.md", "parameter_servers.md", "launching.md",
+                 "dumps_and_report.md", "correctness.md"]:
+        assert page in names, f"docs/guide/{page} is missing"
+
+
+@pytest.mark.parametrize("page", [_param(p) for p in PAGES])
+def test_page_code_blocks_run(page, tmp_path):
+    if not python_blocks(page.read_text()):
+        pytest.skip(f"{page.name} has no python block")
+    r = run_page(page, tmp_path)
+    assert r.returncode == 0, f"a python block of {page.name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+
+
+def test_a_broken_block_fails(tmp_path):
+    """The runner is not vacuous: a failing block fails its page, and names the block."""
+    page = tmp_path / "broken.md"
+    page.write_text(textwrap.dedent("""\
+        # A page
+
+        ```python
+        x = 1
+        ```
+
+        text
+
+        ```python
+        assert x == 2, "x is still 1"
+        ```
+
+        <!-- requires: no_such_module_here -->
+        ```python
+        raise SystemExit(3)
+        ```
+        """))
+    blocks = python_blocks(page.read_text())
+    assert [(b[0], b[1]) for b in blocks] == [(4, ()), (10, ()), (15, ("no_such_module_here",))]
+    script, skipped = page_script(page)
+    assert skipped == ["broken.md:15 needs no_such_module_here (not installed)"]
+    r = run_page(page, tmp_path)
+    assert r.returncode != 0 and "broken.md:10" in r.stderr and "x is still 1" in r.stderr
+
+
+def test_readme_is_short():
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines; at most {README_MAX_LINES} (move the rest to docs/)"
+
+
+def test_readme_keeps_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert ("python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
+            "python examples/quickstart.py") in text
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q tests\n" in text
+
+
+def test_mkdocs_build_strict(tmp_path):
+    if shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("mkdocs is not installed (pip install mkdocs mkdocs-material)")
+    if importlib.util.find_spec("material") is None:
+        pytest.skip("mkdocs-material is not installed (pip install mkdocs-material)")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"),
+                        "-d", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    assert (tmp_path / "site" / "index.html").exists()
+
+
+def test_mkdocs_strict_fails_on_a_broken_link(tmp_path):
+    """The strict build is a real check: the same site with one dead link fails."""
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
+        pytest.skip("mkdocs or mkdocs-material is not installed (pip install mkdocs mkdocs-material)")
+    docs = tmp_path / "docs"
+    shutil.copytree(ROOT / "docs", docs)
+    (docs / "index.md").write_text((docs / "index.md").read_text() + "\n[dead](guide/no_such_page.md)\n")
+    cfg = (ROOT / "mkdocs.yml").read_text()
+    (tmp_path / "mkdocs.yml").write_text(cfg)
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "no_such_page.md" in (r.stdout + r.stderr)
