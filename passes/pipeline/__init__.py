@@ -1,0 +1,15 @@
+"""Pipeline parallelism's pure planning layer (issue 26): schedules, their simulator and
+the stage-cut dynamic program. No JAX, and nothing from ``compiler/`` or ``runtime/``:
+the lowering and the search import these, never the other way round.
+
+- :mod:`.schedules`: ``build_schedule(name, p, m, v)`` -> per-stage ``Action`` orders for
+  ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` and ``"zero_bubble"`` (ZB-H1);
+- :mod:`.simulate`: ``simulate(schedule, durations, latency)`` -> makespan, tick table,
+  bubble, busy time and activations in flight; deadlocks raise ``DeadlockError``;
+- :mod:`.cuts`: ``plan_cuts(layer_time, p, m, ...)`` -> contiguous stage cuts minimising
+  the modeled step time (exchanges and the schedule's bubble included) under a memory
+  limit, and ``brute_force_cuts`` as its reference.
+"""
+from .schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, SCHEDULES,  # noqa: F401
+                        Action, Schedule, build_schedule, from_orders)
+from .simulate import DeadlockError, Event, SimResult, simulate  # noqa: F401

@@ -1,0 +1,288 @@
+"""Run a pipeline schedule's per-stage orders against durations: the event simulator.
+
+``simulate(schedule, durations=None, latency=0)`` starts every action as soon as its
+stage is free (stages run their lists in order, one action at a time) and its inputs
+have arrived, and returns a :class:`SimResult`: the makespan, every action's start and
+end, the tick table, the bubble, per-stage busy time and peak activations in flight.
+
+Dependencies (model stage ``s = chunk*p + stage``, ``S = p*v`` model stages):
+
+- F(i) at ``s`` waits for F(i) at ``s-1`` (for ``s > 0``);
+- B(i) or I(i) at ``s`` waits for F(i) at ``s`` and, for ``s < S-1``, for the backward
+  (B or its input half I) of micro-batch ``i`` at ``s+1`` (for ``s == S-1`` the loss is
+  computed there, so only its own forward);
+- W(i) at ``s`` waits for I(i) at ``s``.
+
+With ``v > 1`` the edge from model stage ``c*p + p-1`` to ``(c+1)*p`` is the wrap-around
+from stage ``p-1`` to stage 0. An edge between two different stages is delayed by the
+exchange ``latency`` of that model-stage boundary (none within one stage).
+
+Durations (``durations=``): ``None`` is unit cost, F = 1, B = 2, I = W = 1 (the ZB paper's
+F = B = W = 1 with 1F1B's whole backward B = I + W = 2). Otherwise a mapping from kind to
+a number or to a sequence with one number per model stage (missing kinds: F = 1,
+I = W = B/2, B = I + W), or a callable ``(kind, model_stage) -> number``. ``latency`` is a
+number or a sequence of ``S-1`` numbers, one per boundary (boundary ``b`` is between model
+stages ``b`` and ``b+1``, used by the F exchange and by the returning gradient).
+
+Arithmetic is exact: ints and Fractions stay Fractions; with any float input it runs in
+floats. A schedule that cannot proceed raises :class:`DeadlockError` naming each stuck
+stage's next action and what it waits for.
+
+The **tick table** (``SimResult.tick_table``) maps ``(tick, stage) -> Action`` for every
+tick slot an action occupies, ticks measured in ``SimResult.tick`` (the greatest common
+divisor of the durations and latencies; 1 for unit costs). The SPMD lowering consumes the
+unit-cost table: a scan over ticks in which each rank runs the action at ``(tick, rank)``
+or nothing. ``SimResult.render()`` draws it as text (one row per stage).
+
+Bubble conventions: ``bubble`` is idle time over ``p * makespan`` (the fraction of the
+step the stages idle, (p-1)/(m+p-1) for GPipe and 1F1B at unit costs);
+``idle_time`` is the total idle stage-time; ``bubble_ratio`` is idle over busy time, the
+zero-bubble paper's convention (1F1B: (p-1)/m).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Callable, Optional
+
+from ...ir.errors import ShardingError
+from .schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, Action,
+                        Schedule)
+
+DEFAULT_DURATIONS = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1}
+MAX_TICKS = 1_000_000
+
+
+class DeadlockError(ShardingError):
+    """A schedule whose orders cannot all run. ``stuck`` lists, per stage that still has
+    work, ``(stage, action, [(stage, action) it waits for, ...])``."""
+
+    def __init__(self, message: str, stuck: list):
+        super().__init__(message)
+        self.stuck = stuck
+
+
+@dataclass(frozen=True)
+class Event:
+    stage: int
+    action: Action
+    start: object
+    end: object
+
+
+@dataclass
+class SimResult:
+    schedule: Schedule
+    events: list                      # Event per action, in start order per stage
+    makespan: object
+    busy: tuple                       # per stage, time spent running actions
+    peak_in_flight: tuple             # per stage, activations held at once (Schedule.peak_in_flight)
+    peak_pending_weight: tuple        # per stage, input-gradients whose weight-gradient waits
+    tick: object                      # one tick of the tick table, in duration units
+    _table: Optional[dict] = field(default=None, repr=False)
+
+    @property
+    def p(self) -> int:
+        return self.schedule.p
+
+    @property
+    def idle_time(self):
+        return self.p * self.makespan - sum(self.busy)
+
+    @property
+    def bubble(self):
+        """Idle stage-time over ``p * makespan``."""
+        return self.idle_time / (self.p * self.makespan) if self.makespan else 0
+
+    @property
+    def bubble_ratio(self):
+        """Idle stage-time over busy stage-time (the zero-bubble paper's convention)."""
+        busy = sum(self.busy)
+        return self.idle_time / busy if busy else 0
+
+    def span(self, stage: int, action: Action) -> tuple:
+        """(start, end) of ``action`` on ``stage``."""
+        for e in self.events:
+            if e.stage == stage and e.action == action:
+                return e.start, e.end
+        raise KeyError((stage, action))
+
+    @property
+    def ticks(self) -> int:
+        """Length of the tick table."""
+        return int(self.makespan / self.tick) if self.tick else 0
+
+    @property
+    def tick_table(self) -> dict:
+        """``(tick, stage) -> Action`` for every tick an action occupies (idle slots absent)."""
+        if self._table is None:
+            if self.ticks > MAX_TICKS:
+                raise ShardingError(
+                    f"the tick table would have {self.ticks} ticks of {self.tick}: the durations are not "
+                    f"commensurate; give durations that are multiples of one tick (ints or Fractions)")
+            table = {}
+            for e in self.events:
+                for t in range(int(e.start / self.tick), int(e.end / self.tick)):
+                    table[(t, e.stage)] = e.action
+            self._table = table
+        return self._table
+
+    def table(self) -> list:
+        """The tick table as rows, one per tick, of ``p`` entries (Action or None)."""
+        tt = self.tick_table
+        return [tuple(tt.get((t, d)) for d in range(self.p)) for t in range(self.ticks)]
+
+    def render(self, width: int = 0) -> str:
+        """One text row per stage, one cell per tick: ``F3``, ``B3``, ``I3``, ``W3``
+        (``.c`` for chunk c), ``.`` for idle."""
+        tt = self.tick_table
+        width = width or max([len(str(a)) for a in tt.values()] + [1])
+        rows = []
+        for d in range(self.p):
+            cells = [str(tt[(t, d)]) if (t, d) in tt else "." for t in range(self.ticks)]
+            rows.append(f"stage {d}: " + " ".join(c.rjust(width) for c in cells))
+        return "\n".join(rows)
+
+
+def _exact(values) -> bool:
+    return not any(isinstance(x, float) for x in values)
+
+
+def _num(x, exact: bool):
+    if isinstance(x, bool) or not isinstance(x, (int, float, Fraction)):
+        raise ShardingError(f"pipeline simulation: a duration or latency must be a number, got {x!r}")
+    if x < 0 or (isinstance(x, float) and not math.isfinite(x)):
+        raise ShardingError(f"pipeline simulation: durations and latencies must be finite and >= 0, got {x!r}")
+    return Fraction(x) if exact else float(x)
+
+
+def _per_stage(value, n: int, what: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ShardingError(f"pipeline simulation: {what} has {len(value)} entries, expected {n}")
+        return list(value)
+    return [value] * n
+
+
+def _duration_table(durations, S: int) -> tuple:
+    """kind -> per-model-stage list of raw numbers."""
+    if durations is None:
+        return {k: [v] * S for k, v in DEFAULT_DURATIONS.items()}
+    if callable(durations):
+        return {k: [durations(k, s) for s in range(S)] for k in KINDS}
+    unknown = set(durations) - set(KINDS)
+    if unknown:
+        raise ShardingError(f"pipeline simulation: unknown duration kinds {sorted(unknown)}; use {KINDS}")
+    table = {k: _per_stage(v, S, f"durations[{k!r}]") for k, v in durations.items()}
+    table.setdefault(FORWARD, [1] * S)
+    if BACKWARD in table:
+        half = [b / 2 if isinstance(b, float) else Fraction(b) / 2 for b in table[BACKWARD]]
+        table.setdefault(BACKWARD_INPUT, half)
+        table.setdefault(BACKWARD_WEIGHT, half)
+    else:
+        table.setdefault(BACKWARD_INPUT, [1] * S)
+        table.setdefault(BACKWARD_WEIGHT, [1] * S)
+        table[BACKWARD] = [i + w for i, w in zip(table[BACKWARD_INPUT], table[BACKWARD_WEIGHT])]
+    return table
+
+
+def _gcd(values):
+    g = Fraction(0)
+    for x in values:
+        x = Fraction(x)
+        if x:
+            g = Fraction(math.gcd(g.numerator * x.denominator, x.numerator * g.denominator),
+                         g.denominator * x.denominator)
+    return g
+
+
+def simulate(schedule: Schedule, durations=None, latency=0) -> SimResult:
+    """Run ``schedule`` (see the module docstring for durations, latency and results)."""
+    p, S = schedule.p, schedule.model_stages
+    raw = _duration_table(durations, S)
+    lat_raw = _per_stage(latency, max(S - 1, 0), "latency")
+    exact = _exact([x for v in raw.values() for x in v] + lat_raw)
+    dur = {k: [_num(x, exact) for x in v] for k, v in raw.items()}
+    lat = [_num(x, exact) for x in lat_raw]
+    zero = Fraction(0) if exact else 0.0
+
+    # where each (kind, micro-batch, model stage) runs; "bwd" names B or I (what s-1 waits for)
+    where = {}
+    for d, order in enumerate(schedule.orders):
+        for a in order:
+            s = schedule.model_stage(d, a.chunk)
+            where[(a.kind, a.microbatch, s)] = d
+            if a.is_backward:
+                where[("bwd", a.microbatch, s)] = (d, a)
+
+    def deps(d: int, a: Action) -> list:
+        """[(stage, action, latency)] that ``a`` on stage ``d`` waits for."""
+        s, i = schedule.model_stage(d, a.chunk), a.microbatch
+        out = []
+        if a.kind == FORWARD:
+            if s > 0:
+                ds, c = schedule.placement(s - 1)
+                out.append((ds, Action(FORWARD, i, c), lat[s - 1] if ds != d else zero))
+        elif a.is_backward:
+            out.append((d, Action(FORWARD, i, a.chunk), zero))
+            if s < S - 1:
+                ds, prev = where.get(("bwd", i, s + 1), (None, None))
+                if prev is None:
+                    raise ShardingError(f"schedule {schedule.name!r}: {a} on stage {d} needs the backward of "
+                                        f"micro-batch {i} at model stage {s + 1}, which no stage runs")
+                out.append((ds, prev, lat[s] if ds != d else zero))
+        else:
+            out.append((d, Action(BACKWARD_INPUT, i, a.chunk), zero))
+        return out
+
+    end = {}
+    stage_time = [zero] * p
+    pos = [0] * p
+    events = []
+    progress = True
+    while progress:
+        progress = False
+        for d, order in enumerate(schedule.orders):
+            while pos[d] < len(order):
+                a = order[pos[d]]
+                ready = stage_time[d]
+                for ds, dep, delay in deps(d, a):
+                    if (ds, dep) not in end:
+                        break
+                    ready = max(ready, end[(ds, dep)] + delay)
+                else:
+                    finish = ready + dur[a.kind][schedule.model_stage(d, a.chunk)]
+                    end[(d, a)] = finish
+                    events.append(Event(d, a, ready, finish))
+                    stage_time[d] = finish
+                    pos[d] += 1
+                    progress = True
+                    continue
+                break
+
+    if any(pos[d] < len(o) for d, o in enumerate(schedule.orders)):
+        stuck, lines = [], []
+        for d, order in enumerate(schedule.orders):
+            if pos[d] < len(order):
+                a = order[pos[d]]
+                missing = [(ds, dep) for ds, dep, _ in deps(d, a) if (ds, dep) not in end]
+                stuck.append((d, a, missing))
+                lines.append(f"  stage {d} waits at {a} for " + ", ".join(
+                    f"{dep} on stage {ds}" for ds, dep in missing))
+        done = sum(pos)
+        total = sum(len(o) for o in schedule.orders)
+        raise DeadlockError(
+            f"schedule {schedule.name!r} (p={p}, m={schedule.m}, v={schedule.v}) deadlocks after {done} of "
+            f"{total} actions:\n" + "\n".join(lines) +
+            "\n  fix: reorder the stages' lists so that each waited-for action comes earlier", stuck)
+
+    busy = tuple(sum((e.end - e.start for e in events if e.stage == d), zero) for d in range(p))
+    makespan = max((e.end for e in events), default=zero)
+    used = [dur[k][s] for k in {a.kind for o in schedule.orders for a in o} for s in range(S)]
+    tick = _gcd(used + lat) if exact else _gcd([Fraction(x) for x in used + lat])
+    if not exact:
+        tick = float(tick)
+    events.sort(key=lambda e: (e.stage, e.start))
+    return SimResult(schedule, events, makespan, busy, schedule.peak_in_flight(),
+                     schedule.peak_pending_weight(), tick)
