@@ -39,7 +39,7 @@ from typing import Optional
 
 from ..ir.graph import Graph, Op, Value, is_collective
 from ..ir.printer import Namer, fmt, fmt_params
-from .repeats import find_repeats
+from ..ir.repeats import find_repeats
 
 SCHEMA = "shardprop.plan/1"
 FILE_NAME = "plan.json"

@@ -11,7 +11,7 @@ import shardprop as sp
 from bench.browser import chromium, open_report, why_no_browser
 from shardprop.compiler.cli import main as cli
 from shardprop.runtime.plan_data import load_plan_data, to_json
-from shardprop.runtime.repeats import find_repeats
+from shardprop.ir.repeats import find_repeats
 from tests import golden_nets
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

@@ -31,7 +31,7 @@ import numpy as np
 
 from ...ir.graph import CONSTRAINT, Graph, Op, Value
 from ...ir.layout import Layout
-from ...runtime.repeats import find_repeats
+from ...ir.repeats import find_repeats
 
 from ..cost import IMPOSSIBLE, ComputeTimes, CostModel, StepEnd
 from ..fusion import resident_values
