@@ -24,9 +24,10 @@ from typing import Optional
 
 from ..ir.graph import CONSTRAINT, Graph, Op
 
-from .cost import DEFAULT_COST, CostModel, StepEnd
-from .fusion import resident_values
+from .cost import DEFAULT_COST, ComputeTimes, CostModel
 from .loop_boundaries import boundary_layouts, boundary_pairs
+from .plan_core.context import PlanContext, RuleBook
+from .plan_core.pricing import Prices
 from .propagation_state import Propagation
 from .rules import FIXED, rule_for
 from .sharding import project
@@ -54,75 +55,28 @@ class PropagateSharding:
         self.partial_memo: dict = {}  # (rule, factors, passthrough) -> the results' pending partial
         self.strategies: dict = {}  # (rule, factors, passthrough) -> the one OpStrategy ops share
         # (signature, factors, passthrough) -> (strategy, layout each operand needs or None
-        # for a literal, compute time, result layouts): what writing the plan reads per op
+        # for a literal, result layouts): what writing the plan reads per op
         self.placements: dict = {}
         self.axes_memo: dict = {}  # (rule, factors) -> per-dim axes of its operands and results
         self.hints_memo: dict = {}  # (rule, result, hints) -> the hints that makes for its operands
-        self._rules: dict = {}  # graph id -> {op: rule}; (name, graph id) -> _per_graph's: built once for all rounds
-        self._interned: dict = {}  # rule -> the one equal rule object every op shares
-        self._by_signature: dict = {}  # (primitive, types, params) -> its rule
-        self._signature_ids: dict = {}  # (rule, operand types, result types) -> small int
+        self.book = RuleBook()      # rules interned and signature ids, across the graphs it plans
+        self.prices = Prices(cost, allow_reduce_scatter)   # the one price of a move
+        self._contexts: dict = {}   # graph id -> its PlanContext: built once for all rounds
 
-    def _per_graph(self, name: str, graph: Graph, make):
-        """``make(graph)``, built once per graph for all rounds."""
-        key = (name, id(graph))
-        if key not in self._rules:
-            self._rules[key] = make(graph)
-        return self._rules[key]
+    def context(self, graph: Graph) -> PlanContext:
+        """``graph``'s plan context (rules, signatures, maps, resident values, step end)."""
+        ctx = self._contexts.get(id(graph))
+        if ctx is None or ctx.graph is not graph:
+            ctx = self._contexts[id(graph)] = PlanContext(graph, self.book)
+        return ctx
 
-    def maps_of(self, graph: Graph) -> tuple:
-        return self._per_graph("maps", graph, lambda g: (g.producers(), g.users()))
-
-    def rules_of(self, graph: Graph) -> dict:
-        if id(graph) not in self._rules:
-            self._rules[id(graph)] = {op: self._rule(op) for op in graph.ops}
-        return self._rules[id(graph)]
-
-    def resident_of(self, graph: Graph) -> frozenset:
-        """The values of ``graph`` fusion keeps out of memory (``fusion.resident_values``)."""
-        return self._per_graph("resident", graph, resident_values)
-
-    def step_end_of(self, graph: Graph) -> StepEnd:
-        """What waits for ``graph``'s step end (``cost.StepEnd``)."""
-        return self._per_graph("step_end", graph, StepEnd)
-
-    def cost_for(self, graph: Graph, v) -> CostModel:
-        """The model that prices moving ``v``, as the search prices it (``cost.StepEnd``)."""
-        return self.step_end_of(graph).cost_for(self.cost, v)
-
-    def signatures_of(self, graph: Graph) -> dict:
-        """op -> a small int naming its rule, operand types (and which are literals, kept
-        out of memory by fusion or terminal) and result types (and which are kept out of
-        memory or terminal): everything static a memo key needs, in one cheap hash."""
-        return self._per_graph("signatures", graph, self._signatures)
-
-    def _signatures(self, graph: Graph) -> dict:
-        rules, ids = self.rules_of(graph), self._signature_ids
-        resident, terminal = self.resident_of(graph), self.step_end_of(graph).terminal
-        return {op: ids.setdefault((id(rules[op]), tuple((v.type, v.literal is not None, v in resident, v in terminal)
-                                                         for v in op.inputs),
-                                    tuple((v.type, v in resident, v in terminal) for v in op.outputs)), len(ids))
-                for op in graph.ops}
-
-    def _rule(self, op: Op):
-        """The op's rule, one object for all equal rules (so a memo key can name a rule
-        by its id). A rule depends only on the primitive, its params and the types:
-        repeated layers build each once."""
-        key = None
-        if not op.subgraphs:
-            try:
-                key = (op.kind, tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs),
-                       tuple(sorted(op.params.items())))
-                hash(key)
-            except TypeError:   # a param jax gave as something unhashable
-                key = None
-        rule = self._by_signature.get(key) if key is not None else None
-        if rule is None:
-            rule = rule_for(op)
-            rule = self._interned.setdefault(rule, rule)
-            if key is not None:
-                self._by_signature[key] = rule
-        return rule
+    def compute_times_of(self, graph: Graph) -> ComputeTimes:
+        """What a strategy costs in compute on ``graph``'s mesh (``cost.ComputeTimes``)."""
+        key = (id(graph.mesh), id(graph))
+        times = self.compute_times.get(key)
+        if times is None or times.mesh is not graph.mesh:
+            times = self.compute_times[key] = ComputeTimes(self.cost, graph.mesh, self.context(graph).resident)
+        return times
 
     def __call__(self, graph: Graph) -> Graph:
         seeds = {op: self._body_wishes(op, graph) for op in graph.ops if op.subgraphs}
@@ -177,7 +131,7 @@ class PropagateSharding:
                                copy=r < rounds - 1 or self.whole_round)
             prop.settle()   # writes its plan into the graph
             needs = prop.needs()
-            cost = prop.plan_cost(needs)
+            cost = prop.plan_cost()
             if best is None or cost < best[0] - 1e-12:
                 # (read now: the graph holds this round's layouts until another round writes)
                 best = (cost, prop, self.whole_round and prop.scattered_partials(needs) and prop.moves(needs))
@@ -198,7 +152,7 @@ class PropagateSharding:
             prop.scatter_partials = False
             prop.settle()
             needs = prop.needs()
-            cost = prop.plan_cost(needs)
+            cost = prop.plan_cost()
             if cost < best[0] - 1e-12 and prop.moves(needs) < best[2]:
                 note = (f" (its partial all-reduced whole, not scattered: the whole plan then models "
                         f"{cost * 1e6:.1f} us in {_moves(prop.moves(needs))} against {best[0] * 1e6:.1f} us in "

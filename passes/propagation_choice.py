@@ -18,9 +18,7 @@ from typing import Optional
 from ..ir.graph import CONSTRAINT, Op, Value
 from ..ir.layout import Layout
 
-from .cost import IMPOSSIBLE, ComputeTimes, wire_bytes
-from .insert_reshards import cheapest_completion
-from .redistribute import redistribution_cost
+from .cost import wire_bytes
 from .rules.base import FactorRule
 from .sharding import Axes, dim_axes, keep_contiguous, may_shard, nesting, project, regroup
 
@@ -509,28 +507,16 @@ class ChoiceMixin:
 
     def _redistribution(self, op: Op, v: Value, have: Layout, want: Layout) -> float:
         if v in self.made and want in (self._made_for_others(v, op) or ()):
-            return 0.0
-        if not set(want.partial) <= set(have.partial):
-            return IMPOSSIBLE
-        if not have.fits(v.type.shape, self.mesh) or not want.fits(v.type.shape, self.mesh):
-            return IMPOSSIBLE
-        return redistribution_cost(v.type.shape, v.type.itemsize, have, want, self.mesh,
-                                   self.cfg.allow_reduce_scatter, self.cfg.cost_for(self.g, v))
+            return 0.0   # another op makes that copy anyway
+        return self.cfg.prices.move(v, have, want, self.mesh, self.ctx.step_end)
 
     def _completion(self, v: Value, dims, partial) -> float:
         layout = Layout(tuple(a if a is not None else () for a in dims), partial[0], partial[1])
-        if not layout.fits(v.type.shape, self.mesh):
-            return IMPOSSIBLE
-        return cheapest_completion(v.type.shape, v.type.itemsize, layout, self.mesh, self.cfg.allow_reduce_scatter,
-                                   self.cfg.cost_for(self.g, v))[1]
+        return self.cfg.prices.completion(v, layout, self.mesh, self.ctx.step_end)[1]
 
     def _compute_time(self, op: Op, rule: FactorRule, factors) -> float:
         """The op's own work per device, as the search prices it (``cost.ComputeTimes``)."""
-        key = (id(self.mesh), id(self.g))
-        times = self.cfg.compute_times.get(key)
-        if times is None or times.mesh is not self.mesh:
-            times = self.cfg.compute_times[key] = ComputeTimes(self.cfg.cost, self.mesh, self.cfg.resident_of(self.g))
-        return times.time(op, rule.flops, factors)
+        return self.cfg.compute_times_of(self.g).time(op, rule.flops, factors)
 
     def _growth_charge(self, op: Op, rule: FactorRule, cand: list, group, axes) -> float:
         """Carrying a partial on defers its reduction; through an op that makes the

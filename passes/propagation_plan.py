@@ -1,16 +1,17 @@
 """Writing a propagation's plan into the graph, and what the plan costs.
 
 Every op gets its strategy and origin, every value the layout its producer makes;
-on the way, which operands must be redistributed (and for which ops) and the
-compute time are read off, so that rounds can be compared and a second round can
-learn which values some other op reduces or gathers anyway.
+on the way, which operands must be redistributed (and for which ops) is read off,
+so that a second round can learn which values some other op reduces or gathers
+anyway. The plan is priced by the one evaluator (``plan_core.evaluate``), so that
+rounds can be compared.
 """
 from __future__ import annotations
 
 from ..ir.graph import Op
 from ..ir.layout import Layout
 
-from .redistribute import redistribution_cost
+from .plan_core.evaluate import evaluate_plan
 from .sharding import OpStrategy
 
 
@@ -57,18 +58,18 @@ class PlanMixin:
         return sum(1 for v, need in needs
                    if v.layout.partial or any(n[:len(h)] != h for h, n in zip(v.layout.dims, need.dims)))
 
-    def plan_cost(self, needs) -> float:
-        """Estimated time of the whole plan: every redistribution once, plus compute."""
-        total = self._compute
-        for v, need in needs:
-            total += redistribution_cost(v.type.shape, v.type.itemsize, v.layout, need, self.mesh,
-                                         self.cfg.allow_reduce_scatter, self.cfg.cost_for(self.g, v))
-        return total
+    def plan_cost(self) -> float:
+        """Modeled time of the plan just written (``plan_core.evaluate``; a copy that
+        several ops need is made once, as insert-reshards makes it)."""
+        g = self.g
+        e = evaluate_plan(self.ctx, {op: op.strategy for op in g.ops}, {i: v.layout for i, v in enumerate(g.inputs)},
+                          self.cfg.prices, self.cfg.compute_times_of(g), shared_copies=True, detail=False)
+        return e["compute"] + e["communication"]
 
     def _placement(self, op: Op, factors: tuple, passthrough) -> tuple:
         """What a strategy means for ops of this signature: (the strategy, shared by
         all ops with an equal one; the layout each operand needs, None for a literal;
-        the compute time; each result's layout)."""
+        each result's layout)."""
         mesh, rule = self.mesh, self.rules[op]
         strategies = self.cfg.strategies
         key = (id(rule), factors, passthrough)
@@ -81,12 +82,11 @@ class PlanMixin:
         return (st,
                 tuple(None if v.literal is not None else st.operand_layout(n, v.type.rank, mesh)
                       for n, v in enumerate(op.inputs)),
-                self._compute_time(op, rule, factors),
                 tuple(st.result_layout(n, mesh) for n in range(len(op.outputs))))
 
     def write_plan(self) -> None:
         """Every op's strategy and origin, every value's layout, into the graph;
-        on the way, what must be redistributed and the compute time."""
+        on the way, what must be redistributed."""
         mesh = self.mesh
         for i, v in enumerate(self.g.inputs):
             # an input arrives as its first deciding consumer takes it (wishes are only wishes)
@@ -97,27 +97,26 @@ class PlanMixin:
             v.layout = layout
         placements = self.cfg.placements
         signature, factors, passthrough, origin = self.signature, self.factors, self.passthrough, self.origin
-        needs, compute = {}, 0.0
+        needs = {}
         for op in self.g.ops:
             key = (signature[op], tuple(factors[op]), passthrough.get(op))
             placed = placements.get(key)
             if placed is None:
                 placed = placements[key] = self._placement(op, key[1], key[2])
-            st, operand_layouts, op_compute, result_layouts = placed
+            st, operand_layouts, result_layouts = placed
             op.strategy = st
             why = origin.get(op) or "default"
             op.origin = self._origin_words(why)
             # the op named there, so a report can follow the chain back to the user's mark
             op.origin_op = why[2] if type(why) is tuple and isinstance(why[2], Op) else None
             # in program order every operand's layout is written already: what must be
-            # redistributed, and the compute, are read off on the way
+            # redistributed is read off on the way
             for v, need in zip(op.inputs, operand_layouts):
                 if need is not None and need is not v.layout and need != v.layout:
                     needs.setdefault((v, need), []).append(op)
-            compute += op_compute
             for v, layout in zip(op.outputs, result_layouts):
                 v.layout = layout
         for v in self.g.outputs:
             if v.layout is not None and v.layout.partial:
                 needs.setdefault((v, v.layout.without_partial()), []).append(None)   # the caller
-        self._needs, self._compute = needs, compute
+        self._needs = needs

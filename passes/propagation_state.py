@@ -41,9 +41,10 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
         self.seeds = seeds or {}       # loop op -> factors its body's shard() calls imply
         self.mesh = graph.mesh
         self.cfg = cfg
-        self.rules: dict[Op, FactorRule] = cfg.rules_of(graph)
-        self.signature: dict[Op, int] = cfg.signatures_of(graph)
-        self.producer, self.users = cfg.maps_of(graph)
+        self.ctx = cfg.context(graph)   # what the graph is, built once for every round
+        self.rules: dict[Op, FactorRule] = self.ctx.rules
+        self.signature: dict[Op, int] = self.ctx.signatures
+        self.producer, self.users = self.ctx.producers, self.ctx.users
         self.queue: deque = deque()
         self.queued: set = set()
         self.wishing = False   # in the wish phase (``soft`` counts only there)

@@ -33,14 +33,13 @@ from ...ir.graph import CONSTRAINT, Graph, Op, Value
 from ...ir.layout import Layout
 from ...ir.repeats import find_repeats
 
-from ..cost import IMPOSSIBLE, ComputeTimes, CostModel, StepEnd
-from ..fusion import resident_values
-from ..insert_reshards import cheapest_completion
-from ..redistribute import plan_redistribution
-from ..rules import FIXED, rule_for
+from ..cost import ComputeTimes, CostModel
+from ..plan_core.context import PlanContext, RuleBook
+from ..plan_core.evaluate import evaluate_plan
+from ..plan_core.pricing import Prices
+from ..rules import FIXED
 from ..sharding import OpStrategy, factors_from_operands, project
 from .candidates import factor_assignments, tensor_layouts
-from .pricing import Prices
 
 DECIDERS = ("dot_general", "conv_general_dilated")   # ops that always decide for themselves
 SHARED_FROM = 7   # repetitions: see _repeat_map
@@ -98,18 +97,18 @@ class Problem:
         self.allow_rs = allow_reduce_scatter
         self.prices = prices if prices is not None else Prices(cost, allow_reduce_scatter)
         self._strategy_cache: dict = {}
-        self._redistribution_cache: dict = {}
         self._class_cache: dict = {}
         self._class_ids: dict = {}
         self._matrix_cache: dict = {}
-        self._compute_cache: dict = {}
-        self.compute_times = ComputeTimes(cost, self.mesh, resident_values(graph))
+        # the graph as both planners read it (rules, users, resident values, step end)
+        self.ctx = like.ctx if like is not None and like.graph is graph else PlanContext(graph, RuleBook())
+        self.rules = self.ctx.rule
+        self.compute_times = ComputeTimes(cost, self.mesh, self.ctx.resident)
         # values whose all_reduces XLA launches together at the step's end
-        self.step_end = StepEnd(graph)
+        self.step_end = self.ctx.step_end
         if like is not None and like.graph is graph and (like.follow, like.share) == (follow, share_layers):
             self._reuse_nodes(like)
         else:
-            self.rules = _Rules()
             self._build_nodes()
             self._map_templates()
         for n in self.nodes:
@@ -131,7 +130,7 @@ class Problem:
             self._new_node(i)
             self.owner[v] = (len(self.nodes) - 1, -1, 0)
         deferred = []   # ops that make a bigger tensor than they read: they follow a consumer
-        self._users = g.users()
+        self._users = self.ctx.users
         self.partial_sums: dict = {}   # op -> its linear group: a sum where partials may meet
         for op in g.ops:
             m = self._main_operand(op) if self.follow else self._own_decision(op)
@@ -162,7 +161,7 @@ class Problem:
 
     def _reuse_nodes(self, like: "Problem") -> None:
         """The nodes, what follows what, and the templates of ``like`` (none depends on the mesh)."""
-        self.rules, self.owner, self.node_of_op, self._users = like.rules, like.owner, like.node_of_op, like._users
+        self.owner, self.node_of_op, self._users = like.owner, like.node_of_op, like._users
         self.partial_sums = like.partial_sums
         self.nodes = []
         for n in like.nodes:
@@ -285,8 +284,7 @@ class Problem:
         repetition (its root and members repeat the same ops, following the same
         operands; an argument: same type, pin and readers)."""
         g = self.graph
-        resident = self.compute_times.resident
-        op_tmpl = _repeat_map([_op_token(op, resident) for op in g.ops]) if self.share else {}
+        op_tmpl = _repeat_map([self.ctx.layer_token(op) for op in g.ops]) if self.share else {}
         index = {op: k for k, op in enumerate(g.ops)}
 
         def canon(op):
@@ -491,8 +489,7 @@ class Problem:
                 vec = np.array([self.redistribution(v, self.layout_of(v, pnode, k), target)
                                 for k in range(len(pnode.candidates))])
             else:
-                vec = np.array([cheapest_completion(v.type.shape, v.type.itemsize, self.layout_of(v, pnode, k), mesh,
-                                                    self.allow_rs, self.cost_for(v))[1]
+                vec = np.array([self.prices.completion(v, self.layout_of(v, pnode, k), mesh, self.step_end)[1]
                                 for k in range(len(pnode.candidates))])
             self.unary[T[pi]] += vec
         self._memory_terms()
@@ -573,49 +570,13 @@ class Problem:
                                                         for a in src.layouts])
         return small, src.index, dst.index
 
-    def cost_for(self, v: Value) -> CostModel:
-        """The model that prices moving ``v`` (``cost.StepEnd``)."""
-        return self.step_end.cost_for(self.cost, v)
-
     def redistribution(self, v: Value, src: Layout, dst: Layout) -> float:
-        if src == dst:
-            return 0.0
-        terminal = v in self.step_end.terminal
-        key = (v.type, terminal, src, dst)
-        t = self._redistribution_cache.get(key)
-        if t is None and not src.partial and not dst.partial and all(
-                d[:len(s)] == s for s, d in zip(src.dims, dst.dims)):
-            t = self._redistribution_cache[key] = 0.0   # only slicing: no communication
-        if t is None and not set(dst.partial) <= set(src.partial):
-            t = self._redistribution_cache[key] = IMPOSSIBLE   # nothing makes a partial value
-        if t is None:
-            try:
-                t = self.prices(tuple(v.type.shape), v.type.itemsize, src, dst, self.mesh,
-                                self.step_end.riders if terminal else None)
-            except ValueError:   # no redistribution reaches it (a partial cannot be created)
-                t = IMPOSSIBLE
-            self._redistribution_cache[key] = t
-        return t
-
-    def wire_bytes(self, v: Value, src: Layout, dst: Layout) -> float:
-        if src == dst:
-            return 0.0
-        steps = plan_redistribution(tuple(v.type.shape), v.type.itemsize, src, dst, self.mesh, self.allow_rs,
-                                    self.cost_for(v))
-        return sum(s.wire_bytes for s in steps)
+        """Seconds to move ``v`` (``plan_core.pricing``)."""
+        return self.prices.move(v, src, dst, self.mesh, self.step_end)
 
     def op_compute(self, op: Op, st: OpStrategy) -> float:
-        """The op's compute seconds per device (``cost.ComputeTimes``, as propagation prices it);
-        once per rule, factors and the tensors it touches in memory (ops with one rule are the
-        same computation on the same types; fusion may keep some of them out of memory)."""
-        key = (id(st.rule), st.factors, self.compute_times.tensors(op))
-        t = self._compute_cache.get(key)
-        if t is None:
-            t = self._compute_cache[key] = self.compute_times.time(op, st.rule.flops, st.factors)
-        return t
-
-    def op_work(self, op: Op, st: OpStrategy) -> tuple[float, float]:
-        return self.compute_times.work(op, st.rule.flops, st.factors)
+        """The op's compute seconds per device (``cost.ComputeTimes``, as propagation prices it)."""
+        return self.compute_times.time(op, st.rule.flops, st.factors)
 
     def _memory_terms(self) -> None:
         """Per value: (template node, local bytes per candidate)."""
@@ -645,44 +606,10 @@ class Problem:
         return float(total)
 
     def evaluate(self, ops: dict, inputs: dict, breakdown: Optional[dict] = None) -> dict:
-        """What a plan (op -> OpStrategy, input index -> Layout) costs under this
-        problem's model, walked op by op (no candidates, no sharing): compute and
-        communication seconds, bytes moved and flops per device; ``breakdown`` gets
-        them per op kind."""
-        g, mesh = self.graph, self.mesh
-        layout = {g.inputs[i]: l for i, l in inputs.items()}
-        total = dict(compute=0.0, communication=0.0, bytes=0.0, flops=0.0)
-
-        def add(kind, what, x):
-            total[what] += x
-            if breakdown is not None:
-                b = breakdown.setdefault(kind, dict(compute=0.0, communication=0.0, bytes=0.0))
-                if what in b:
-                    b[what] += x
-        for op in g.ops:
-            st = ops[op]
-            add(op.kind, "compute", self.op_compute(op, st))
-            add(op.kind, "flops", self.op_work(op, st)[0])
-            for m, v in enumerate(op.inputs):
-                if v.literal is not None or v not in layout:
-                    continue
-                need = st.operand_layout(m, v.type.rank, mesh)
-                add(op.kind, "communication", self.redistribution(v, layout[v], need))
-                add(op.kind, "bytes", self.wire_bytes(v, layout[v], need))
-            for k, v in enumerate(op.outputs):
-                layout[v] = st.result_layout(k, mesh)
-        for i, v in enumerate(g.outputs):
-            if v.literal is not None or v not in layout:
-                continue
-            target = g.pinned_outputs.get(i)
-            if target is None and i in g.tied_outputs:
-                target = layout[g.inputs[g.tied_outputs[i]]]
-            if target is None:
-                target = cheapest_completion(v.type.shape, v.type.itemsize, layout[v], mesh, self.allow_rs,
-                                             self.cost_for(v))[0]
-            add("(outputs)", "communication", self.redistribution(v, layout[v], target))
-            add("(outputs)", "bytes", self.wire_bytes(v, layout[v], target))
-        return total
+        """What a plan (op -> OpStrategy, input index -> Layout) costs, walked op by op
+        (no candidates, no sharing): ``plan_core.evaluate``, each reader's copy priced
+        as the objective prices it."""
+        return evaluate_plan(self.ctx, ops, inputs, self.prices, self.compute_times, breakdown=breakdown)
 
     def op_strategies(self, choice: dict) -> tuple[dict, dict]:
         """(op -> OpStrategy, input index -> Layout) of a choice."""
@@ -694,39 +621,6 @@ class Problem:
             for op, st in zip(n.members, n.strategies[k]):
                 ops[op] = st
         return ops, inputs
-
-
-class _Rules:
-    """Each op's rule, built once per signature (repeated layers share them)."""
-
-    def __init__(self):
-        self.by_op: dict = {}
-        self.by_key: dict = {}
-
-    def __call__(self, op: Op):
-        rule = self.by_op.get(op)
-        if rule is None:
-            key = _op_token(op)
-            rule = self.by_key.get(key) if key[-1] is not op else None
-            if rule is None:
-                rule = self.by_key[key] = rule_for(op)
-            self.by_op[op] = rule
-        return rule
-
-
-def _op_token(op: Op, resident=frozenset()) -> tuple:
-    """Equal for ops that are the same computation on the same types (so the same rule
-    and candidates) touching the same tensors in memory (``resident``: the values fusion
-    keeps out of it); an op whose params do not hash is only equal to itself."""
-    try:
-        params = tuple(sorted(op.params.items()))
-        hash(params)
-    except TypeError:
-        params = op
-    if op.subgraphs:
-        params = op
-    return (op.kind, tuple((v.type, v.literal is not None, v in resident) for v in op.inputs),
-            tuple((v.type, v in resident) for v in op.outputs), op.pinned, op.region is not None, params)
 
 
 def _repeat_map(tokens: list) -> dict:

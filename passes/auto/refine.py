@@ -75,10 +75,8 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
             target = g.pinned_outputs.get(i)
             if target is None and i in g.tied_outputs:
                 target = inputs[g.tied_outputs[i]]
-            if target is None:
-                from ..insert_reshards import cheapest_completion
-                total += cheapest_completion(v.type.shape, v.type.itemsize, have, mesh, problem.allow_rs,
-                                             problem.cost)[1]
+            if target is None:   # completed the cheapest way, priced as the objective prices it
+                total += problem.prices.completion(v, have, mesh, problem.step_end)[1]
             else:
                 total += problem.redistribution(v, have, target)
         return total

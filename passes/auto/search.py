@@ -27,11 +27,11 @@ from ...ir.mesh import Mesh
 
 from ..cost import DEFAULT_COST, CostModel
 from ..loop_boundaries import boundary_layouts
+from ..plan_core.pricing import Prices
 from ..propagate import PropagateSharding
 from ..rules import FIXED
 from . import lagrange, milp
 from .memory import copy_bytes, largest_at_peak, live_intervals, plan_peak, plan_profile
-from .pricing import Prices
 from .refine import refine
 from .problem import DECIDERS, Problem, _unique
 

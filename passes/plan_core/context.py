@@ -1,0 +1,105 @@
+"""One context per graph: what both planners read of a graph and never change.
+
+Built once per graph (``PlanContext``), each part on first use: the ops' factor
+rules (interned by ``RuleBook``: one object per equal rule, across graphs), the
+producer and users maps, the values fusion keeps out of memory, the step's end
+(``cost.StepEnd``), propagation's op signatures (its memo keys) and the search's
+layer tokens (its repeated layers). Nothing here depends on the mesh.
+"""
+from __future__ import annotations
+
+import functools
+
+from ...ir.graph import Graph, Op
+
+from ..cost import StepEnd
+from ..fusion import resident_values
+from ..rules import rule_for
+
+
+def op_key(op: Op):
+    """What an op computes: (primitive, operand types, result types, params), the
+    op itself where that does not hash (a body, a param jax gave as a list)."""
+    if op.subgraphs:
+        return op
+    try:
+        key = (op.kind, tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs),
+               tuple(sorted(op.params.items())))
+        hash(key)
+    except TypeError:
+        return op
+    return key
+
+
+class RuleBook:
+    """Each op's factor rule, one object for all equal rules (so a memo key may name a
+    rule by its id), and the small ints naming propagation's op signatures; shared by
+    every graph one engine plans (a loop's body and its caller)."""
+
+    def __init__(self):
+        self._by_key: dict = {}        # op_key -> rule
+        self._interned: dict = {}      # rule -> the one equal rule object
+        self.signature_ids: dict = {}  # (rule id, operand flags, result flags) -> small int
+
+    def __call__(self, op: Op):
+        key = op_key(op)
+        rule = self._by_key.get(key) if key is not op else None
+        if rule is None:
+            rule = rule_for(op)
+            rule = self._interned.setdefault(rule, rule)
+            if key is not op:
+                self._by_key[key] = rule
+        return rule
+
+
+class PlanContext:
+    """A graph as both planners read it (see module doc); every part built once."""
+
+    def __init__(self, graph: Graph, book: RuleBook):
+        self.graph, self.book = graph, book
+
+    @functools.cached_property
+    def rules(self) -> dict:
+        return {op: self.book(op) for op in self.graph.ops}
+
+    def rule(self, op: Op):
+        return self.rules[op]
+
+    @functools.cached_property
+    def producers(self) -> dict:
+        return self.graph.producers()
+
+    @functools.cached_property
+    def users(self) -> dict:
+        return self.graph.users()
+
+    @functools.cached_property
+    def resident(self) -> frozenset:
+        """The values fusion keeps out of memory (``fusion.resident_values``)."""
+        return resident_values(self.graph)
+
+    @functools.cached_property
+    def step_end(self) -> StepEnd:
+        """What waits for the step's end (``cost.StepEnd``)."""
+        return StepEnd(self.graph)
+
+    @functools.cached_property
+    def signatures(self) -> dict:
+        """op -> a small int naming its rule, operand types (and which are literals, kept
+        out of memory by fusion or terminal) and result types (and which are kept out of
+        memory or terminal): everything static propagation's memo keys need, in one
+        cheap hash."""
+        rules, ids = self.rules, self.book.signature_ids
+        resident, terminal = self.resident, self.step_end.terminal
+        return {op: ids.setdefault((id(rules[op]), tuple((v.type, v.literal is not None, v in resident, v in terminal)
+                                                         for v in op.inputs),
+                                    tuple((v.type, v in resident, v in terminal) for v in op.outputs)), len(ids))
+                for op in self.graph.ops}
+
+    def layer_token(self, op: Op) -> tuple:
+        """Equal for ops that are the same computation on the same types (so the same rule
+        and candidates), touching the same tensors in memory, pinned alike: what the
+        search's repeated layers are found by."""
+        resident = self.resident
+        return (op_key(op), tuple((v.literal is not None, v in resident) for v in op.inputs),
+                tuple(v in resident for v in op.outputs), op.pinned, op.region is not None)
