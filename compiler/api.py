@@ -17,12 +17,13 @@ from ..runtime.distributed import initialize as initialize_distributed
 from ..runtime.placement import owned_ranks, place, writes_global_files
 
 from .annotate import caller_source, normalize_tensor_strategy
+from .fsdp import apply_fsdp, planned_input_layouts
 from .memory_check import MemoryRound, ModeledLimits, abstract_inputs, compiled_memory, does_not_fit
 from .pipeline import Options, gc_paused, run_pipeline
 from .plan import Plan
 from .progress import CompileProgress
 from .progress import enabled as progress_enabled
-from .state import data_parallel_pins, optimizer_state_pins, state_ties
+from .state import data_parallel_pins, leaf_indices, optimizer_state_pins, state_ties
 from .trace import trace
 
 MODES = ("sharding_propagation", "semi_auto", "data_parallel", "auto")
@@ -115,7 +116,7 @@ class ParallelFunction:
 
     def __init__(self, fn, *, mesh, mode, in_strategy, out_strategy, dump_dir, fuse_reduce_scatter, cost_model,
                  donate_argnums, verify, batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
-                 progress=None, memory_limit=None):
+                 progress=None, memory_limit=None, shard_params=False, param_argnums=(0,)):
         if mode not in MODES:
             raise ShardingError(f"mode={mode!r} is not one of {MODES}")
         initialize_distributed()   # join a multi-process run (launcher, mpirun, SLURM) before looking at devices
@@ -125,6 +126,8 @@ class ParallelFunction:
         self.batch_argnums = batch_argnums
         self.shard_optimizer_state = shard_optimizer_state
         self.optimizer_argnums = tuple(optimizer_argnums)
+        self.shard_params = shard_params
+        self.param_argnums = tuple(param_argnums)
         self.options = Options(mode=mode if mode in ("semi_auto", "auto") else "sharding_propagation",
                                fuse_reduce_scatter=fuse_reduce_scatter, cost=resolve_cost_model(cost_model, self.mesh_spec.ir_mesh),
                                verify=verify, memory_limit=_memory_limit(memory_limit, mode))
@@ -152,15 +155,20 @@ class ParallelFunction:
             batch = tuple(self.batch_argnums) if self.batch_argnums is not None else (len(args) - 1,)
             graph.pinned_inputs.update(data_parallel_pins(args, batch, graph.input_names, graph.mesh))
             state |= {a for a in range(len(args)) if a not in batch}
-        if self.shard_optimizer_state:
-            mesh = graph.mesh
-            axes = self.shard_optimizer_state if isinstance(self.shard_optimizer_state, (tuple, str)) else (
-                ("dp",) if self.mesh_spec.named and "dp" in mesh.axis_names else mesh.axis_names)
-            axes = (axes,) if isinstance(axes, str) else tuple(axes)
-            graph.pinned_inputs.update(optimizer_state_pins(args, self.optimizer_argnums, mesh, axes))
+        if self.shard_params:   # FSDP: params and optimizer state come back in their stored layouts
+            state |= set(self.param_argnums) | set(self.optimizer_argnums)
+        elif self.shard_optimizer_state:
+            axes = self._data_parallel_axes(self.shard_optimizer_state, graph.mesh)
+            graph.pinned_inputs.update(optimizer_state_pins(args, self.optimizer_argnums, graph.mesh, axes))
             state |= set(self.optimizer_argnums)
         graph.tied_outputs = state_ties(args, sorted(a for a in state if a < len(args)), out_shape)
         graph.donated_inputs = frozenset(self._donated_leaves(args))   # the modeled peak counts their outputs in place
+
+    def _data_parallel_axes(self, choice, mesh) -> tuple:
+        """The axes ZeRO splits state over: those named, else "dp" on a named mesh, else every axis."""
+        axes = choice if isinstance(choice, (tuple, str)) else (
+            ("dp",) if self.mesh_spec.named and "dp" in mesh.axis_names else mesh.axis_names)
+        return (axes,) if isinstance(axes, str) else tuple(axes)
 
     def _pins(self, args, kwargs, graph, out_tree):
         where = graph.call_source = caller_source()
@@ -276,6 +284,18 @@ class ParallelFunction:
         return compiled
 
     def _trace(self, args, kwargs):
+        graph, out_tree = self._trace_pinned(args, kwargs)
+        if self.shard_params:
+            # FSDP: the plan without it says each parameter's layout at use; trace afresh
+            # (the passes rewrite the graph) and store every state leaf split over dp
+            planned = planned_input_layouts(graph, self.options)
+            graph, out_tree = self._trace_pinned(args, kwargs)
+            apply_fsdp(graph, planned, leaf_indices(args, self.param_argnums),
+                         leaf_indices(args, self.optimizer_argnums),
+                         self._data_parallel_axes(self.shard_params, graph.mesh))
+        return graph, out_tree
+
+    def _trace_pinned(self, args, kwargs):
         context = self.mesh_spec.trace_mesh() if self.mesh_spec.named else None
         graph, out_tree, out_shape = trace(self.fn, args, kwargs, self.mesh_spec.ir_mesh, context)
         graph.count_mesh = not self.mesh_spec.named
@@ -341,7 +361,8 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                 dump_dir: Optional[str] = None, fuse_reduce_scatter: bool = True,
                 cost_model=None, donate_argnums=(), verify: bool = False,
                 batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
-                progress: Optional[bool] = None, memory_limit=None) -> ParallelFunction:
+                progress: Optional[bool] = None, memory_limit=None, shard_params=False,
+                param_argnums=(0,)) -> ParallelFunction:
     """Make ``fn`` run SPMD on ``mesh``.
 
     mesh: a device count (the first N devices), a ``jax.sharding.Mesh``, or
@@ -363,6 +384,12 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         ``optimizer_argnums`` state is split over the data-parallel axes (True:
         "dp" on a named mesh, else every axis; or name the axes), so gradients are
         reduce-scattered and updated parameters all-gathered.
+    shard_params: FSDP / ZeRO-3: the ``param_argnums`` parameters and the
+        ``optimizer_argnums`` state are stored split over the data-parallel axes (as
+        ``shard_optimizer_state`` names them) on top of the layout the plan gives
+        them; each parameter is all-gathered right before every op that computes with
+        it, and its gradient is reduce-scattered (``compiler/fsdp.py``). Composes
+        with tensor-parallel marks on a named mesh.
     cost_model: what propagation's choices are priced by: None (the default model), a
         ``CostModel`` (``CostModel.load(path)`` reads a ``shardprop calibrate``
         profile), or the name of a built-in profile, ``"cpu"`` or ``"h100"``. A profile
@@ -384,4 +411,5 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                             dump_dir=dump_dir, fuse_reduce_scatter=fuse_reduce_scatter, cost_model=cost_model,
                             donate_argnums=donate_argnums, verify=verify, batch_argnums=batch_argnums,
                             shard_optimizer_state=shard_optimizer_state, optimizer_argnums=optimizer_argnums,
-                            progress=progress, memory_limit=memory_limit)
+                            progress=progress, memory_limit=memory_limit, shard_params=shard_params,
+                            param_argnums=param_argnums)

@@ -32,6 +32,12 @@ def _dtype(x):
     return x.dtype if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else np.dtype(x.dtype)
 
 
+def leaf_indices(args: Sequence, argnums: Sequence[int]) -> list[int]:
+    """The flat input indices of the leaves of arguments ``argnums``."""
+    ranges = _leaf_ranges(args)
+    return [i for a in argnums if a < len(ranges) for i in ranges[a]]
+
+
 def state_ties(args: Sequence, argnums: Sequence[int], out_shape) -> dict[int, int]:
     """For each state argument, the output element with the same structure, shapes and
     dtypes (first unused match): {output leaf index: input leaf index}."""
