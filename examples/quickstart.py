@@ -7,8 +7,8 @@ the contracted dim in four. The relu and the second matmul are inferred. The
 per-rank programs are written to ``saved_graph/`` (``rank_0/execute.ir`` is the
 program rank 0 runs, to compare with MindSpore's ``rank_0/18_execute_*.ir``).
 
-    python examples/quickstart.py                  # MindSpore's form: all_reduce + slice
-    python examples/quickstart.py --fused          # shardprop's default: one reduce_scatter
+    python examples/quickstart.py          # MindSpore's form (fuse_reduce_scatter=False): the document's plan
+    python examples/quickstart.py --fused  # parallelize's default: one all_reduce, a local slice, output split
 
 By default it runs on 8 CPU devices (forced, so any machine can run it); pass
 ``--gpu`` on a machine with 8 GPUs to use them.
@@ -29,13 +29,13 @@ import shardprop as sp  # noqa: E402
 
 def net(x, w1, w2):
     h = sp.shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)  # MindSpore: ops.MatMul().shard(((2, 4), (4, 1)))
-    h = jax.nn.relu(h)                              # inferred: ((2, 4),)
-    return jnp.matmul(h, w2)                        # inferred: ((2, 4), (4, 1))
+    h = jax.nn.relu(h)                              # inferred: ((2, 4),) here; ((2, 1),) with --fused
+    return jnp.matmul(h, w2)                        # inferred: ((2, 4), (4, 1)) here; ((4, 1), (1, 2)) with --fused
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fused", action="store_true", help="emit reduce_scatter instead of all_reduce + slice")
+    ap.add_argument("--fused", action="store_true", help="parallelize's default plan instead of MindSpore's form")
     ap.add_argument("--dump-dir", default="saved_graph")
     ap.add_argument("--gpu", action="store_true", help="run on the machine's GPUs instead of 8 CPU devices")
     args = ap.parse_args()
