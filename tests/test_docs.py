@@ -122,12 +122,14 @@ def test_readme_keeps_the_two_commands():
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q tests\n" in text
 
 
+# Not -q: mkdocs's quiet flag hides warnings from the strict-mode counter too, so a broken
+# link would pass (test_mkdocs_strict_fails_on_a_broken_link caught that).
 def test_mkdocs_build_strict(tmp_path):
     if shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed (pip install mkdocs mkdocs-material)")
     if importlib.util.find_spec("material") is None:
         pytest.skip("mkdocs-material is not installed (pip install mkdocs-material)")
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"),
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
                         "-d", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     assert (tmp_path / "site" / "index.html").exists()
@@ -142,6 +144,6 @@ def test_mkdocs_strict_fails_on_a_broken_link(tmp_path):
     (docs / "index.md").write_text((docs / "index.md").read_text() + "\n[dead](guide/no_such_page.md)\n")
     cfg = (ROOT / "mkdocs.yml").read_text()
     (tmp_path / "mkdocs.yml").write_text(cfg)
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "no_such_page.md" in (r.stdout + r.stderr)
