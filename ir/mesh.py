@@ -11,7 +11,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -121,4 +121,19 @@ def prime_factors(n: int) -> list[int]:
         p += 1
     if n > 1:
         out.append(n)
+    return out
+
+
+def bind_runs(splits: list[int], mesh: Mesh) -> Optional[list[tuple[str, ...]]]:
+    """Give each split count the next run of mesh axes whose sizes multiply to it."""
+    out, k = [], 0
+    for s in splits:
+        run, prod = [], 1
+        while prod < s and k < len(mesh.axis_names):
+            prod *= mesh.axis_sizes[k]
+            run.append(mesh.axis_names[k])
+            k += 1
+        if prod != s:
+            return None
+        out.append(tuple(run))
     return out

@@ -17,30 +17,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Optional
 
 from ..ir.errors import sharding_error
 from ..ir.graph import CONSTRAINT, Graph, Op
 from ..ir.layout import Layout
-from ..ir.mesh import Mesh, prime_factors
+from ..ir.mesh import Mesh, bind_runs, prime_factors
 
 from .rules import rule_for
 from .sharding import OpStrategy, factors_from_operands
-
-
-def bind_runs(splits: list[int], mesh: Mesh) -> Optional[list[tuple[str, ...]]]:
-    """Give each split count the next run of mesh axes whose sizes multiply to it."""
-    out, k = [], 0
-    for s in splits:
-        run, prod = [], 1
-        while prod < s and k < len(mesh.axis_names):
-            prod *= mesh.axis_sizes[k]
-            run.append(mesh.axis_names[k])
-            k += 1
-        if prod != s:
-            return None
-        out.append(tuple(run))
-    return out
 
 
 class BindUserStrategies:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from ...ir.errors import sharding_error
 from ...ir.graph import Op
 
 DimFactors = tuple[int, ...]          # factors of one dim, major to minor (empty: size-1 / broadcast)
@@ -77,6 +78,18 @@ def register_localizer(*names: str):
             LOCALIZERS[n] = fn
         return fn
     return deco
+
+
+def rule_for(op) -> FactorRule:
+    """The op's factor rule; an op with no rule is an error, never a silent replication."""
+    fn = RULES.get(op.kind)
+    if fn is None:
+        raise sharding_error(f"primitive '{op.kind}' has no sharding rule, so shardprop cannot decide how to "
+                             "split it", operator=op.kind, source=op.source,
+                             shapes=tuple(v.type.shape for v in op.inputs),
+                             fix=f"compute it outside the parallelized function, or register a rule with "
+                                 f"@shardprop.passes.rules.register('{op.kind}')")
+    return fn(op)
 
 
 class FactorBuilder:

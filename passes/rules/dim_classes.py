@@ -10,6 +10,8 @@ from typing import Iterable
 
 from ...ir.graph import Op, Value
 
+from .base import rule_for
+
 
 class DimClasses:
     def __init__(self):
@@ -28,7 +30,6 @@ class DimClasses:
         self.parent[self.find(a)] = self.find(b)
 
     def add_ops(self, ops: Iterable[Op]) -> None:
-        from . import rule_for
         for op in ops:
             rule = rule_for(op)
             self.flops += rule.flops

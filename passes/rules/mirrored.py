@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ...ir.errors import sharding_error
 from ...ir.graph import Graph, Op
-from ...ir.mesh import Mesh
+from ...ir.mesh import Mesh, bind_runs
 
 from .base import FactorRule, register, register_localizer
 
@@ -51,7 +51,6 @@ def fixed_factors(op: Op, mesh: Mesh) -> tuple:
         raise _mesh_error(op, f"the shard_map's mesh ({_mesh_words(user)}) is not the parallelize mesh ({mesh})",
                           "run the shard_map on the parallelize mesh (pass the same jax Mesh, or omit mesh= inside "
                           "the function to use it)")
-    from ..bind_strategies import bind_runs   # (bind_strategies imports the rules)
     runs = bind_runs([s for _, s in user], mesh)
     if runs is None:
         raise _mesh_error(op, f"the shard_map's mesh ({_mesh_words(user)}) does not map onto the {mesh.size} devices' "
