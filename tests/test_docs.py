@@ -110,6 +110,26 @@ def test_a_broken_block_fails(tmp_path):
     assert r.returncode != 0 and "broken.md:10" in r.stderr and "x is still 1" in r.stderr
 
 
+_REPO_PATH = re.compile(r"`((?:compiler|ir|passes|runtime|examples|bench|tests|shardprop|docs)/[\w/.\-]*)`")
+_MODULE = re.compile(r"`(\w+\.py)`")
+
+
+def test_files_the_docs_name_exist():
+    """Every repository path the README, DESIGN.md and the docs name in backticks exists, and
+    every module named alone (`refine.py`) is somewhere in the tree: a file moved or renamed
+    fails here until the docs follow."""
+    pages = [ROOT / "README.md", ROOT / "DESIGN.md"] + sorted((ROOT / "docs").rglob("*.md"))
+    modules = {p.name for d in ("compiler", "ir", "passes", "runtime", "examples", "bench", "tests", "shardprop")
+               for p in (ROOT / d).rglob("*.py")}
+    missing = []
+    for page in pages:
+        text = page.read_text()
+        missing += [f"{page.relative_to(ROOT)}: {m}" for m in _REPO_PATH.findall(text)
+                    if not (ROOT / m.rstrip("/")).exists()]
+        missing += [f"{page.relative_to(ROOT)}: {m}" for m in _MODULE.findall(text) if m not in modules]
+    assert not missing, "the docs name files that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
 def test_readme_is_short():
     n = len((ROOT / "README.md").read_text().splitlines())
     assert n <= README_MAX_LINES, f"README.md has {n} lines; at most {README_MAX_LINES} (move the rest to docs/)"
