@@ -62,6 +62,8 @@ class PropagateSharding:
         self.book = RuleBook()      # rules interned and signature ids, across the graphs it plans
         self.prices = Prices(cost, allow_reduce_scatter)   # the one price of a move
         self._contexts: dict = {}   # graph id -> its PlanContext: built once for all rounds
+        # graph -> the modeled time of the plan kept for it (``plan_core.evaluate``)
+        self.modeled: dict = {}
 
     def context(self, graph: Graph) -> PlanContext:
         """``graph``'s plan context (rules, signatures, maps, resident values, step end)."""
@@ -162,9 +164,11 @@ class PropagateSharding:
                         for op in ops:
                             if op is not None:
                                 op.origin = functools.partial(_noted, op.__dict__.get("_origin"), note)
+                self.modeled[graph] = cost
                 return   # its plan is in the graph
         if best[1] is not prop:
             best[1].write_plan()   # an earlier round was cheaper: its plan goes back in
+        self.modeled[graph] = best[0]
 
 
 def _moves(n: int) -> str:

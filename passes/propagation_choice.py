@@ -9,16 +9,17 @@ layers meet the same situation again and again.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..ir.graph import CONSTRAINT, Op, Value
+from ..ir.graph import Op, Value
 from ..ir.layout import Layout
 
 from .cost import wire_bytes
+from .plan_core.improve import best_move
+from .plan_core.write import DEFAULT
 from .rules.base import FactorRule
 from .sharding import Axes, dim_axes, keep_contiguous, may_shard, nesting, project, regroup
 
@@ -30,26 +31,6 @@ class Source:
     index: int
     value: Value
     proposal: dict       # factor -> axes
-
-
-
-def describe_op(op: Op, regions: dict) -> str:
-    """An op as origins name it: ``kind at file:line`` (a shard() mark: its call)."""
-    kind = op.kind
-    if op.kind == CONSTRAINT and op.region is not None and op.region in regions:
-        kind = regions[op.region].describe()
-    return f"{kind} at {op.source}" if op.source else kind
-
-
-def origin_words(origin: tuple, regions: dict) -> str:
-    side, how, who = origin
-    if isinstance(who, Op):
-        who = describe_op(who, regions)
-    if side == "result" or how == "consumer":
-        return f"backward from {who}"
-    if how == "producer":
-        return f"forward from {who}"
-    return f"from {who}"
 
 
 class ChoiceMixin:
@@ -69,7 +50,7 @@ class ChoiceMixin:
         """Where a choice led by (side, index) of this op came from: kept as
         (side, how, who) and put into words only for the plan that is kept."""
         if lead is None:
-            return "default"
+            return DEFAULT
         side, index = lead
         v = (op.inputs if side == "operand" else op.outputs)[index]
         how, who = self.setter.get(v, ("", "?"))
@@ -82,13 +63,6 @@ class ChoiceMixin:
                 if other is not None and other[1] is not op:
                     return other_side, other[0], other[1]
         return side, how, who
-
-    def _origin_words(self, origin):
-        """The origin for the graph: words, or (for a propagated choice) a lookup
-        that puts it into words when first read (``Op.origin``)."""
-        if isinstance(origin, str):
-            return origin
-        return functools.partial(origin_words, origin, self.g.regions)
 
     def _complete(self, rule: FactorRule, base: list, ordered: list[Source], reserved=()) -> list:
         """``base`` with its open factors taken from the sources, in order, where the
@@ -274,23 +248,25 @@ class ChoiceMixin:
             key, c, comm = step
 
     def _best_step(self, op, rule, pt, key, comm, candidates, must_cut_comm: bool, caller_only: bool):
-        """The cheapest of ``candidates`` that beats ``key``: (key, candidate, its
-        communication), or None. ``caller_only``: an idle axis may be taken for compute."""
-        step = None
-        for cand, idle in candidates:
-            k = self._score(op, rule, cand, pt)
-            if not k < key:
-                continue
-            # ties between steps: axes in mesh order within a dim, as layouts mostly
-            # come, so that a later step can still reach a plain all_to_all
-            k2 = k + (self._inversions(cand),)
-            if step is not None and not k2 < step[0] + (self._inversions(step[1]),):
-                continue
-            cand_comm = k[0] - self._compute_time(op, rule, cand)
-            if (idle and not caller_only or must_cut_comm) and not cand_comm < comm - 1e-15:
-                continue
-            step = (k, cand, cand_comm)
-        return step
+        """The cheapest of ``candidates`` that beats ``key`` (``plan_core.improve``): (key,
+        candidate, its communication), or None. Ties between steps: axes in mesh order
+        within a dim, as layouts mostly come, so that a later step can still reach a
+        plain all_to_all. A step that takes an idle axis (unless ``caller_only``: then it
+        may, for compute) or ``must_cut_comm`` must cut communication."""
+        def price(move, _bound):
+            return self._score(op, rule, move[0], pt) + (self._inversions(move[0]),)
+
+        def admit(move, k):
+            cand, idle = move
+            if not (idle and not caller_only or must_cut_comm):
+                return True
+            return k[0] - self._compute_time(op, rule, cand) < comm - 1e-15
+        # (-1: a step must beat ``key`` itself, whatever its order of axes)
+        found = best_move(candidates, price, key + (-1,), admit=admit)
+        if found is None:
+            return None
+        (cand, _), k = found
+        return k[:-1], cand, k[0] - self._compute_time(op, rule, cand)
 
     def _two_steps(self, rule, cur, c, reserved, near):
         """Candidates two steps from ``c`` (the first may break a merged dim's nesting,

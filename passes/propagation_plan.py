@@ -12,6 +12,7 @@ from ..ir.graph import Op
 from ..ir.layout import Layout
 
 from .plan_core.evaluate import evaluate_plan
+from .plan_core.write import DEFAULT, propagated, write_plan
 from .sharding import OpStrategy
 
 
@@ -85,38 +86,37 @@ class PlanMixin:
                 tuple(st.result_layout(n, mesh) for n in range(len(op.outputs))))
 
     def write_plan(self) -> None:
-        """Every op's strategy and origin, every value's layout, into the graph;
-        on the way, what must be redistributed."""
+        """Every op's strategy and origin, every value's layout, into the graph
+        (``plan_core.write``); on the way, what must be redistributed."""
         mesh = self.mesh
+        inputs = {}
         for i, v in enumerate(self.g.inputs):
             # an input arrives as its first deciding consumer takes it (wishes are only wishes)
             dims = self._dims(v) if i in self.g.pinned_inputs else self.taken.get(v, self._dims(v))
             layout = Layout(tuple(a if a is not None else () for a in dims))
-            if not layout.fits(v.type.shape, mesh):
-                layout = Layout.replicated(v.type.rank)
-            v.layout = layout
-        placements = self.cfg.placements
+            inputs[i] = layout if layout.fits(v.type.shape, mesh) else Layout.replicated(v.type.rank)
+        self._needs = {}
+        write_plan(self.g, inputs, self._placed())
+        needs = self._needs
+        for v in self.g.outputs:
+            if v.layout is not None and v.layout.partial:
+                needs.setdefault((v, v.layout.without_partial()), []).append(None)   # the caller
+
+    def _placed(self):
+        """Per op in program order, what ``write_plan`` writes; what must be redistributed
+        is read off on the way (every operand's layout is written already)."""
+        placements, needs, regions = self.cfg.placements, self._needs, self.g.regions
         signature, factors, passthrough, origin = self.signature, self.factors, self.passthrough, self.origin
-        needs = {}
         for op in self.g.ops:
             key = (signature[op], tuple(factors[op]), passthrough.get(op))
             placed = placements.get(key)
             if placed is None:
                 placed = placements[key] = self._placement(op, key[1], key[2])
             st, operand_layouts, result_layouts = placed
-            op.strategy = st
-            why = origin.get(op) or "default"
-            op.origin = self._origin_words(why)
-            # the op named there, so a report can follow the chain back to the user's mark
-            op.origin_op = why[2] if type(why) is tuple and isinstance(why[2], Op) else None
-            # in program order every operand's layout is written already: what must be
-            # redistributed is read off on the way
             for v, need in zip(op.inputs, operand_layouts):
                 if need is not None and need is not v.layout and need != v.layout:
                     needs.setdefault((v, need), []).append(op)
-            for v, layout in zip(op.outputs, result_layouts):
-                v.layout = layout
-        for v in self.g.outputs:
-            if v.layout is not None and v.layout.partial:
-                needs.setdefault((v, v.layout.without_partial()), []).append(None)   # the caller
-        self._needs = needs
+            why = origin.get(op) or DEFAULT
+            # the op named there, so a report can follow the chain back to the user's mark
+            via = why[2] if type(why) is tuple and isinstance(why[2], Op) else None
+            yield op, st, propagated(why, regions), via, result_layouts

@@ -18,6 +18,7 @@ from ..ir.layout import Layout
 
 from .propagation_choice import ChoiceMixin, Source
 from .propagation_plan import PlanMixin
+from .plan_core.write import USER, in_strategy, out_strategy
 from .propagation_wishes import WishMixin, fill_open
 from .rules.base import FactorRule
 from .sharding import dim_axes, factors_from_operands, project, result_partial
@@ -98,7 +99,7 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
             v = g.inputs[i]
             self.dims[v] = tuple(layout.dims)
             name = g.input_names[i] if i < len(g.input_names) else f"#{i}"
-            self.setter[v] = ("input", f"in_strategy of input {name}" if g.name != "body" else "loop boundary")
+            self.setter[v] = ("input", in_strategy(name) if g.name != "body" else "loop boundary")
             for u in self.users.get(v, []):
                 self._enqueue(u)
         tied = {i: Layout(tuple(self.dims[g.inputs[j]])) for i, j in g.tied_outputs.items()
@@ -108,20 +109,20 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
             if v not in self.dims and not v.is_literal:
                 self.dims[v] = tuple(layout.dims)
                 self.hints[v] = tuple(layout.dims)
-                self.setter[v] = ("consumer", f"out_strategy of output {i}" if g.name != "body" else "loop boundary")
+                self.setter[v] = ("consumer", out_strategy(i) if g.name != "body" else "loop boundary")
                 self._enqueue(self.producer.get(v))
         for op in g.ops:
             if op.kind == CONSTRAINT and op.pinned is not None:
                 # read through the rule: a size-1 dim has no factor, so dims and factors differ in number
                 factors, _ = factors_from_operands(self.rules[op], op, [op.pinned], self.mesh)
-                self._decide(op, factors, None, "user")
+                self._decide(op, factors, None, USER)
         for op in g.ops:
             if op.region is not None and op.kind != CONSTRAINT:
                 # the user's strategy is what the shard() marks pin; other operands adapt
                 layouts = [self._known_layout(v) if self._is_pinned_mark(self.producer.get(v)) else None
                            for v in op.inputs]
                 factors, _ = factors_from_operands(self.rules[op], op, layouts, self.mesh)
-                self._decide(op, factors, None, "user")
+                self._decide(op, factors, None, USER)
         for op, factors in self.seeds.items():
             self._decide(op, factors, None, f"from shard() inside the {op.kind} body")
 
@@ -135,7 +136,7 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
         self.seed()
         if self.cfg.mode == "semi_auto":
             for op in g.ops:
-                if op.origin != "user" and not (op.kind == CONSTRAINT and op.pinned is not None):
+                if op.origin != USER and not (op.kind == CONSTRAINT and op.pinned is not None):
                     self._decide(op, self._data_parallel_default(op), None, "default (data parallel)")
         self.wishing = True
         self._drain()
@@ -391,7 +392,7 @@ class Propagation(WishMixin, ChoiceMixin, PlanMixin):
             for f, a in enumerate(factors):
                 if cur[f] is None and a is not None:
                     cur[f] = a if type(a) is tuple else tuple(a)
-        if op not in self.passthrough and (passthrough is not None or None not in cur or origin == "user"):
+        if op not in self.passthrough and (passthrough is not None or None not in cur or origin == USER):
             self.passthrough[op] = passthrough
         if not self.origin.get(op):
             self.origin[op] = origin

@@ -10,6 +10,7 @@ back as hints through the update.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from ..ir.graph import Op, Value
@@ -21,14 +22,10 @@ from .sharding import project
 _OPEN = object()   # not worked out yet (a memo miss)
 
 
-_WHOLE: dict = {}   # per-dim axes -> the dims they make whole
-
-
+@functools.lru_cache(maxsize=4096)   # bounded: a long-lived process meets ever new layouts
 def _whole_dims(axes: tuple) -> frozenset:
-    out = _WHOLE.get(axes)
-    if out is None:
-        out = _WHOLE[axes] = frozenset(d for d, a in enumerate(axes) if a == ())
-    return out
+    """The dims that per-dim ``axes`` make whole."""
+    return frozenset(d for d, a in enumerate(axes) if a == ())
 
 
 def _open_soft(old: tuple, axes: tuple, soft: frozenset) -> tuple:

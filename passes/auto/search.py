@@ -22,12 +22,13 @@ from typing import Any, Optional
 import numpy as np
 
 from ...ir.errors import ShardingError
-from ...ir.graph import CONSTRAINT, Graph
+from ...ir.graph import Graph
 from ...ir.mesh import Mesh
 
 from ..cost import DEFAULT_COST, CostModel
 from ..loop_boundaries import boundary_layouts
 from ..plan_core.pricing import Prices
+from ..plan_core.write import SEARCHED, USER, follows, follows_input, user_fixed, write_plan
 from ..propagate import PropagateSharding
 from ..rules import FIXED
 from . import lagrange, milp
@@ -269,15 +270,17 @@ class SearchStrategies:
         sol.objective = problem.objective(sol.choice)   # (the solver's includes the tie-break)
         sol.plan = problem.op_strategies(sol.choice)
         sol.peak = plan_peak(graph, *sol.plan)
-        sol.modeled = sol.objective
+        sol.modeled = sol.claimed = sol.objective
         return sol.peak
 
     def _refine(self, graph: Graph, problem: Problem, sol, limit) -> float:
         """Refine the solved plan (kept only where it still fits); its peak."""
-        refined = refine(problem, *sol.plan)
+        *refined, gain = refine(problem, *sol.plan)
         refined_peak = plan_peak(graph, *refined)
+        sol.claimed = sol.objective   # what the engine says its plan costs (the evaluator must agree)
         if limit is None or refined_peak <= limit:
-            sol.plan, sol.peak = refined, refined_peak
+            sol.plan, sol.peak = tuple(refined), refined_peak
+            sol.claimed = sol.objective - gain
         e = problem.evaluate(*sol.plan)
         sol.modeled = e["compute"] + e["communication"]
         return sol.peak
@@ -286,8 +289,7 @@ class SearchStrategies:
         """The meshes to search: the graph's own, or on a device-count mesh with nothing
         pinned to its axes, every arrangement of the devices into one or two axes."""
         pinned = graph.pinned_inputs or graph.pinned_outputs or any(
-            (op.kind == CONSTRAINT and op.pinned is not None) or op.kind in FIXED or op.region is not None
-            for _, op in graph.walk_ops())
+            user_fixed(op) or op.kind in FIXED for _, op in graph.walk_ops())
         n = graph.mesh.size
         if not graph.count_mesh or pinned or n == 1:
             return [graph.mesh]
@@ -297,23 +299,8 @@ class SearchStrategies:
     # -- the plan into the graph ------------------------------------------------------
     def _write(self, graph: Graph, problem: Problem, sol) -> None:
         ops, inputs = sol.plan
-        for i, layout in inputs.items():
-            graph.inputs[i].layout = layout
-        for n in problem.nodes:
-            root = n.root
-            for op in n.members:
-                op.strategy = ops[op]
-                if op.kind == CONSTRAINT and op.pinned is not None:
-                    op.origin = "user"
-                elif op is root:
-                    op.origin = "auto (searched)"
-                elif isinstance(root, int):
-                    op.origin = f"auto (follows input {graph.input_names[root] if root < len(graph.input_names) else root})"
-                else:
-                    op.origin = _follows(root)
-                    op.origin_op = root
-                for k, v in enumerate(op.outputs):
-                    v.layout = op.strategy.result_layout(k, graph.mesh)
+        write_plan(graph, inputs, ((op, ops[op], *_origin(graph, op, n.root), None)
+                                   for n in problem.nodes for op in n.members))
         bodies = PropagateSharding(cost=self.cost, allow_reduce_scatter=True)
         for op in graph.ops:
             for body, pins_in, pins_out in boundary_layouts(op, graph.mesh):
@@ -328,7 +315,9 @@ class SearchStrategies:
         e = problem.evaluate(ops, inputs, breakdown)
         compute, comm, moved, flops = e["compute"], e["communication"], e["bytes"], e["flops"]
         mesh = problem.mesh
-        solver = dict(status=sol.status, seconds=sol.seconds, objective=sol.objective, bound=sol.bound, gap=sol.gap,
+        # claimed: the objective less what refinement says its moves saved (the evaluator must agree)
+        solver = dict(status=sol.status, seconds=sol.seconds, objective=sol.objective, claimed=sol.claimed,
+                      bound=sol.bound, gap=sol.gap,
                       variables=sol.variables, binaries=sol.binaries, nodes=len(problem.nodes),
                       decisions=len(problem.unary), memory_rounds=getattr(sol, "rounds", 1))
         return SearchResult(compute + comm, compute, comm, moved, getattr(sol, "peak", 0.0), flops,
@@ -398,10 +387,18 @@ class SearchStrategies:
             f"there: {names}. Fix: raise memory_limit, use more devices, or shrink the batch or the model")
 
 
-def _follows(root):
-    def words():
-        return f"auto (follows {root.kind} at {root.source})" if root.source else f"auto (follows {root.kind})"
-    return words
+def _origin(graph: Graph, op, root) -> tuple:
+    """(origin words, the op they name) of ``op`` in the searched plan, its node's root
+    ``root`` (``plan_core.write``): what the user fixed stays the user's."""
+    if user_fixed(op):
+        return USER, None
+    if op.kind in FIXED and isinstance(op.origin, str) and op.origin.startswith(USER):
+        return op.origin, None   # a shard_map's specs
+    if op is root:
+        return SEARCHED, None
+    if isinstance(root, int):
+        return follows_input(graph, root), None
+    return follows(root), root
 
 
 def _words(st, op, mesh) -> str:
