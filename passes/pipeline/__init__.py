@@ -13,3 +13,4 @@ the lowering and the search import these, never the other way round.
 from .schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, SCHEDULES,  # noqa: F401
                         Action, Schedule, build_schedule, from_orders)
 from .simulate import DeadlockError, Event, SimResult, simulate  # noqa: F401
+from .cuts import StageCuts, brute_force_cuts, evaluate_cuts, even_bounds, plan_cuts  # noqa: F401
