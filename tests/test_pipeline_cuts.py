@@ -209,13 +209,13 @@ def test_no_cut_fits_is_a_clear_error():
 def test_30_layers_on_4_stages_every_layer_exactly_once():
     rng = random.Random(30)
     time = [rng.uniform(0.5, 2.0) for _ in range(30)]
-    for schedule in ("gpipe", "1f1b", "zero_bubble"):
-        r = plan_cuts(time, 4, 8, schedule, boundary_time=[0.01] * 29)
+    for schedule, objective in (("gpipe", "formula"), ("1f1b", "simulate"), ("zero_bubble", "formula")):
+        r = plan_cuts(time, 4, 8, schedule, boundary_time=[0.01] * 29, objective=objective)
         _layers_once(r, 30)
         assert sorted(r.stage_of()) == list(r.stage_of()) and set(r.stage_of()) == {0, 1, 2, 3}
         assert sum(r.compute_times) == pytest.approx(sum(time))
     assert [b - a for a, b in even_bounds(30, 4)] == [8, 8, 7, 7]       # Megatron-LM#1304 built 28
-    _layers_once(plan_cuts(time, 4, 8, "interleaved", 2), 30)
+    _layers_once(plan_cuts(time, 4, 8, "interleaved", 2, objective="formula"), 30)
 
 
 def test_one_stage_runs_everything():

@@ -31,7 +31,9 @@ Objectives (``objective=``):
 - ``"formula"``: ``T = sum(time) / v + (m*v - 1) * max(time)`` -- Alpa's
   ``sum t_i + (B-1) max t_i`` with the exchanges Alpa leaves out, generalised to ``v``
   chunks so that balanced stages give the interleaved bubble exactly
-  (``(m*v + p - 1) * t``). The DP is exact for it: it enumerates the bottleneck
+  (``(m*v + p - 1) * t``). For ``v > 1`` it prices the slowest *chunk*, while a stage
+  runs the sum of its chunks, so it can misjudge cuts that balance stages but not
+  chunks; the simulated objective corrects that. The DP is exact for it: it enumerates the bottleneck
   ``t_max`` over every stage time that can occur (from the least feasible bottleneck up,
   stopping once ``(m*v-1) * t_max`` alone cannot win) and, for each, minimises
   ``sum(time)`` with every stage ``<= t_max``.

@@ -53,8 +53,9 @@ The schedules
 How the later passes use this (the interface)
 ---------------------------------------------
 - The **lowering** (one SPMD program over the ``pp`` axis) asks
-  ``build_schedule(name, p, m, v)`` and ``simulate(schedule).tick_table`` (unit costs, so
-  every tick is one slot) and emits a ``lax.scan`` over ticks in which rank ``d`` runs
+  ``build_schedule(name, p, m, v)`` and ``simulate(schedule, durations).tick_table``
+  (with F = B = I = W = 1 every action is one tick; with the default B = 2 a whole
+  backward spans two) and emits a ``lax.scan`` over ticks in which rank ``d`` runs
   ``lax.switch`` over its (kind, chunk) sub-programs for the action at ``(tick, d)``
   (none: a no-op, so bubbles compute nothing), then the neighbour exchanges of that
   tick. ``Schedule.peak_in_flight()`` sizes each stage's activation ring buffer;
