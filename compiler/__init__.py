@@ -1,16 +1,14 @@
-"""shardprop's public API: ``shard`` marks operators, ``parallelize`` compiles."""
-from ..runtime.distributed import initialize as _initialize_distributed
+"""shardprop's public API: ``shard`` marks operators, ``parallelize`` compiles.
 
-# Under the launcher (or mpirun / SLURM), join the multi-process runtime now: it must
-# start before anything asks jax for devices. Without such an environment: nothing.
-_initialize_distributed()
+Importing it has no side effects beyond registering the ``shardprop_mark`` primitive
+with jax: a multi-process run is joined at launch, at the first ``parallelize``, or by
+``sp.init_distributed()`` (runtime/distributed.py)."""
+from ..ir.errors import ShardingError
+from ..passes.cost import CostModel
 
-from ..ir.errors import ShardingError  # noqa: E402
-from ..passes.cost import CostModel  # noqa: E402
-
-from .annotate import shard  # noqa: E402
-from .api import ParallelFunction, parallelize  # noqa: E402
-from .plan import Plan, PlanCollective, PlanOp  # noqa: E402
+from .annotate import shard
+from .api import ParallelFunction, parallelize, report
+from .plan import Plan, PlanCollective, PlanOp
 
 __all__ = ["shard", "parallelize", "ParallelFunction", "Plan", "PlanOp", "PlanCollective", "ShardingError",
-           "CostModel"]
+           "CostModel", "report"]

@@ -4,17 +4,14 @@ The marked call is bracketed by an identity primitive, ``shardprop_mark``, on
 every array input (role "in") and output (role "out"). The marks survive
 ``jit``, ``grad`` (a mark's tangent is passed through unmarked, so only the
 forward computation carries the strategy) and ``vmap`` (a batched mark records
-the inserted dimension, which stays unsplit). The strategy itself lives in a
-registry keyed by region id, so the primitive's params stay small and hashable.
+the inserted dimension, which stays unsplit). The strategy itself lives in the
+call's ``Region``, which the marks' ``region`` param (an int) holds, so the primitive's
+params stay small and hashable (compiler/region_registry.py).
 """
 from __future__ import annotations
 
 import functools
-import sys
-import itertools
-import os
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -23,6 +20,10 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
 
 from ..ir.errors import sharding_error
+
+from .region_registry import Region, TensorStrategy, new_region_id, record
+from .regions import factor_classes
+from .source_lines import caller_source
 
 mark_p = Primitive("shardprop_mark")
 mark_p.def_impl(lambda x, **_: x)
@@ -44,58 +45,6 @@ def _mark_batch(args, dims, *, batch_dims, **params):
 
 ad.primitive_jvps[mark_p] = _mark_jvp
 batching.primitive_batchers[mark_p] = _mark_batch
-
-
-# A tensor strategy after normalisation: ("splits", (2, 4)) or ("axes", (("dp",), ())).
-TensorStrategy = tuple
-
-
-@dataclass(frozen=True)
-class Region:
-    """One call of a ``shard()``-wrapped function."""
-    id: int
-    name: str
-    source: str
-    in_strategy: tuple[TensorStrategy, ...]
-    out_strategy: Optional[tuple[TensorStrategy, ...]]
-    in_shapes: tuple[tuple[int, ...], ...]
-    out_shapes: tuple[tuple[int, ...], ...]
-    user_in_strategy: Any
-    user_out_strategy: Any
-    factors: Any = None   # compiler.regions.RegionFactors, when split counts need binding
-
-    def describe(self) -> str:
-        return f"shard({self.name})"
-
-    def operator(self) -> str:
-        prims = self.factors.operators if self.factors is not None else ()
-        shown = prims and len(prims) <= 3 and tuple(prims) != (self.name,)
-        return self.describe() + (f" ({', '.join(prims)})" if shown else "")
-
-
-REGIONS: dict[int, Region] = {}
-_region_ids = itertools.count(1)
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_OWN_DIRS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("compiler", "ir", "passes", "runtime"))
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_library_frame(path: str) -> bool:
-    path = os.path.abspath(path)
-    if path.startswith(_OWN_DIRS):
-        return True
-    parts = path.split(os.sep)
-    return "jax" in parts or "jaxlib" in parts or path.endswith(("contextlib.py", "functools.py"))
-
-
-def caller_source() -> str:
-    """``file.py:LINE`` of the innermost frame outside shardprop and jax."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if not _is_library_frame(frame.f_code.co_filename):
-            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
 
 
 def _fn_name(fn) -> str:
@@ -250,10 +199,9 @@ def shard(fn: Callable, in_strategy, out_strategy=None) -> Callable:
                              what="in_strategy")   # ranks first: the checks below index dims
         factors = None
         if any(kind == "splits" or any(body) for kind, body in ins):
-            from .regions import factor_classes
             factors = factor_classes(fn, args, kwargs, arrays)
             check_splits_agree(factors, ins, operator=operator, source=source, shapes=shapes, strategy=in_strategy)
-        rid = next(_region_ids)
+        rid = new_region_id()   # the marks hold it, and it holds the region (region_registry.py)
         leaves = list(leaves)
         for k, i in enumerate(arrays):
             leaves[i] = mark_p.bind(leaves[i], region=rid, index=k, role="in", batch_dims=())
@@ -265,7 +213,8 @@ def shard(fn: Callable, in_strategy, out_strategy=None) -> Callable:
         if outs is not None:
             check_against_shapes(outs, out_shapes, operator=operator, source=source, strategy=out_strategy,
                                  what="out_strategy")
-        REGIONS[rid] = Region(rid, name, source, ins, outs, shapes, out_shapes, in_strategy, out_strategy, factors)
+        record(rid, Region(int(rid), name, source, ins, outs, shapes, out_shapes, in_strategy, out_strategy,
+                           factors))
         out_leaves = list(out_leaves)
         for k, i in enumerate(out_arrays):
             out_leaves[i] = mark_p.bind(out_leaves[i], region=rid, index=k, role="out", batch_dims=())

@@ -15,6 +15,7 @@ from ..runtime.lower import lower, partition_spec
 from ..runtime.mesh import resolve_mesh
 from ..runtime.distributed import initialize as initialize_distributed
 from ..runtime.placement import owned_ranks, place, writes_global_files
+from ..runtime.plan_data import load_plan_data
 
 from .annotate import caller_source, normalize_tensor_strategy
 from .fsdp import apply_fsdp, planned_input_layouts
@@ -23,6 +24,7 @@ from .pipeline import Options, gc_paused, run_pipeline
 from .plan import Plan
 from .progress import CompileProgress
 from .progress import enabled as progress_enabled
+from .report import write_html
 from .state import data_parallel_pins, leaf_indices, optimizer_state_pins, state_ties
 from .trace import trace
 
@@ -413,3 +415,12 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                             shard_optimizer_state=shard_optimizer_state, optimizer_argnums=optimizer_argnums,
                             progress=progress, memory_limit=memory_limit, shard_params=shard_params,
                             param_argnums=param_argnums)
+
+
+def report(plan_or_dump_dir, path) -> str:
+    """``sp.report(plan, "plan.html")`` or ``sp.report("saved_graph/", "plan.html")``:
+    the plan report of a compiled plan or of a dump folder (its ``plan.json``).
+    (compiler/report.py only renders plan data.)"""
+    if isinstance(plan_or_dump_dir, Plan):
+        return plan_or_dump_dir.to_html(str(path))
+    return write_html(load_plan_data(str(plan_or_dump_dir)), str(path))

@@ -43,7 +43,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from ..ir.errors import ShardingError, sharding_error
-from .annotate import caller_source, shard
+from .annotate import shard
+from .source_lines import caller_source
 from .ps_sync import check_tables, mesh_devices, row_split
 
 IdsOf = Union[str, Callable[[Any], Any]]   # a batch field's name, or batch -> ids

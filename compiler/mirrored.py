@@ -8,7 +8,7 @@ to the program's mesh), and its body, as a graph over per-device shapes, in
 jax traces the body with its varying-axes types (``check_vma=True``, the default).
 The program runs without them (layouts are this compiler's business), so the few
 primitives that exist only for those types are imported as what they compute on a
-device: ``pvary`` / ``pcast`` are identities (trace.py), ``psum_invariant`` is a
+device: ``pvary`` / ``pcast`` are identities (jaxpr_import.py), ``psum_invariant`` is a
 ``psum``, ``all_gather_invariant`` an ``all_gather``.
 """
 from __future__ import annotations
@@ -24,8 +24,9 @@ from ..ir.errors import sharding_error
 from ..ir.graph import Op, Value
 from ..ir.layout import Layout
 
-from .annotate import _is_library_frame
-from .trace import CONTROL_FLOW, IDENTITIES, INLINE, LAYOUT_REQUESTS, _Importer, tensor_type
+from .jaxpr_import import (CONTROL_FLOW, IDENTITIES, INLINE, LAYOUT_REQUESTS, Importer, register_control_flow,
+                           tensor_type)
+from .source_lines import is_library_frame
 
 
 class _AxisIndex:
@@ -46,7 +47,7 @@ _WITHOUT_VMA = {"psum_invariant": (lax.psum_p, {"axis_index_groups": None}),
                 "axis_index": (_AxisIndex, {})}
 
 
-class _PerDevice(_Importer):
+class _PerDevice(Importer):
     """The importer of a shard_map body (and of the loops and branches in it)."""
 
     def _eqn(self, eqn, ins, name, source) -> list[Value]:
@@ -73,7 +74,9 @@ class _PerDevice(_Importer):
         return outs
 
 
-def import_shard_map(imp: _Importer, eqn, ins: list, outs: list, source) -> Op:
+@register_control_flow("shard_map")
+def import_shard_map(imp: Importer, eqn, ins: list, outs: list, source) -> Op:
+    """A user's shard_map: an op with fixed boundary layouts around per-device code."""
     p = eqn.params
     jaxpr = p["jaxpr"] if isinstance(p["jaxpr"], jcore.ClosedJaxpr) else jcore.ClosedJaxpr(p["jaxpr"], [])
     mesh = p["mesh"]
@@ -121,7 +124,7 @@ def _user_line(tb) -> str | None:
     """file.py:LINE of the innermost frame that is the user's code."""
     found = None
     for frame, lineno in traceback.walk_tb(tb):
-        if not _is_library_frame(frame.f_code.co_filename):
+        if not is_library_frame(frame.f_code.co_filename):
             found = f"{os.path.basename(frame.f_code.co_filename)}:{lineno}"
     return found
 

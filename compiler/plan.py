@@ -20,6 +20,7 @@ from ..ir.mesh import Mesh
 from ..runtime.dump import summary_text, write_dumps
 from ..runtime.plan_data import plan_data
 from . import explain as _explain
+from .report import render_html, write_html
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,6 @@ class Plan:
     def to_html(self, path=None) -> str:
         """Write the plan report to ``path`` (one HTML file that opens from disk, no
         server); without a path, return the page."""
-        from .report import render_html, write_html
         return render_html(self.data) if path is None else write_html(self.data, str(path))
 
     @property

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..ir.errors import ShardingError, sharding_error
 from ..runtime.mesh import resolve_mesh
-from .annotate import caller_source
+from .source_lines import caller_source
 
 
 def mesh_devices(mesh) -> int:

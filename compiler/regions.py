@@ -15,6 +15,10 @@ from dataclasses import dataclass
 import jax
 
 from ..ir.graph import Value
+from ..passes.rules.dim_classes import DimClasses
+
+from . import mirrored  # noqa: F401  (registers the shard_map importer: a marked function may hold one)
+from .jaxpr_import import Importer, tensor_type
 
 
 @dataclass(frozen=True)
@@ -25,10 +29,6 @@ class RegionFactors:
 
 
 def factor_classes(fn, args, kwargs, array_positions) -> RegionFactors:
-    from ..passes.rules.dim_classes import DimClasses
-
-    from .trace import _Importer, tensor_type
-
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
 
     def only_arrays(*arrays):
@@ -41,7 +41,7 @@ def factor_classes(fn, args, kwargs, array_positions) -> RegionFactors:
     avals = [jax.ShapeDtypeStruct(jax.numpy.shape(leaves[i]), jax.numpy.result_type(leaves[i]))
              for i in array_positions]
     closed = jax.make_jaxpr(only_arrays)(*avals)
-    imp = _Importer()
+    imp = Importer()
     inputs = [Value(tensor_type(v.aval)) for v in closed.jaxpr.invars]
     imp.walk(closed.jaxpr, [imp.const(c) for c in closed.consts], inputs)
     uf = DimClasses()

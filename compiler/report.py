@@ -5,13 +5,14 @@ The page is drawn in the browser from the plan data (runtime/plan_data.py), so
 ``plan.to_html(path)`` and ``shardprop report DUMP_DIR -o path`` (which reads the
 dump's ``plan.json``) make the same page. The page's own code is beside this
 module: report_page.html (the frame), report_page.css and report_page.js.
+This module only renders plan data; ``sp.report(plan_or_dump_dir, path)`` is in api.py.
 """
 from __future__ import annotations
 
 import html
 import importlib.resources
 
-from ..runtime.plan_data import load_plan_data, to_json
+from ..runtime.plan_data import to_json
 
 _ASSETS = ("report_page.html", "report_page.css", "report_page.js")
 
@@ -42,11 +43,3 @@ def write_html(data: dict, path: str) -> str:
         f.write(render_html(data))
     return path
 
-
-def report(plan_or_dump_dir, path) -> str:
-    """``sp.report(plan, "plan.html")`` or ``sp.report("saved_graph/", "plan.html")``:
-    the plan report of a compiled plan or of a dump folder (its ``plan.json``)."""
-    from .plan import Plan
-    if isinstance(plan_or_dump_dir, Plan):
-        return plan_or_dump_dir.to_html(str(path))
-    return write_html(load_plan_data(str(plan_or_dump_dir)), str(path))

@@ -135,7 +135,7 @@ class Graph:
     name: str = "main"
     input_names: list[str] = field(default_factory=list)
     num_user_inputs: int = -1                      # inputs after these are closed-over constants
-    regions: dict = field(default_factory=dict)    # shard() call id -> its description (compiler.annotate.Region)
+    regions: dict = field(default_factory=dict)    # shard() call id -> compiler.region_registry.Region
     pinned_inputs: dict = field(default_factory=dict)   # input index -> Layout fixed by the user
     pinned_outputs: dict = field(default_factory=dict)  # output index -> Layout fixed by the user
     tied_outputs: dict = field(default_factory=dict)    # output index -> input index it must match (loop state)

@@ -14,9 +14,12 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from .distributed import initialize
+
 
 class Checkpointer:
     def __init__(self, directory: str, max_to_keep: Optional[int] = 3):
+        initialize()   # (a multi-process run: join it before orbax asks jax for the processes)
         self.directory = os.path.abspath(directory)
         self.manager = ocp.CheckpointManager(self.directory,
                                              options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))

@@ -17,10 +17,13 @@ import grain
 import jax
 import numpy as np
 
+from .distributed import initialize
+
 
 class DistributedSampler:
     def __init__(self, num_samples: int, global_batch_size: int, *, num_replicas: Optional[int] = None,
                  rank: Optional[int] = None, shuffle: bool = True, seed: int = 0, drop_last: bool = True):
+        initialize()   # (a multi-process run: join it before asking jax for the process count)
         self.num_replicas = jax.process_count() if num_replicas is None else num_replicas
         self.rank = jax.process_index() if rank is None else rank
         if global_batch_size % self.num_replicas:

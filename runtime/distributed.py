@@ -2,9 +2,17 @@
 gloo on CPUs), started from the launcher's environment, or from mpirun's or
 SLURM's (which ``jax.distributed.initialize`` reads itself).
 
-A training script needs no change between one process and many: ``parallelize``
-calls ``initialize()`` before it first looks at devices, and it does nothing
-when no launcher or cluster environment is present.
+Importing shardprop joins nothing. A process joins its run, once, at the first of:
+- launch: ``shardprop launch`` starts each rank through runtime/bootstrap.py, which
+  joins before the script's first line runs;
+- shardprop's entry points that look at devices: ``parallelize``, ``Model``,
+  ``DataLoader`` / ``DistributedSampler``, ``Checkpointer``, ``is_main_process`` /
+  ``print0`` / ``to_numpy``;
+- ``sp.init_distributed()`` (this module's ``initialize``), for a script started by
+  mpirun or SLURM that asks jax for devices (``jax.devices()``, an array op) before any
+  of the above.
+Without a launcher or cluster environment all of these do nothing, so a training
+script needs no change between one process and many.
 """
 from __future__ import annotations
 
@@ -31,19 +39,36 @@ def _cluster_environment() -> bool:
 def use_cpu_devices(n: int) -> None:
     """For examples and tests: run on ``n`` forced CPU devices, unless a launcher (or
     cluster) already decided the devices of this process. Call before jax starts."""
-    if ENV_COORDINATOR in os.environ or _cluster_environment():
+    if in_multiprocess_environment():
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
 
 
+def in_multiprocess_environment() -> bool:
+    """Whether a launcher, mpirun or SLURM started this process as one of several."""
+    return ENV_COORDINATOR in os.environ or _cluster_environment()
+
+
 def initialize() -> bool:
-    """Start the distributed runtime if this process is one of several. Idempotent.
-    Returns whether this process is part of a multi-process run."""
+    """Join the multi-process run this process belongs to (``sp.init_distributed()``),
+    before anything asks jax for devices. Idempotent; does nothing outside a launcher or
+    cluster environment. Returns whether this process is part of a multi-process run."""
     global _initialized
     if _initialized:
         return True
+    if not in_multiprocess_environment():
+        return False
+    if jax.distributed.is_initialized():   # the script called jax.distributed.initialize itself
+        _initialized = True
+        return True
+    if _devices_in_use():
+        raise RuntimeError(
+            "this process is one of several (launcher, mpirun or SLURM environment), but jax's devices were "
+            "asked for before it joined the run, so jax now sees this process's devices only: call "
+            "sp.init_distributed() at the top of the script, before the first jax call that looks at devices "
+            "(jax.devices(), jax.device_count(), creating an array)")
     timeout = int(os.environ.get(ENV_INIT_TIMEOUT, "120"))
     if ENV_COORDINATOR in os.environ:
         address = os.environ[ENV_COORDINATOR]
@@ -56,20 +81,28 @@ def initialize() -> bool:
             raise RuntimeError(
                 f"process {os.environ[ENV_PROCESS_ID]} could not join the run coordinated at {address} within "
                 f"{timeout} s: is process 0 running, and is that address reachable from here? ({e})") from None
-    elif _cluster_environment():
+    else:   # mpirun or SLURM: jax reads their environment itself
         jax.distributed.initialize(initialization_timeout=timeout)
-    else:
-        return False
     _initialized = True
     return True
 
 
+def _devices_in_use() -> bool:
+    try:
+        from jax._src import xla_bridge
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):   # another jax: jax.distributed.initialize says it itself
+        return False
+
+
 def is_main_process() -> bool:
+    initialize()
     return jax.process_index() == 0
 
 
 def to_numpy(x) -> np.ndarray:
     """A global array's full value on this process (gathered from every process if needed)."""
+    initialize()
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -14,6 +14,8 @@ processes (runtime/ps/launcher.py; logs ``log/serverlog.<i>``, ``log/workerlog.<
 does, the tables split by rows over their devices. ``sp.ps.is_server()`` /
 ``sp.ps.is_worker()`` tell the script its role.
 
+Each rank joins the run (jax.distributed) before its script's first line runs
+(runtime/bootstrap.py), so the script may look at jax's devices right away.
 Every rank's output goes to ``log/workerlog.<rank>``; rank 0's is also streamed
 to the console. When a rank fails or is killed, the others are stopped (SIGTERM,
 then SIGKILL: after ``jax.distributed.initialize`` a process ignores SIGTERM, and
@@ -35,9 +37,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
-
-GRACE_S = 2.0       # between SIGTERM and SIGKILL
-POLL_S = 0.1
+from .processes import POLL_S, describe_status, show_tail, start_logged, stop_groups
 
 
 class LaunchError(Exception):
@@ -210,7 +210,8 @@ class Workers:
             rank = self.cfg.node_rank * self.cfg.nproc + local
             path = os.path.join(self.cfg.log_dir, f"workerlog.{rank}")
             self.logs.append(path)
-            cmd = [sys.executable, "-u", self.cfg.script] + self.cfg.script_args
+            # each rank joins the run before the script's first line (runtime/bootstrap.py)
+            cmd = [sys.executable, "-u", "-m", "shardprop.runtime.bootstrap", self.cfg.script] + self.cfg.script_args
             p, tee = start_logged(cmd, worker_env(self.cfg, local), path, console=(rank == 0))
             self.procs.append(p)
             if tee is not None:
@@ -230,59 +231,6 @@ class Workers:
         stop_groups(self.procs)
         for t in self._threads:
             t.join(timeout=2)
-
-
-def start_logged(cmd: list, env: dict, log_path: str, console: bool = False):
-    """Start ``cmd`` in a session of its own (so ``stop_groups`` reaches its children too),
-    its output to ``log_path`` and, with ``console``, also to this process's stdout.
-    Returns (the process, the thread copying its output, or None)."""
-    if console:
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        t = threading.Thread(target=_tee, args=(p.stdout, open(log_path, "w")), daemon=True)
-        t.start()
-        return p, t
-    with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), None
-
-
-def stop_groups(procs: list, grace: float = GRACE_S) -> None:
-    """SIGTERM each process's group, then SIGKILL whatever is left after ``grace`` seconds."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(POLL_S)
-        if all(p.poll() is not None for p in procs):
-            break
-    for p in procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _tee(stream, log) -> None:
-    for line in iter(stream.readline, b""):
-        text = line.decode(errors="replace")
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        log.write(text)
-        log.flush()
-    log.close()
-
-
-def describe_status(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
 
 
 def run(cfg: Config) -> int:
@@ -311,7 +259,7 @@ def run(cfg: Config) -> int:
                 log = os.path.join(cfg.log_dir, f"workerlog.{rank}")
                 print(f"shardprop launch: rank {rank} failed ({describe_status(code)}); stopped the other ranks. "
                       f"See {log}", file=sys.stderr, flush=True)
-                _show_tail(log)
+                show_tail(log)
                 return code if code > 0 else 128 - code
             if workers.all_done():
                 workers.stop()   # joins the console thread
@@ -320,18 +268,6 @@ def run(cfg: Config) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def _show_tail(path: str, lines: int = 15) -> None:
-    try:
-        with open(path, errors="replace") as f:
-            tail = f.readlines()[-lines:]
-    except OSError:
-        return
-    if tail:
-        print(f"--- last lines of {path} ---", file=sys.stderr)
-        sys.stderr.writelines(tail)
-        sys.stderr.flush()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

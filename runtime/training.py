@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from ..compiler import parallelize
+from .distributed import initialize
 
 
 def scalar(x) -> float:
@@ -93,6 +94,7 @@ class ModelCheckpoint(Callback):
 class Model:
     def __init__(self, net: Callable, loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any, *,
                  mesh, **parallel_options):
+        initialize()   # (a multi-process run: join it before optimizer.init makes arrays)
         self.net, self.loss_fn, self.optimizer = net, loss_fn, optimizer
         self.params = params
         self.opt_state = optimizer.init(params)

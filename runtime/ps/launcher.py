@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..launch import _show_tail, describe_status, start_logged, stop_groups
+from ..processes import describe_status, show_tail, start_logged, stop_groups
 from .ray_env import ENV_RAY_ADDRESS
 from .roles import ENV_INDEX, ENV_MODE, ENV_ROLE, ENV_SERVERS, ENV_WORKERS
 
@@ -76,7 +76,7 @@ def run(num_servers: int, num_workers: int, log_dir: str, script: str, script_ar
     try:
         if address is None:
             print(f"shardprop launch: the Ray cluster did not start; see {log_dir}/raylog", file=sys.stderr)
-            _show_tail(os.path.join(log_dir, "raylog"))
+            show_tail(os.path.join(log_dir, "raylog"))
             return 1
         base = dict(os.environ, PYTHONUNBUFFERED="1", **AUTH)
         base.update({ENV_RAY_ADDRESS: address, ENV_SERVERS: str(num_servers), ENV_WORKERS: str(num_workers),
@@ -116,7 +116,7 @@ def _watch(roles, stopping) -> int:
                 print(f"shardprop launch: {r.label} ended ({describe_status(code)}) while workers were training: "
                       f"the parameters it held are gone, so the run is stopped. See {r.log}",
                       file=sys.stderr, flush=True)
-                _show_tail(r.log)
+                show_tail(r.log)
                 return code if code > 0 else (128 - code if code < 0 else 1)
         for r in workers:
             code = r.proc.poll()
@@ -127,7 +127,7 @@ def _watch(roles, stopping) -> int:
                 left = sum(1 for w in workers if w.proc.poll() is None)
                 print(f"shardprop launch: {r.label} failed ({describe_status(code)}); the {len(servers)} server(s) "
                       f"and {left} other worker(s) carry on. See {r.log}", file=sys.stderr, flush=True)
-                _show_tail(r.log, lines=5)
+                show_tail(r.log, lines=5)
         if all(w.proc.poll() is not None for w in workers):
             ok = [w for w in workers if w.proc.returncode == 0]
             if not ok:

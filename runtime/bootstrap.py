@@ -1,0 +1,52 @@
+"""``python -m shardprop.runtime.bootstrap script.py [args...]``: how ``shardprop launch``
+starts each rank. It joins the run first (runtime/distributed.py reads the launcher's
+environment: coordinator, process count, this process's id), then runs the script as
+``__main__``, as ``python script.py`` would: so the script may ask jax for devices on
+its first line, before it calls anything of shardprop's.
+
+A rank whose script fails exits at once with its status: a joined process would
+otherwise wait at exit for its peers (jax.distributed's shutdown barrier), and the
+launcher, which stops the others when one rank fails, would never hear of it.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+
+from .distributed import initialize
+
+
+def main(argv: list[str]) -> None:
+    script, args = argv[0], argv[1:]
+    try:
+        joined = initialize()
+    except RuntimeError as e:   # (an unreachable coordinator: say so, without a traceback)
+        sys.exit(f"shardprop launch: {e}")
+    sys.argv = [script] + list(args)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))   # where python script.py puts it
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if not joined or e.code in (None, 0):
+            raise
+        status = e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        _exit_now(status)
+    except BaseException:
+        if not joined:
+            raise
+        traceback.print_exc()
+        _exit_now(1)
+
+
+def _exit_now(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
