@@ -310,6 +310,7 @@ def test_gpipe_tick_table_by_hand():
     assert r.render() == ("stage 0: F0 F1  .  . B0 B1\n"
                           "stage 1:  . F0 F1 B0 B1  .")
     assert r.tick_table[(4, 0)] == B(0) and (2, 0) not in r.tick_table
+    assert r.at(4, 0) == B(0) and r.at(2, 0) is None and r.ticks == 6
 
 
 def test_zero_bubble_render_p4_m8():

@@ -136,12 +136,15 @@ class _Problem:
     limit: Optional[float]
     fwd_frac: float
 
+    def __post_init__(self):
+        self._in_flight = self.schedule.peak_in_flight()
+
     @property
     def S(self) -> int:
         return self.p * self.v
 
     def in_flight(self, k: int) -> int:
-        return self.schedule.peak_in_flight()[k % self.p]
+        return self._in_flight[k % self.p]
 
     def stage_limit(self) -> float:
         return math.inf if self.limit is None else self.limit / self.v

@@ -101,6 +101,10 @@ class SimResult:
         busy = sum(self.busy)
         return self.idle_time / busy if busy else 0
 
+    def at(self, tick: int, stage: int) -> Optional[Action]:
+        """The action ``stage`` runs at ``tick``, or None (a bubble)."""
+        return self.tick_table.get((tick, stage))
+
     def span(self, stage: int, action: Action) -> tuple:
         """(start, end) of ``action`` on ``stage``."""
         for e in self.events:
