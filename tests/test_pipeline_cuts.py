@@ -230,8 +230,12 @@ def test_invalid_inputs_are_clear():
         plan_cuts([1.0] * 3, 2, 2, "interleaved", 2)
     with pytest.raises(ShardingError, match="boundary_time has 1 entries, expected 3"):
         plan_cuts([1.0] * 4, 2, 2, boundary_time=[1.0])
-    with pytest.raises(ShardingError, match="layer_time must be numbers >= 0"):
+    with pytest.raises(ShardingError, match="layer_time must be finite numbers >= 0"):
         plan_cuts([1.0, -1.0], 2, 2)
+    with pytest.raises(ShardingError, match="layer_time must be finite numbers >= 0"):
+        plan_cuts([1.0, math.inf], 2, 2)
+    with pytest.raises(ShardingError, match="param_bytes must be finite numbers >= 0, got nan"):
+        plan_cuts([1.0, 1.0], 2, 2, param_bytes=[1.0, math.nan])
     with pytest.raises(ShardingError, match="m=3 is not a multiple of p=2"):
         plan_cuts([1.0] * 4, 2, 3, "interleaved", 2)
     with pytest.raises(ShardingError, match="objective must be one of"):

@@ -363,6 +363,12 @@ def test_floats_fractions_and_callables_agree():
     floats = simulate(s, {"forward": 0.5, "backward": 1.0}, latency=0.25)
     called = simulate(s, lambda kind, stage: {"forward": 0.5, "backward": 1.0}.get(kind, 0.5), latency=0.25)
     assert float(exact.makespan) == floats.makespan == called.makespan
+    np = pytest.importorskip("numpy")
+    as_numpy = simulate(s, {"forward": np.float32(0.5), "backward": np.float64(1.0)}, latency=np.float64(0.25))
+    assert as_numpy.makespan == floats.makespan
+    ints = simulate(s, {"forward": np.int64(1), "backward": 2}, latency=np.int32(1))
+    assert ints.makespan == simulate(s, {"forward": 1, "backward": 2}, latency=1).makespan
+    assert isinstance(ints.makespan, Fr)
     assert exact.tick == Fr(1, 4) and len(exact.table()) == exact.makespan * 4
 
 

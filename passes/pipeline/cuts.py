@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Sequence
@@ -110,15 +111,17 @@ def even_bounds(L: int, S: int) -> tuple:
 
 # ---- inputs ----
 
-def _seq(x, n: int, what: str, default=0.0) -> list:
+def _seq(x, n: int, what: str, default=0.0, allow_inf: bool = False) -> list:
     if x is None:
         return [default] * n
     x = list(x)
     if len(x) != n:
         raise ShardingError(f"pipeline cuts: {what} has {len(x)} entries, expected {n}")
     for v in x:
-        if isinstance(v, bool) or not isinstance(v, (int, float, Fraction)) or v < 0 or v != v:
-            raise ShardingError(f"pipeline cuts: {what} must be numbers >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= 0 or \
+                (math.isinf(v) and not allow_inf):
+            raise ShardingError(f"pipeline cuts: {what} must be {'' if allow_inf else 'finite '}numbers >= 0, "
+                                f"got {v!r}")
     return [float(v) for v in x]
 
 
@@ -158,7 +161,7 @@ def _problem(layer_time, p, m, schedule, v, boundary_time, param_bytes, activati
     if not 1 <= p * v <= L:
         raise ShardingError(f"cannot cut {L} layers into p*v = {p}*{v} = {p * v} stages: every stage needs a "
                             f"layer; use at most {L} stages (or split the layers finer)")
-    boundary = _seq(boundary_time, max(L - 1, 0), "boundary_time")
+    boundary = _seq(boundary_time, max(L - 1, 0), "boundary_time", allow_inf=True)
     if p == 1:   # every model stage on the one pipeline stage: nothing crosses a link
         boundary = [math.inf if math.isinf(x) else 0.0 for x in boundary]
     if not 0 < float(forward_fraction) < 1:

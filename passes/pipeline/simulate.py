@@ -42,6 +42,7 @@ zero-bubble paper's convention (1F1B: (p-1)/m).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Optional
@@ -150,15 +151,16 @@ class SimResult:
 
 
 def _exact(values) -> bool:
-    return not any(isinstance(x, float) for x in values)
+    """Rational inputs only (ints, Fractions, numpy ints): simulate in Fractions."""
+    return all(isinstance(x, numbers.Rational) for x in values)
 
 
 def _num(x, exact: bool):
-    if isinstance(x, bool) or not isinstance(x, (int, float, Fraction)):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise ShardingError(f"pipeline simulation: a duration or latency must be a number, got {x!r}")
-    if x < 0 or (isinstance(x, float) and not math.isfinite(x)):
+    if not (x >= 0 and math.isfinite(x)):
         raise ShardingError(f"pipeline simulation: durations and latencies must be finite and >= 0, got {x!r}")
-    return Fraction(x) if exact else float(x)
+    return Fraction(int(x.numerator), int(x.denominator)) if exact else float(x)
 
 
 def _per_stage(value, n: int, what: str) -> list:
