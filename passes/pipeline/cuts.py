@@ -221,7 +221,9 @@ def _simulated(pr: _Problem, bounds, compute) -> float:
 # ---- the dynamic program ----
 
 def _matrices(pr: _Problem):
-    """Per model stage k, (time[k][a, b], feasible[k][a, b]) over 0 <= a < b <= L."""
+    """Per model stage k, (time[a, b], memory[a, b]) of running layers a..b-1 as stage k;
+    inf where that is not allowed (empty, not starting at 0 / ending at L for the first /
+    last stage, over the memory limit, or cut at an inf boundary)."""
     L, S = pr.L, pr.S
     pt = np.concatenate([[0.0], np.cumsum(pr.time)])
     pp_ = np.concatenate([[0.0], np.cumsum(pr.params)])
@@ -230,7 +232,6 @@ def _matrices(pr: _Problem):
     b = np.arange(L + 1)[None, :]
     valid = a < b
     bnd = np.concatenate([[0.0], pr.boundary, [0.0]])         # bnd[j]: exchange of a cut before layer j
-    bnd[0] = bnd[-1] = 0.0
     with np.errstate(invalid="ignore"):
         compute = pt[None, :] - pt[:, None]
         exchange = bnd[:, None] + bnd[None, :]
