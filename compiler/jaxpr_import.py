@@ -33,7 +33,10 @@ class UnsupportedValue(TypeError):
     pass
 
 
-_TYPES: dict = {}   # (shape, dtype) -> TensorType: a model has few distinct types
+# (shape, dtype) -> TensorType: a model has few distinct types. Bounded: emptied when it
+# reaches _TYPES_MAX, so a long-lived process that meets ever new shapes keeps caching.
+_TYPES: dict = {}
+_TYPES_MAX = 65536
 
 
 def tensor_type(aval) -> TensorType:
@@ -44,8 +47,12 @@ def tensor_type(aval) -> TensorType:
         t = None
     if t is None:
         t = _tensor_type(aval)
-        if len(_TYPES) < 65536:
+        if len(_TYPES) >= _TYPES_MAX:
+            _TYPES.clear()
+        try:
             _TYPES[key] = t
+        except TypeError:
+            pass
     return t
 
 

@@ -276,6 +276,25 @@ def _region_net():
     return net, np.ones((8, 16), np.float32), np.ones((16, 8), np.float32)
 
 
+def test_no_unbounded_function_caches():
+    # functools.cache / lru_cache(maxsize=None) keep every argument ever seen: in a
+    # long-lived process that retraces, a leak. Give each cache a size.
+    bad = []
+    for m, (path, _) in sorted(discover().items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for d in node.decorator_list:
+                name = ast.unparse(d.func if isinstance(d, ast.Call) else d)
+                unbounded = name in ("cache", "functools.cache") or (
+                    isinstance(d, ast.Call) and name in ("lru_cache", "functools.lru_cache")
+                    and any(isinstance(a, ast.Constant) and a.value is None
+                            for a in list(d.args[:1]) + [k.value for k in d.keywords if k.arg == "maxsize"]))
+                if unbounded:
+                    bad.append(f"{path.relative_to(ROOT)}:{d.lineno} {node.name}")
+    assert not bad, "\n".join(bad)
+
+
 def _live_regions() -> int:
     """Region objects alive, whatever table (or none) holds them."""
     import gc
