@@ -212,7 +212,6 @@ class ChoiceMixin:
         communication, not for compute alone: slicing it looks free here, but an op
         settled later may need the whole back (a layer norm's statistics sliced, then
         gathered for the next matmul)."""
-        mesh = self.mesh
         key, c, pt, s = best
         pt_axes = set(pt[1]) if pt else set(self.passthrough[op][1]) if self.passthrough.get(op) else set()
         near = set()

@@ -476,8 +476,7 @@ class Problem:
                 continue
             pi, pp, out = self.owner[v]
             pnode = self.nodes[pi]
-            target = g.pinned_outputs.get(i)
-            if target is None and i in g.tied_outputs:
+            if i not in g.pinned_outputs and i in g.tied_outputs:   # an edge to its argument's node
                 j = g.tied_outputs[i]
                 ji = self.owner[g.inputs[j]][0]
                 jnode = self.nodes[ji]
@@ -485,12 +484,8 @@ class Problem:
                                    same=pi == ji)
                 self._add(("tied", T[pi], pp, out, T[ji]), T[pi], T[ji], mat, pi == ji)
                 continue
-            if target is not None:
-                vec = np.array([self.redistribution(v, self.layout_of(v, pnode, k), target)
-                                for k in range(len(pnode.candidates))])
-            else:
-                vec = np.array([self.prices.completion(v, self.layout_of(v, pnode, k), mesh, self.step_end)[1]
-                                for k in range(len(pnode.candidates))])
+            vec = np.array([self.prices.output(g, i, self.layout_of(v, pnode, k), None, mesh, self.step_end)[1]
+                            for k in range(len(pnode.candidates))])   # (pinned, or completed)
             self.unary[T[pi]] += vec
         self._memory_terms()
         self._edges()

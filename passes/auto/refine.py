@@ -74,14 +74,8 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
         total = 0.0
         for u, m in users.get(v, ()):
             total += problem.redistribution(v, have, ops[u].operand_layout(m, v.type.rank, mesh))
-        for i in out_target.get(v, ()):
-            target = g.pinned_outputs.get(i)
-            if target is None and i in g.tied_outputs:
-                target = inputs[g.tied_outputs[i]]
-            if target is None:   # completed the cheapest way, priced as the objective prices it
-                total += problem.prices.completion(v, have, mesh, problem.step_end)[1]
-            else:
-                total += problem.redistribution(v, have, target)
+        for i in out_target.get(v, ()):   # priced as the objective prices it
+            total += problem.prices.output(g, i, have, inputs.__getitem__, mesh, problem.step_end)[1]
         return total
 
     # a move takes along the ops whose layout is derived from the moved one: what is made

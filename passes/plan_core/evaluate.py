@@ -6,7 +6,7 @@ each engine's own figure to it). Walked op by op in program order: each op's com
 per device (``cost.ComputeTimes``), each operand moved from the layout its producer
 makes (or its argument arrives in) to the layout the op needs, each output to its
 pinned layout, its argument's layout (returned state) or its cheapest completion,
-every move priced by ``pricing.Prices``. ``shared_copies``: a value needed in one
+every move priced by ``pricing.Prices`` (an output's by ``Prices.output``). ``shared_copies``: a value needed in one
 layout by several ops is moved once (as ``insert-reshards`` writes it, and as
 propagation plans); without, once per reader (the search's linear model, which
 prices each edge on its own).
@@ -71,10 +71,6 @@ def evaluate_plan(ctx: PlanContext, ops: dict, inputs: dict, prices: Prices, com
     for i, v in enumerate(g.outputs):
         if v.literal is not None or v not in layout:
             continue
-        target = g.pinned_outputs.get(i)
-        if target is None and i in g.tied_outputs:
-            target = layout[g.inputs[g.tied_outputs[i]]]
-        if target is None:
-            target = prices.completion(v, layout[v], mesh, step_end)[0]
+        target = prices.output(g, i, layout[v], lambda j: layout[g.inputs[j]], mesh, step_end)[0]
         move("(outputs)", v, target)
     return total

@@ -85,6 +85,18 @@ class Prices:
             self._completions[key] = out
         return out
 
+    def output(self, graph, i: int, have: Layout, input_layout, mesh: Mesh, step_end: StepEnd) -> tuple[Layout, float]:
+        """(layout, seconds) of handing output ``i`` of ``graph`` back from ``have``: to its
+        pinned layout, to its argument's layout (returned state; ``input_layout(j)``:
+        argument j's layout in the plan), else completed the cheapest way."""
+        v = graph.outputs[i]
+        target = graph.pinned_outputs.get(i)
+        if target is None and i in graph.tied_outputs:
+            target = input_layout(graph.tied_outputs[i])
+        if target is None:
+            return self.completion(v, have, mesh, step_end)
+        return target, self.move(v, have, target, mesh, step_end)
+
     def wire_bytes(self, v, src: Layout, dst: Layout, mesh: Mesh, step_end: StepEnd) -> float:
         """Bytes on the wire of the move's steps."""
         if src == dst:
