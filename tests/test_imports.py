@@ -37,7 +37,7 @@ def discover(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
         base = root / folder
         for path in sorted(base.rglob("*.py")):
             rel = path.relative_to(base).with_suffix("")
-            parts = [p for p in rel.parts]
+            parts = list(rel.parts)
             is_init = parts[-1] == "__init__"
             if is_init:
                 parts = parts[:-1]
@@ -56,6 +56,14 @@ def _resolve(name: str, known: set[str]) -> str | None:
     return None
 
 
+def _absolute(package: str, level: int, name: str | None) -> str:
+    """A relative import's module: ``level`` dots from ``package`` (1: the package itself)."""
+    base = package.split(".")
+    if level > 1:
+        base = base[:-(level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
 def imports_of(module: str, path: Path, is_init: bool, known: set[str]) -> set[tuple[str, int]]:
     """(imported module, line) for every import in the file, at any depth."""
     package = module if is_init else module.rpartition(".")[0]
@@ -72,14 +80,7 @@ def imports_of(module: str, path: Path, is_init: bool, known: set[str]) -> set[t
             for alias in node.names:
                 add(alias.name, node.lineno)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                if node.level > 1:
-                    base = base[:-(node.level - 1)]
-                base = ".".join(base)
-                full = f"{base}.{node.module}" if node.module else base
-            else:
-                full = node.module
+            full = _absolute(package, node.level, node.module) if node.level else node.module
             for alias in node.names:
                 sub = f"{full}.{alias.name}"
                 add(sub if sub in known else full, node.lineno)
@@ -90,11 +91,8 @@ def imports_of(module: str, path: Path, is_init: bool, known: set[str]) -> set[t
             if named and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
                 name = node.args[0].value
                 if name.startswith("."):
-                    level = len(name) - len(name.lstrip("."))
-                    base = package.split(".")
-                    if level > 1:
-                        base = base[:-(level - 1)]
-                    name = ".".join(base) + ("." + name.lstrip(".") if name.lstrip(".") else "")
+                    bare = name.lstrip(".")
+                    name = _absolute(package, len(name) - len(bare), bare or None)
                 add(name, node.lineno)
     return found
 
