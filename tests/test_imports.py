@@ -242,6 +242,17 @@ def test_importing_shardprop_does_not_join_a_run():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
+def test_init_distributed_outside_a_run_does_nothing():
+    import pytest
+
+    import shardprop as sp
+    from shardprop.runtime import distributed
+    if distributed.in_multiprocess_environment():
+        pytest.skip("this test process was started as one of several")
+    assert sp.init_distributed is distributed.initialize
+    assert sp.init_distributed() is False and sp.init_distributed() is False
+
+
 _LATE_JOIN = textwrap.dedent("""
     import jax
     import shardprop as sp
