@@ -70,6 +70,7 @@ def test_auto_gradients_equal_one_device():
     assert_close(pgrad(params, x, y), jax.jit(grad)(params, x, y))
 
 
+@pytest.mark.slow
 def test_gpt_loss_and_gradients_without_marks_equal_one_device(monkeypatch):
     """Attention, layer norms and the tied LM head, forward and backward, with no mark:
     the searched plan splits some of it and computes what one device computes. (The
@@ -143,6 +144,7 @@ def test_small_model_big_batch_is_data_parallel():
     assert_close(pstep(params, x, y), jax.jit(sgd_step)(params, x, y))
 
 
+@pytest.mark.slow
 def test_weights_that_do_not_fit_get_split():
     params, x, y = problem_data(4096, 1024, 2)     # 4 MiB weights
     free = sp.parallelize(sgd_step, mesh=8, mode="auto").plan(params, x, y)
@@ -177,6 +179,7 @@ def compiled_bytes(pstep, *args) -> int:
         + m.generated_code_size_in_bytes
 
 
+@pytest.mark.slow
 def test_state_that_overflows_gets_zero_style_sharding(caplog):
     import logging
     import optax
@@ -243,6 +246,7 @@ def test_a_compiled_program_over_the_limit_is_searched_again_under_a_lower_model
     assert_close(pstep(params, x, y), jax.jit(sgd_step)(params, x, y))
 
 
+@pytest.mark.slow
 def test_no_plan_whose_compiled_program_fits_is_a_sharding_error_with_the_figures(monkeypatch):
     params, x, y = problem_data(64, 512, 2)
     limit = 3 * 10 ** 6
@@ -557,6 +561,7 @@ def test_lagrange_multipliers_bound_the_optimum_and_their_plan_fits(seed):
     assert out.gap == pytest.approx((out.objective - out.bound) / out.objective)
 
 
+@pytest.mark.slow
 def test_multipliers_and_exact_rows_plan_alike_under_a_limit():
     """The MLP step whose weights do not fit: multipliers first (exact rows where they
     leave a gap above 1%) plan within 1% of the exact rows' plan, and fit."""
@@ -571,6 +576,7 @@ def test_multipliers_and_exact_rows_plan_alike_under_a_limit():
     assert lag.bound <= exact.objective * (1 + 1e-4)   # (a solver's bound holds the 1e-16 s/byte tie-break)
 
 
+@pytest.mark.slow
 def test_exact_rows_out_of_time_leave_the_multipliers_plan(monkeypatch):
     """Where the exact rows find no plan within their time limit (simulated), the
     multipliers' plan that fits is returned with its gap, not an error (with either

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import shardprop as sp
 from tests import training_setup as T
@@ -25,6 +26,8 @@ def resume_and_finish(ckpt_dir, mesh):
     return model.position, model.train(EPOCHS, T.batches())
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)   # its worker may take up to 300 s
 def test_kill_mid_run_then_resume_gives_the_same_losses(tmp_path):
     ckpt = tmp_path / "ckpt"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -38,6 +41,7 @@ def test_kill_mid_run_then_resume_gives_the_same_losses(tmp_path):
     np.testing.assert_allclose(rest, full[6:], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_resume_on_a_different_mesh(tmp_path):
     ckpt = tmp_path / "ckpt"
     model = T.make_model(8)

@@ -3,6 +3,7 @@ layout through the loop (layers stacked with lax.scan are planned once)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import shardprop as sp
 from tests.helpers import check_parallel
@@ -22,6 +23,7 @@ def stacked_mlp(x, w1s, w2s):
     return jax.lax.scan(layer, x, (w1s, w2s))
 
 
+@pytest.mark.slow
 def test_scan_of_megatron_layers():
     pf = check_parallel(stacked_mlp, (X, W1S, W2S))
     plan = pf.plan(X, W1S, W2S)

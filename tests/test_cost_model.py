@@ -242,6 +242,8 @@ def test_contraction_streams_its_operands_where_measured():
     assert times["rows"] > times["columns"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)   # the CLI run may take up to 300 s
 def test_calibrate_cli_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "profile.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")

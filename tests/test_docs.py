@@ -77,6 +77,8 @@ def test_guide_pages_exist():
 
 
 @pytest.mark.parametrize("page", [_param(p) for p in PAGES])
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1020)   # a page's script may take up to 900 s
 def test_page_code_blocks_run(page, tmp_path):
     if not python_blocks(page.read_text()):
         pytest.skip(f"{page.name} has no python block")
@@ -84,6 +86,7 @@ def test_page_code_blocks_run(page, tmp_path):
     assert r.returncode == 0, f"a python block of {page.name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
 
 
+@pytest.mark.multiprocess
 def test_a_broken_block_fails(tmp_path):
     """The runner is not vacuous: a failing block fails its page, and names the block."""
     page = tmp_path / "broken.md"
@@ -171,6 +174,8 @@ def test_readme_keeps_the_two_commands():
 
 # Not -q: mkdocs's quiet flag hides warnings from the strict-mode counter too, so a broken
 # link would pass (test_mkdocs_strict_fails_on_a_broken_link caught that).
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)   # the build may take up to 300 s
 def test_mkdocs_build_strict(tmp_path):
     if shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed (pip install mkdocs mkdocs-material)")
@@ -182,6 +187,8 @@ def test_mkdocs_build_strict(tmp_path):
     assert (tmp_path / "site" / "index.html").exists()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)   # the build may take up to 300 s
 def test_mkdocs_strict_fails_on_a_broken_link(tmp_path):
     """The strict build is a real check: the same site with one dead link fails."""
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 import shardprop as sp
 from tests.helpers import assert_trees_close
@@ -13,6 +14,7 @@ import quickstart  # noqa: E402
 import resnet  # noqa: E402
 
 
+@pytest.mark.slow
 def test_resnet_data_parallel_with_model_parallel_classifier():
     rng = np.random.default_rng(1)
     images = rng.standard_normal((16, 8, 8, 3)).astype(np.float32)

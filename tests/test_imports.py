@@ -21,6 +21,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # repository folder -> installed package (pyproject.toml's package-dir)
 FOLDERS = {"shardprop": "shardprop", "compiler": "shardprop.compiler", "ir": "shardprop.ir",
@@ -234,6 +236,7 @@ _NO_JOIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_importing_shardprop_does_not_join_a_run():
     # a launcher's environment (and a cluster's): importing must not join jax.distributed
     env = dict(os.environ, SHARDPROP_COORDINATOR="127.0.0.1:1", SHARDPROP_NUM_PROCESSES="2",
@@ -264,6 +267,7 @@ _LATE_JOIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_joining_after_jax_looked_at_devices_says_what_to_do():
     env = dict(os.environ, SHARDPROP_COORDINATOR="127.0.0.1:1", SHARDPROP_NUM_PROCESSES="2",
                SHARDPROP_PROCESS_ID="1", SHARDPROP_INIT_TIMEOUT="1")

@@ -32,6 +32,7 @@ def assert_no_orphans(pid_dir):
             os.kill(pid, 0)
 
 
+@pytest.mark.multiprocess
 def test_two_processes_equal_one_process(tmp_path):
     proc = launch(["--nproc", 2, "--devices-per-proc", 4, QUICKSTART, "--out", tmp_path / "y.npy",
                    "--dump-dir", tmp_path / "multi"], cwd=tmp_path)
@@ -55,6 +56,7 @@ def test_two_processes_equal_one_process(tmp_path):
         assert multi[name] == one[name], name
 
 
+@pytest.mark.multiprocess
 def test_killed_rank_stops_the_others(tmp_path):
     start = time.monotonic()
     proc = launch(["--nproc", 2, "--devices-per-proc", 4, WORKER, tmp_path, "die_after_init"], cwd=tmp_path)
@@ -65,6 +67,7 @@ def test_killed_rank_stops_the_others(tmp_path):
     assert_no_orphans(tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_rank_failing_at_startup(tmp_path):
     proc = launch(["--nproc", 2, "--devices-per-proc", 2, WORKER, tmp_path, "fail_at_start"], cwd=tmp_path)
     assert proc.returncode == 1
@@ -73,6 +76,7 @@ def test_rank_failing_at_startup(tmp_path):
     assert_no_orphans(tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_sigterm_to_launcher_stops_all_ranks(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
@@ -97,6 +101,7 @@ def _read(path):
         return ""
 
 
+@pytest.mark.multiprocess
 def test_devices_per_proc_that_does_not_fit_the_mesh(tmp_path):
     proc = launch(["--nproc", 2, "--devices-per-proc", 3, WORKER, tmp_path, "mesh8"], cwd=tmp_path)
     assert proc.returncode != 0
@@ -111,12 +116,14 @@ def test_devices_per_proc_that_does_not_fit_the_mesh(tmp_path):
     (["--nproc", 2, "missing_script.py"], "script 'missing_script.py' not found"),
     (["--ips", "10.0.0.1,10.0.0.2", WORKER], "cannot tell which of --ips"),
 ])
+@pytest.mark.multiprocess
 def test_bad_arguments_are_refused_before_starting(tmp_path, args, message):
     proc = launch(args, cwd=tmp_path, timeout=30)
     assert proc.returncode == 2 and message in proc.stderr
     assert not (tmp_path / "log").exists()
 
 
+@pytest.mark.multiprocess
 def test_busy_coordinator_port(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -126,6 +133,7 @@ def test_busy_coordinator_port(tmp_path):
     assert proc.returncode == 2 and f"coordinator port {port} on 127.0.0.1 is already in use" in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_unreachable_coordinator_fails_in_bounded_time(tmp_path):
     """This host is rank 1 of a run coordinated by a host that is not there."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), SHARDPROP_INIT_TIMEOUT="5")
@@ -145,6 +153,8 @@ def test_cli_entry_point(tmp_path):
     assert jax.process_count() == 1
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)   # its own launch waits up to 300 s
 def test_training_run_across_processes_equals_one_process(tmp_path):
     proc = launch(["--nproc", 2, "--devices-per-proc", 4, ROOT / "examples" / "quickstart_train.py"], cwd=tmp_path,
                   timeout=300)
@@ -159,6 +169,7 @@ def test_training_run_across_processes_equals_one_process(tmp_path):
     np.testing.assert_allclose(multi, single, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.multiprocess
 def test_two_hosts_with_ips(tmp_path):
     """--ips: the same command on every host, each finding its node rank; here both
     'hosts' are this machine, told their rank with --node-rank."""

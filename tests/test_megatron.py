@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import shardprop as sp
 from tests.helpers import assert_trees_close
@@ -29,6 +30,7 @@ def test_forward_one_all_reduce_per_block():
     assert kinds == [("all_reduce", ACTIVATION)] * (2 * CFG.layers)
 
 
+@pytest.mark.slow
 def test_training_step_is_megatron():
     step, opt = M.make_train_step(M.Parallelism.tensor(8), CFG)
     state = opt.init(PARAMS)
@@ -48,6 +50,7 @@ def test_training_step_is_megatron():
     assert_trees_close(got, want)
 
 
+@pytest.mark.slow
 def test_data_and_tensor_parallel_2x4():
     step, opt = M.make_train_step(M.Parallelism.data_and_tensor(), CFG)
     state = opt.init(PARAMS)
@@ -73,6 +76,7 @@ def test_data_and_tensor_parallel_2x4():
     assert_trees_close(pstep(PARAMS, state, TOKENS, TARGETS), want)   # donates (a copy of) state
 
 
+@pytest.mark.slow
 def test_sequence_parallel_forward_gathers_and_scatters():
     """Marking the layer norms (sequence split) and the row-parallel matmuls' outputs turns
     each block's all_reduce into an all_gather before it and a reduce_scatter after it."""
@@ -85,6 +89,7 @@ def test_sequence_parallel_forward_gathers_and_scatters():
     assert_trees_close(pf(PARAMS, TOKENS), jax.jit(lambda p, t: M.forward(p, t, par, CFG))(PARAMS, TOKENS))
 
 
+@pytest.mark.slow
 def test_sequence_parallel_backward_is_the_conjugate():
     """Backward, each block gathers its incoming gradient once (the weight gradient
     and the input gradient both read the gathered copy) and reduce-scatters the
@@ -98,6 +103,7 @@ def test_sequence_parallel_backward_is_the_conjugate():
     assert "all_to_all" not in kinds and kinds.count("all_gather") == 4 * CFG.layers
 
 
+@pytest.mark.slow
 def test_sequence_parallel_training_step_equals_single_device():
     step, opt = M.make_train_step(M.Parallelism.sequence(8), CFG)
     state = opt.init(PARAMS)
@@ -159,6 +165,7 @@ def train_step_of(forward, par, cfg):
     return step, opt
 
 
+@pytest.mark.slow
 def test_post_ln_training_step_has_megatrons_all_reduce_count():
     """Backward, jax adds each of q, k, v's partial input gradients into a sum that already
     holds the residual's complete gradient; the partials are summed first and reduced once:
@@ -180,6 +187,7 @@ def test_post_ln_training_step_2x4_keeps_megatrons_count_in_mp_groups():
     assert tp == [("all_reduce", (CFG.batch // 2, CFG.seq, CFG.embed))] * (4 * CFG.layers)
 
 
+@pytest.mark.slow
 def test_fused_qkv_column_split_gathers_once_per_layer():
     """GPT-2's fused [q|k|v] projection split on columns meets the q/k/v split: one
     all_gather of the projection per layer (not one per q, k and v), and the step equals
@@ -200,6 +208,7 @@ MESH_2x4 = ((2, 4), ("dp", "mp"))
 MP_GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))
 
 
+@pytest.mark.slow
 def test_auto_post_ln_step_keeps_megatrons_all_reduce_count():
     """The search, like propagation, sums the q/k/v partial input gradients before
     reducing them: 4 mp all_reduces per layer (Megatron's count; the partials reduced one
@@ -213,6 +222,7 @@ def test_auto_post_ln_step_keeps_megatrons_all_reduce_count():
     assert_trees_close(pstep(PARAMS, state, TOKENS, TARGETS), jax.jit(step)(PARAMS, state, TOKENS, TARGETS))
 
 
+@pytest.mark.slow
 def test_auto_fused_qkv_gathers_the_projection_once_per_layer():
     """GPT-2's fused [q|k|v] projection split on columns: the search gathers it once per
     layer over mp, never q, k and v one by one."""

@@ -51,6 +51,7 @@ def mirrored_view(x, w1, w2):
     return jnp.tanh(y)
 
 
+@pytest.mark.slow
 def test_global_and_mirrored_views_agree_with_one_device():
     args = (X, W1, W2)
     single = jax.jit(global_view)(*args)

@@ -82,11 +82,13 @@ def _linen_setup():
     return step, (params, opt.init(params), jax.random.key(42)), batches
 
 
+@pytest.mark.slow
 def test_flax_linen_dropout_training_data_parallel():
     step, state, batches = _linen_setup()
     assert_same_training(step, state, batches, mesh=8, mode="data_parallel", batch_argnums=(3, 4))
 
 
+@pytest.mark.slow
 def test_flax_linen_dropout_training_megatron():
     """The MLP's up-projection column-split and its down-projection row-split over mp, the
     batch over dp: the dropout mask between them is drawn in blocks on both axes."""
@@ -106,6 +108,7 @@ def test_flax_linen_dropout_training_megatron():
 
 
 # -- flax nnx: the dropout key and its counter are model state ----------------------------
+@pytest.mark.slow
 def test_flax_nnx_dropout_training_data_parallel():
     from flax import nnx
 
@@ -161,6 +164,7 @@ def _gpt2_setup():
     return step, (model.params, opt.init(model.params), jax.random.PRNGKey(7)), batches
 
 
+@pytest.mark.slow
 def test_hf_flax_gpt2_dropout_training_data_parallel():
     step, state, batches = _gpt2_setup()
     assert_same_training(step, state, batches, mesh=8, mode="data_parallel")

@@ -3,6 +3,8 @@ repository's folders are not installed as generic top-level modules."""
 import subprocess
 import sys
 
+import pytest
+
 import shardprop as sp
 
 
@@ -13,6 +15,7 @@ def test_public_api_is_shardprop():
     assert sp.parallelize.__module__ == "shardprop.compiler.api"
 
 
+@pytest.mark.multiprocess
 def test_generic_names_are_not_installed(tmp_path):
     # run from an empty folder so the repository's own folders are not on sys.path
     for name in ("compiler", "ir", "passes", "runtime"):

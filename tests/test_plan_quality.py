@@ -3,6 +3,7 @@ rule has. Each case is the issue's, with its shapes; each plan is also checked
 against one device."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardprop as sp
@@ -91,6 +92,7 @@ def test_layer_norm_big_activation_split_by_rows_stays():
     assert [(c.kind, c.bytes) for c in plan.collectives] == [("all_gather", 3584)] * 2
 
 
+@pytest.mark.slow
 def test_moves_of_several_axes_at_once():
     """bench/ops.py's cases where the cheapest plan moves two axes at once and every single
     step costs more (the climb now tries an open factor's axes moved together, and two

@@ -53,7 +53,7 @@ def _propagated(pf, args, memoize: bool):
             [v.layout for v in graph.inputs])
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [c if c == "resnet" else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES)])
 def test_memo_gives_the_plan_worked_out_afresh(case):
     pf, args = CASES[case]()
     memoized = _propagated(pf, args, memoize=True)

@@ -4,6 +4,7 @@ plan keeps every user strategy as given."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -89,6 +90,7 @@ def build(prog):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(), st.integers(0, 2 ** 31 - 1))
+@pytest.mark.slow
 def test_random_programs_equal_single_device(program, seed):
     shapes, prog = program
     rng = np.random.default_rng(seed)

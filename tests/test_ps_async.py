@@ -33,7 +33,13 @@ BATCH = 1024
 BUDGET = 60 * 1024
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None    # not imported here: the jobs run in subprocesses
-needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (the 'ps' extra: pip install -e '.[ps]')")
+_skip_without_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (the 'ps' extra: pip install -e '.[ps]')")
+
+
+def needs_ray(test):
+    """A test on a Ray cluster: skipped without ray; marked ray and multiprocess (the cluster's
+    processes); up to 600 s, since the shared session's job may take its own limit of 400 s."""
+    return _skip_without_ray(pytest.mark.ray(pytest.mark.multiprocess(pytest.mark.timeout(600)(test))))
 
 
 # -- without Ray ---------------------------------------------------------------------
@@ -98,6 +104,7 @@ def test_without_ray_the_message_names_the_extra(monkeypatch):
         job.start()
 
 
+@pytest.mark.multiprocess
 def test_import_shardprop_does_not_import_ray():
     r = subprocess.run([sys.executable, "-c", "import sys, shardprop; shardprop.ps.is_server(); "
                         "print('ray' in sys.modules)"], capture_output=True, text=True)
@@ -316,6 +323,7 @@ def test_launch_a_killed_worker_is_reported_a_killed_server_stops_the_run(tmp_pa
     assert _processes_with(marker) == []
 
 
+@pytest.mark.multiprocess
 def test_launch_sync_roles_run_on_jax_distributed(tmp_path):
     p = _launch(["--server-num", 1, "--worker-num", 2, "--ps-mode", "sync", ROOT / "tests" / "ps_scripts" /
                  "show_role.py"], tmp_path)
@@ -332,6 +340,7 @@ def test_launch_sync_roles_run_on_jax_distributed(tmp_path):
     (["--worker-num", 2], "--server-num missing: an async parameter-server run needs at least one server"),
     (["--server-num", 1, "--worker-num", 2, "--nproc", 2], "leave out --nproc, --gpus and --ips"),
 ])
+@pytest.mark.multiprocess
 def test_launch_bad_role_arguments(tmp_path, args, message):
     p = _launch(args + [ROOT / "tests" / "ps_scripts" / "show_role.py"], tmp_path)
     out, err = p.communicate(timeout=60)
@@ -339,6 +348,7 @@ def test_launch_bad_role_arguments(tmp_path, args, message):
     assert not (tmp_path / "log").exists()
 
 
+@pytest.mark.multiprocess
 def test_launch_without_ray_names_the_extra(tmp_path):
     """An async run on a machine without the ``ps`` extra stops before starting anything."""
     (tmp_path / "no_ray").mkdir()

@@ -75,6 +75,7 @@ def sync_run(model):
     return plan, got, ref, losses, ref_losses
 
 
+@pytest.mark.slow
 def test_sync_wide_and_deep_equals_one_device(sync_run):
     _, got, ref, losses, ref_losses = sync_run
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -112,6 +113,7 @@ def stacked(log, first: int, k: int, batch: int):
     return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *[log.batch(first + j, batch) for j in range(k)])
 
 
+@pytest.mark.slow
 def test_geo_with_one_local_step_is_sync(model, sync_run):
     cfg, log, params, opt, state, step = model
     geo = sp.ps.geo(step, k_steps=1, mesh=8, tables={"emb": "ids", "wide": "ids"})
@@ -146,6 +148,7 @@ def geo_by_hand(step, params, opt_state, batches, replicas: int):
             np.mean(np.reshape(losses, (replicas, k)), axis=0))
 
 
+@pytest.mark.slow
 def test_geo_round_equals_replicas_trained_by_hand():
     """k=3 local steps with Adagrad (per-replica optimizer state; a row moves only when
     looked up, which pushing touched rows needs); the small tables push the emb's touched
@@ -207,6 +210,7 @@ def test_auc_counts_every_pair():
         wd.auc(np.ones(4), np.arange(4.0))
 
 
+@pytest.mark.slow
 def test_geo_k10_learns_as_well_as_sync_on_the_same_samples():
     """A small run of the issue's convergence criterion (the full-size figures are in the
     README): after the same 10,240 samples, GEO with k=10 is within 1% of sync's AUC."""

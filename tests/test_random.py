@@ -53,6 +53,7 @@ def check(fn, args, *, mesh=8, mode="sharding_propagation", grad_argnums=(), exa
 
 # -- the issue's repro -----------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["legacy", "typed"])
+@pytest.mark.slow
 def test_issue_repro_bernoulli_data_parallel(kind):
     f = lambda k, x: x * jax.random.bernoulli(k, .9, x.shape)  # noqa: E731
     check(f, (KEYS[kind], X), mode="data_parallel", grad_argnums=(1,))
@@ -116,22 +117,26 @@ COMBO_IDS = [f"{k}-{m}-{'mesh8' if n == 8 else 'mesh2x4'}" for k, m, n in COMBOS
 
 
 @pytest.mark.parametrize("kind,mode,mesh", COMBOS, ids=COMBO_IDS)
+@pytest.mark.slow
 def test_draws_equal_one_device_exactly(kind, mode, mesh):
     pf = sp.parallelize(_draws, mesh=mesh, mode=mode, verify=True, progress=False)
     assert_same_bits(pf(KEYS[kind], X), one_device(_draws, kind))
 
 
 @pytest.mark.parametrize("kind,mode,mesh", COMBOS, ids=COMBO_IDS)
+@pytest.mark.slow
 def test_random_values_and_grads(kind, mode, mesh):
     pf = sp.parallelize(_values_and_grads, mesh=mesh, mode=mode, verify=True, progress=False)
     assert_trees_close(pf(KEYS[kind], X), one_device(_values_and_grads, kind))
 
 
+@pytest.mark.slow
 def test_gamma():
     """random_gamma splits its key per element by position: those dims stay whole."""
     check(lambda k, x: x * jax.random.gamma(k, 2., x.shape), (KEYS["typed"], X[:8, :4]), mode="data_parallel")
 
 
+@pytest.mark.slow
 def test_key_closed_over_and_returned():
     """A key array the function closes over is fed in; keys come back as keys."""
     outside = jax.random.split(jax.random.key(5), 4)
@@ -168,6 +173,7 @@ def _marked_dropout_net(k, x, w):
 
 @pytest.mark.parametrize("mode", ["sharding_propagation", "semi_auto"])
 @pytest.mark.parametrize("kind", ["legacy", "typed"])
+@pytest.mark.slow
 def test_dropout_after_a_marked_matmul(kind, mode):
     vg = jax.value_and_grad(_marked_dropout_net, argnums=(1, 2))
     pf = sp.parallelize(vg, mesh=8, mode=mode, verify=True)
@@ -176,6 +182,7 @@ def test_dropout_after_a_marked_matmul(kind, mode):
     assert np.prod(bits.out_strategy[0]) == 8    # every device draws an eighth of the mask
 
 
+@pytest.mark.slow
 def test_dropout_after_a_marked_matmul_named_mesh():
     def net(k, x, w):
         h = sp.shard(jnp.matmul, (P("dp", None), P(None, "mp")))(x, w)
@@ -185,6 +192,7 @@ def test_dropout_after_a_marked_matmul_named_mesh():
     assert bits.out_strategy == ((2, 4),)
 
 
+@pytest.mark.slow
 def test_batch_of_keys_with_split_draws():
     """vmap over per-row keys (flax's per-example dropout): the key batch dim and the drawn
     dim are both split; each device draws its block with its own rows' keys."""
@@ -247,6 +255,7 @@ def test_block_counters_are_global_positions(shape, block, offsets):
     np.testing.assert_array_equal(np.asarray(lo), (want & 0xFFFFFFFF).astype(np.uint64))
 
 
+@pytest.mark.slow
 def test_block_is_the_block_of_the_global_draw():
     key = jax.random.key(5)
     keys = jax.random.split(key, 4)

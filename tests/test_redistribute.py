@@ -88,7 +88,8 @@ def test_every_layout_pair_of_rank_4_tensors_on_a_2d_mesh(shape):
     check_every_pair(shape, Mesh(("a", "b"), (2, 4)))
 
 
-@pytest.mark.parametrize("shape", [(8, 4), (4, 8, 2), (2, 4, 2, 4)], ids=str)
+@pytest.mark.parametrize("shape", [pytest.param((8, 4), marks=pytest.mark.slow), (4, 8, 2),
+                                   pytest.param((2, 4, 2, 4), marks=pytest.mark.slow)], ids=str)
 def test_every_layout_pair_on_a_3d_mesh(shape):
     assert check_every_pair(shape, Mesh(("a", "b", "c"), (2, 2, 2)), up_to_renaming=True) > 500
 

@@ -169,6 +169,7 @@ def test_scatter_that_is_not_an_add(how):
         check_parallel(f, (a, u), in_strategy=strategy, grads=how == "set")
 
 
+@pytest.mark.slow
 def test_out_strategy_keeps_the_axes_its_producer_splits_over():
     """A later output dim must not take an axis an earlier dim's producer layout holds
     (the bind reused it: 'mesh axis d0 is used twice')."""

@@ -147,6 +147,7 @@ def browser():
 
 
 @browser_test
+@pytest.mark.browser
 def test_seed_report_in_browser(seed_plan, browser, tmp_path):
     plan = seed_plan
     path = plan.to_html(tmp_path / "seed.html")
@@ -171,6 +172,7 @@ def test_seed_report_in_browser(seed_plan, browser, tmp_path):
 
 
 @browser_test
+@pytest.mark.browser
 def test_rank_view_is_the_rank_dump(browser, tmp_path):
     """Each rank's view shows what rank_<r>/execute.ir runs: its collective groups, its
     slice offsets, where its blocks of the inputs start (MindSpore's form: all_reduce + slice)."""
@@ -191,6 +193,7 @@ def test_rank_view_is_the_rank_dump(browser, tmp_path):
 
 
 @browser_test
+@pytest.mark.browser
 def test_gpt_report_in_browser(gpt_plan, browser, tmp_path):
     plan, data = gpt_plan, gpt_plan.data
     opened = open_report(browser, plan.to_html(tmp_path / "gpt.html"))

@@ -207,6 +207,7 @@ def simulate(graph, xs) -> list:
 
 @pytest.mark.parametrize("side", ["in", "out"])
 @pytest.mark.parametrize("mesh", list(MESHES.values()), ids=list(MESHES))
+@pytest.mark.slow
 def test_every_layout_each_rank_holds_its_block(mesh, side):
     """Every input layout (operand pinned) and every output layout (result pinned) of
     every pair: the compiled per-rank program, run in the rank simulation, leaves
@@ -222,6 +223,7 @@ def test_every_layout_each_rank_holds_its_block(mesh, side):
 
 
 @pytest.mark.parametrize("mesh", list(MESHES.values()), ids=list(MESHES))
+@pytest.mark.slow
 def test_drawn_layouts_forward_and_grad_against_one_device(mesh):
     """Through XLA, forward and gradients: one drawn input layout per pair, and one
     drawn output layout per pair (forward). (Every layout runs in the rank simulation

@@ -89,6 +89,7 @@ def test_embedding_table_split_by_rows_is_looked_up_in_place():
 flax = pytest.importorskip("flax", reason="flax is in the test extra; install it with pip install -e '.[test]'")
 
 
+@pytest.mark.slow
 def test_flax_linen_cnn():
     import flax.linen as nn
 
@@ -108,6 +109,7 @@ def test_flax_linen_cnn():
     check_parallel(loss, (params, x), argnums=(0,))
 
 
+@pytest.mark.slow
 def test_flax_linen_transformer_data_parallel():
     import flax.linen as nn
 
@@ -125,6 +127,7 @@ def test_flax_linen_transformer_data_parallel():
     check_parallel(loss, (params, TOKENS), argnums=(0,), mode="data_parallel")
 
 
+@pytest.mark.slow
 def test_flax_nnx_mlp():
     from flax import nnx
 

@@ -40,6 +40,7 @@ def run_steps(fn, p, st, batch, n=3):
     return p, st, losses
 
 
+@pytest.mark.slow
 def test_data_parallel_mode_derives_gradient_all_reduce(setup):
     p, st, batch = setup
     pf = sp.parallelize(step, mesh=8, mode="data_parallel", verify=True)
@@ -55,6 +56,7 @@ def test_data_parallel_mode_derives_gradient_all_reduce(setup):
     assert_trees_close(got, want)
 
 
+@pytest.mark.slow
 def test_optimizer_state_sharding_is_zero1(setup):
     p, st, batch = setup
     pf = sp.parallelize(step, mesh=8, mode="data_parallel", shard_optimizer_state=True, verify=True)

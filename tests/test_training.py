@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+import pytest
 
 import shardprop as sp
 from tests import training_setup as T
@@ -29,6 +30,7 @@ def test_seed_training_run_equals_single_device_and_decreases():
     assert float(lines[9].rsplit(" ", 1)[1]) == parallel[9]
 
 
+@pytest.mark.slow
 def test_mlp_classifier_adam_data_parallel_equals_single_device():
     data = T.batches()
     parallel = T.make_model(8).train(2, data)
@@ -44,6 +46,7 @@ def test_gradients_per_parameter_equal_single_device():
     assert_trees_close(got, jax.jit(grad)(params))
 
 
+@pytest.mark.slow
 def test_small_transformer_adamw_tensor_parallel():
     cfg = G.Config(layers=2)
     par = G.Parallelism.tensor(8)
@@ -66,6 +69,7 @@ def test_small_transformer_adamw_tensor_parallel():
     assert_trees_close(par_run, single_run, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_data_parallel_example_one_line():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import data_parallel
@@ -73,6 +77,7 @@ def test_data_parallel_example_one_line():
                                data_parallel.main(single_device=True, epochs=1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_mixed_precision_bf16_compute_f32_master_weights():
     """bf16 compute with f32 master weights, written as users write it (casts in the
     step): traced as it is, data parallel, with losses close to one device's (bf16)."""

@@ -32,18 +32,30 @@ class _Timeout(Exception):
 
 
 def _with_timeout(seconds, fn, *args):
+    """fn(*args), raising _Timeout after ``seconds``. It nests inside an enclosing SIGALRM
+    limit (pytest-timeout's, under pytest): that limit's timer is put back afterwards, less
+    the time spent, and if it expires first its own handler runs."""
     if not seconds or threading.current_thread() is not threading.main_thread():
         return fn(*args)
+    outer_handler = signal.getsignal(signal.SIGALRM)
+    outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
+    outer_deadline = time.monotonic() + outer_left if outer_left else None
+    outer_fired = []
 
     def alarm(signum, frame):
+        if outer_deadline is not None and time.monotonic() >= outer_deadline - 0.01 and callable(outer_handler):
+            outer_fired.append(True)
+            return outer_handler(signum, frame)
         raise _Timeout(f"no result after {seconds} s")
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(int(seconds))
+    signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer_left) if outer_left else seconds)
     try:
         return fn(*args)
     finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, outer_handler)
+        if outer_deadline is not None and not outer_fired:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_deadline - time.monotonic(), 0.01))
 
 
 def outcome_of(program, timeout: Optional[float] = 120):
