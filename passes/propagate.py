@@ -53,13 +53,12 @@ class PropagateSharding:
         self.wish_memo: Optional[dict] = {} if memoize else None  # situation -> wishes passed on
         self.compute_times: dict = {}  # (id(mesh), id(graph)) -> cost.ComputeTimes (what a strategy costs in compute)
         self.partial_memo: dict = {}  # (rule, factors, passthrough) -> the results' pending partial
-        self.strategies: dict = {}  # (rule, factors, passthrough) -> the one OpStrategy ops share
         # (signature, factors, passthrough) -> (strategy, layout each operand needs or None
         # for a literal, result layouts): what writing the plan reads per op
         self.placements: dict = {}
         self.axes_memo: dict = {}  # (rule, factors) -> per-dim axes of its operands and results
         self.hints_memo: dict = {}  # (rule, result, hints) -> the hints that makes for its operands
-        self.book = RuleBook()      # rules interned and signature ids, across the graphs it plans
+        self.book = RuleBook()      # rules and strategies interned, signature ids: across the graphs it plans
         self.prices = Prices(cost, allow_reduce_scatter)   # the one price of a move
         self._contexts: dict = {}   # graph id -> its PlanContext: built once for all rounds
         # graph -> the modeled time of the plan kept for it (``plan_core.evaluate``)

@@ -13,7 +13,6 @@ from ..ir.layout import Layout
 
 from .plan_core.evaluate import evaluate_plan
 from .plan_core.write import DEFAULT, propagated, write_plan
-from .sharding import OpStrategy
 
 
 class PlanMixin:
@@ -72,14 +71,10 @@ class PlanMixin:
         all ops with an equal one; the layout each operand needs, None for a literal;
         each result's layout)."""
         mesh, rule = self.mesh, self.rules[op]
-        strategies = self.cfg.strategies
-        key = (id(rule), factors, passthrough)
-        st = strategies.get(key)
-        if st is None:
-            st = strategies[key] = OpStrategy(rule, factors, passthrough)
-            problems = st.problems(mesh)
-            if problems:
-                raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
+        st = self.ctx.book.strategy(rule, factors, passthrough)
+        problems = st.problems(mesh)
+        if problems:
+            raise AssertionError(f"propagation produced an invalid strategy for {op.describe()}: {problems}")
         return (st,
                 tuple(None if v.literal is not None else st.operand_layout(n, v.type.rank, mesh)
                       for n, v in enumerate(op.inputs)),

@@ -339,7 +339,7 @@ class Problem:
             produced: dict = {}
             for pos, (op, m) in enumerate(zip(n.members, n.main)):
                 if m == -1:
-                    st = self._strategy(self.rules(op), tuple(cand), n.passthroughs[k] if n.passthroughs else None)
+                    st = self.ctx.book.strategy(self.rules(op), tuple(cand), n.passthroughs[k] if n.passthroughs else None)
                 elif type(m) is tuple:   # follows what its consumer (member m[1]) needs of it
                     u = n.members[m[1]]
                     need = row[m[1]].operand_layout(m[2], u.inputs[m[2]].type.rank, mesh)
@@ -386,13 +386,6 @@ class Problem:
             self._producer_map = self.graph.producers()
         return self._producer_map
 
-    def _strategy(self, rule, factors: tuple, passthrough) -> OpStrategy:
-        key = (id(rule), factors, passthrough)
-        st = self._strategy_cache.get(key)
-        if st is None:
-            st = self._strategy_cache[key] = OpStrategy(rule, factors, passthrough)
-        return st
-
     def _follow(self, op: Op, m: int, src: Layout) -> OpStrategy:
         """The strategy of an op that follows operand ``m`` arriving in ``src``: the
         splits it can keep, a partial passed through where the op is linear in that
@@ -414,7 +407,7 @@ class Problem:
             st = OpStrategy(rule, *attempt)
             if not st.problems(mesh):
                 break
-        st = self._strategy(rule, st.factors, st.passthrough)
+        st = self.ctx.book.strategy(rule, st.factors, st.passthrough)
         self._strategy_cache[key] = st
         return st
 
@@ -432,7 +425,7 @@ class Problem:
         st = OpStrategy(rule, factors)
         if st.problems(mesh):
             st = OpStrategy(rule, ((),) * rule.num_factors)
-        st = self._strategy_cache[key] = self._strategy(rule, st.factors, None)
+        st = self._strategy_cache[key] = self.ctx.book.strategy(rule, st.factors, None)
         return st
 
     # -- costs --------------------------------------------------------------------

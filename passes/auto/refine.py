@@ -171,7 +171,7 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
     def valid_strategy(rule, factors):
         key = (id(rule), factors)
         if key not in valid:
-            valid[key] = None if OpStrategy(rule, factors).problems(mesh) else problem._strategy(rule, factors, None)
+            valid[key] = None if OpStrategy(rule, factors).problems(mesh) else problem.ctx.book.strategy(rule, factors)
         return valid[key]
 
     def input_cost(i, layout):

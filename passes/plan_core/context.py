@@ -15,6 +15,7 @@ from ...ir.graph import Graph, Op
 from ..cost import StepEnd
 from ..fusion import resident_values
 from ..rules import rule_for
+from ..sharding import OpStrategy
 
 
 def op_key(op: Op):
@@ -33,13 +34,23 @@ def op_key(op: Op):
 
 class RuleBook:
     """Each op's factor rule, one object for all equal rules (so a memo key may name a
-    rule by its id), and the small ints naming propagation's op signatures; shared by
-    every graph one engine plans (a loop's body and its caller)."""
+    rule by its id), one strategy object for all equal strategies (they memoize their
+    layouts), and the small ints naming propagation's op signatures; shared by every
+    graph one engine plans (a loop's body and its caller; the search's arrangements)."""
 
     def __init__(self):
         self._by_key: dict = {}        # op_key -> rule
         self._interned: dict = {}      # rule -> the one equal rule object
+        self._strategies: dict = {}    # (rule id, factors, passthrough) -> the one OpStrategy
         self.signature_ids: dict = {}  # (rule id, operand flags, result flags) -> small int
+
+    def strategy(self, rule, factors: tuple, passthrough=None) -> OpStrategy:
+        """The one ``OpStrategy`` of ``rule`` (an interned rule) with these factors and passthrough."""
+        key = (id(rule), factors, passthrough)
+        st = self._strategies.get(key)
+        if st is None:
+            st = self._strategies[key] = OpStrategy(rule, factors, passthrough)
+        return st
 
     def __call__(self, op: Op):
         key = op_key(op)
