@@ -49,6 +49,7 @@ def stored(plan, prefix):
     return {n: v for n, v in zip(g.input_names, g.inputs) if n.startswith(prefix)}
 
 
+@pytest.mark.slow
 def test_fsdp_data_parallel_gathers_each_weight_and_reduce_scatters_its_gradient(setup):
     p, st, batch = setup
     pf = sp.parallelize(step, mesh=8, mode="data_parallel", shard_params=True, verify=True, progress=False)
@@ -72,6 +73,7 @@ def test_fsdp_data_parallel_gathers_each_weight_and_reduce_scatters_its_gradient
     assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fsdp_composes_with_megatron_marks_on_a_named_mesh():
     cfg = Config(layers=2)
     params = init_params(cfg)

@@ -316,6 +316,7 @@ def _live_regions() -> int:
                if type(o).__name__ == "Region" and type(o).__module__.startswith("shardprop.compiler"))
 
 
+@pytest.mark.slow
 def test_retracing_does_not_grow_the_region_table():
     # A region lives while something holds its marks: a Graph, a jaxpr, or jax's own
     # caches (bounded LRUs: its abstract-eval cache keeps a primitive's params, the

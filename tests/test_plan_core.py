@@ -22,7 +22,7 @@ from shardprop.passes.plan_core.pricing import Prices
 from shardprop.passes.propagate import PropagateSharding
 from shardprop.passes.redistribute import redistribution_cost
 
-SLOW = {"gpt12_train_mp8", "gpt12_train_dp2xmp4"}
+SLOW = {"gpt12_train_mp8", "gpt12_train_dp2xmp4", "gpt2_train_mp8", "gpt2_train_dp2xmp4"}
 CASES = [pytest.param(c.name, marks=pytest.mark.slow) if c.name in SLOW else c.name for c in zoo.cases()]
 
 
