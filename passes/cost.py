@@ -395,18 +395,23 @@ class ComputeTimes:
     """What a strategy costs in compute: the one definition propagation, the search
     and the step model share (``CostModel.compute_time`` of ``strategy_work``),
     memoized for one cost model and mesh; ``resident``: the values of the graph
-    priced that fusion keeps out of memory (``fusion.resident_values``)."""
+    priced that fusion keeps out of memory (``fusion.resident_values``); ``rules``:
+    op -> its rule where the caller has them (a plan context's), else built here."""
 
-    def __init__(self, cost: CostModel, mesh, resident=frozenset()):
-        self.cost, self.mesh, self.resident = cost, mesh, resident
+    def __init__(self, cost: CostModel, mesh, resident=frozenset(), rules=None):
+        self.cost, self.mesh, self.resident, self.rules = cost, mesh, resident, rules
         self._tensors: dict = {}   # op -> (tensor_factors(op, rule), is_contraction(rule))
         self._memo: dict = {}      # (flops, factors, tensors, contraction) -> seconds: all the time depends on
 
     def tensors(self, op) -> tuple:
+        """What an op's compute reads of it: (tensor_factors, is_contraction)."""
         t = self._tensors.get(op)
         if t is None:
-            from .rules import rule_for
-            rule = rule_for(op)
+            if self.rules is not None:
+                rule = self.rules[op]
+            else:
+                from .rules import rule_for
+                rule = rule_for(op)
             t = self._tensors[op] = (tensor_factors(op, rule, self.resident), is_contraction(rule))
         return t
 

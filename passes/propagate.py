@@ -76,7 +76,8 @@ class PropagateSharding:
         key = (id(graph.mesh), id(graph))
         times = self.compute_times.get(key)
         if times is None or times.mesh is not graph.mesh:
-            times = self.compute_times[key] = ComputeTimes(self.cost, graph.mesh, self.context(graph).resident)
+            ctx = self.context(graph)
+            times = self.compute_times[key] = ComputeTimes(self.cost, graph.mesh, ctx.resident, ctx.rules)
         return times
 
     def __call__(self, graph: Graph) -> Graph:

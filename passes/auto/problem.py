@@ -103,7 +103,7 @@ class Problem:
         # the graph as both planners read it (rules, users, resident values, step end)
         self.ctx = like.ctx if like is not None and like.graph is graph else PlanContext(graph, RuleBook())
         self.rules = self.ctx.rule
-        self.compute_times = ComputeTimes(cost, self.mesh, self.ctx.resident)
+        self.compute_times = ComputeTimes(cost, self.mesh, self.ctx.resident, self.ctx.rules)
         # values whose all_reduces XLA launches together at the step's end
         self.step_end = self.ctx.step_end
         if like is not None and like.graph is graph and (like.follow, like.share) == (follow, share_layers):

@@ -30,47 +30,60 @@ def evaluate_plan(ctx: PlanContext, ops: dict, inputs: dict, prices: Prices, com
     g = ctx.graph
     mesh, step_end = g.mesh, ctx.step_end
     layout = {g.inputs[i]: l for i, l in inputs.items()}
-    total = dict(compute=0.0, communication=0.0, bytes=0.0, flops=0.0)
+    seconds = communication = nbytes = flops = 0.0
     moved: set = set()
-    needs: dict = {}   # (id of a strategy, operand) -> the layout it needs (strategies are shared objects)
+    # strategies are shared objects, and an op's signature names all its compute and its
+    # layouts read of it (rule, types, what fusion keeps out of memory): per pair, once
+    placed: dict = {}   # (id of a strategy, signature) -> (seconds, flops, operand needs, result layouts)
+    signature = ctx.signatures
 
-    def add(kind, what, x):
-        total[what] += x
-        if breakdown is not None:
-            b = breakdown.setdefault(kind, dict(compute=0.0, communication=0.0, bytes=0.0))
-            if what in b:
-                b[what] += x
+    def add(kind, **x):   # the breakdown by op kind
+        b = breakdown.setdefault(kind, dict(compute=0.0, communication=0.0, bytes=0.0))
+        for what, y in x.items():
+            b[what] += y
 
-    def move(kind, v, need):
-        have = layout[v]
-        if have is need or have == need:
-            return
+    def move(kind, v, have, need) -> tuple:
+        """(seconds, bytes) of moving ``v`` from ``have`` to ``need``."""
+        if have == need:
+            return 0.0, 0.0
         if shared_copies:
             if (v, need) in moved:
-                return
+                return 0.0, 0.0
             moved.add((v, need))
-        add(kind, "communication", prices.move(v, have, need, mesh, step_end))
-        if detail:
-            add(kind, "bytes", prices.wire_bytes(v, have, need, mesh, step_end))
+        t = prices.move(v, have, need, mesh, step_end)
+        b = prices.wire_bytes(v, have, need, mesh, step_end) if detail else 0.0
+        if breakdown is not None:
+            add(kind, communication=t, bytes=b)
+        return t, b
 
     for op in g.ops:
         st = ops[op]
-        add(op.kind, "compute", compute.time(op, st.rule.flops, st.factors))
-        if detail:
-            add(op.kind, "flops", compute.work(op, st.rule.flops, st.factors)[0])
-        for m, v in enumerate(op.inputs):
-            if v.literal is not None or v not in layout:
+        key = (id(st), signature[op])
+        p = placed.get(key)
+        if p is None:
+            p = placed[key] = (compute.time(op, st.rule.flops, st.factors),
+                               compute.work(op, st.rule.flops, st.factors)[0] if detail else 0.0,
+                               tuple(None if v.literal is not None else st.operand_layout(m, v.type.rank, mesh)
+                                     for m, v in enumerate(op.inputs)),
+                               tuple(st.result_layout(k, mesh) for k in range(len(op.outputs))))
+        seconds += p[0]
+        flops += p[1]
+        if breakdown is not None:
+            add(op.kind, compute=p[0])
+        for v, need in zip(op.inputs, p[2]):
+            have = layout.get(v)
+            if have is need or have is None or need is None:
                 continue
-            key = (id(st), m)
-            need = needs.get(key)
-            if need is None:
-                need = needs[key] = st.operand_layout(m, v.type.rank, mesh)
-            move(op.kind, v, need)
-        for k, v in enumerate(op.outputs):
-            layout[v] = st.result_layout(k, mesh)
+            t, b = move(op.kind, v, have, need)
+            communication += t
+            nbytes += b
+        for v, result in zip(op.outputs, p[3]):
+            layout[v] = result
     for i, v in enumerate(g.outputs):
         if v.literal is not None or v not in layout:
             continue
         target = prices.output(g, i, layout[v], lambda j: layout[g.inputs[j]], mesh, step_end)[0]
-        move("(outputs)", v, target)
-    return total
+        t, b = move("(outputs)", v, layout[v], target)
+        communication += t
+        nbytes += b
+    return dict(compute=seconds, communication=communication, bytes=nbytes, flops=flops)
