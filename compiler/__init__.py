@@ -9,6 +9,7 @@ from ..passes.cost import CostModel
 from .annotate import shard
 from .api import ParallelFunction, parallelize, report
 from .plan import Plan, PlanCollective, PlanOp
+from .stages import Pipeline, stage_boundary
 
 __all__ = ["shard", "parallelize", "ParallelFunction", "Plan", "PlanOp", "PlanCollective", "ShardingError",
-           "CostModel", "report"]
+           "CostModel", "report", "Pipeline", "stage_boundary"]

@@ -364,7 +364,7 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                 cost_model=None, donate_argnums=(), verify: bool = False,
                 batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
                 progress: Optional[bool] = None, memory_limit=None, shard_params=False,
-                param_argnums=(0,)) -> ParallelFunction:
+                param_argnums=(0,), pipeline=None) -> ParallelFunction:
     """Make ``fn`` run SPMD on ``mesh``.
 
     mesh: a device count (the first N devices), a ``jax.sharding.Mesh``, or
@@ -408,7 +408,14 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
     progress: a compile that takes over 2 s shows its stages on stderr (tracing,
         each pass, lowering, XLA's compile); False (or SHARDPROP_PROGRESS=0) keeps
         it quiet, True shows them as the default does.
+    pipeline: ``sp.Pipeline(microbatches=..., schedule=...)`` pipelines the step over the
+        mesh's ``pp`` axis (``compiler/pipeline_step.py``; docs/guide/pipeline.md): the
+        ``batch_argnums`` are split into micro-batches, the stages are cut at
+        ``sp.stage_boundary`` marks; returns a ``PipelineFunction``.
     """
+    if pipeline is not None:
+        from .pipeline_step import PipelineFunction
+        return PipelineFunction(fn, mesh=mesh, pipeline=pipeline, batch_argnums=batch_argnums, dump_dir=dump_dir)
     return ParallelFunction(fn, mesh=mesh, mode=mode, in_strategy=in_strategy, out_strategy=out_strategy,
                             dump_dir=dump_dir, fuse_reduce_scatter=fuse_reduce_scatter, cost_model=cost_model,
                             donate_argnums=donate_argnums, verify=verify, batch_argnums=batch_argnums,

@@ -237,7 +237,7 @@ def register_control_flow(name: str):
 # jax's own layout requests: with_sharding_constraint, and what jax inserts or the user
 # calls on a mesh with Explicit axes (``jax.sharding.reshard``, ``mesh_cast``)
 LAYOUT_REQUESTS = ("sharding_constraint", "reshard", "mesh_cast")
-IDENTITIES = ("pvary", "pcast")
+IDENTITIES = ("pvary", "pcast", "stage_boundary")   # stage_boundary: compiler/stages.py
 
 
 def _spec_dims(params, rank: int) -> tuple:

@@ -7,8 +7,8 @@ at the first ``parallelize`` (or ``Model``, ``DataLoader``, ``Checkpointer``), o
 ``ir/``, ``passes/`` and ``runtime/`` folders are installed as ``shardprop.compiler``
 and so on (see pyproject.toml), never as top-level names of their own.
 """
-from .compiler import (CostModel, ParallelFunction, Plan, PlanCollective, PlanOp, ShardingError,  # noqa: F401
-                       parallelize, report, shard)
+from .compiler import (CostModel, ParallelFunction, Pipeline, Plan, PlanCollective, PlanOp, ShardingError,  # noqa: F401
+                       parallelize, report, shard, stage_boundary)
 from . import ps  # noqa: F401  (parameter-server training; ray is imported only when a job starts)
 from .runtime.checkpoint import Checkpointer  # noqa: F401
 from .runtime.data import DataLoader, DistributedSampler  # noqa: F401
@@ -19,4 +19,4 @@ from .runtime.training import Callback, LossMonitor, Model, ModelCheckpoint, Pro
 __all__ = ["shard", "parallelize", "ParallelFunction", "Plan", "PlanOp", "PlanCollective", "ShardingError",
            "CostModel", "report", "Model", "Callback", "LossMonitor", "ModelCheckpoint", "ProgressBar", "StepInfo",
            "Checkpointer", "DataLoader", "DistributedSampler", "is_main_process", "print0", "to_numpy",
-           "use_cpu_devices", "init_distributed"]
+           "use_cpu_devices", "init_distributed", "Pipeline", "stage_boundary"]

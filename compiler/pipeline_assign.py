@@ -1,0 +1,383 @@
+"""Stage assignment and micro-batch analysis of a traced training (or inference) step.
+
+Input: the whole step traced twice with ``jax.make_jaxpr`` (calls inlined), once on the
+global batch and once on one micro-batch (the batch arguments' dim 0 divided by ``m``;
+with ``m == 1`` the second trace doubles the batch instead, only to find the batch dims).
+Both traces have the same equations; comparing each value's shape between them gives its
+**batch dim** (the one dim whose size scales with the batch). The micro-batch trace is the
+one the lowering runs, so every shape parameter (reshape sizes, broadcast shapes, iota) is
+already a micro-batch's; a literal or constant whose value differs between the traces (a
+mean's ``1/B``) takes the global trace's value, so the per-micro-batch partial sums add
+up to the global step's.
+
+Every equation gets one of these roles:
+
+- ``float``: reads only step inputs and constants (parameter transposes, the batch's
+  label one-hots...): computed wherever it is needed, in any program that reads it;
+- ``mb`` (per micro-batch): reads a staged value; it belongs to one **model stage** and
+  one **phase** (``F`` forward, ``B`` backward). Its results carry the batch dim, or, for
+  a batch-contracting op (``reduce_sum``, ``dot_general``, ``conv``), none: those are
+  **partial sums over micro-batches** (``acc``), accumulated across micro-batches;
+- ``once``: reads an accumulated value (the optimizer update, the loss normalisation):
+  runs once after the last micro-batch, on the stage (rank) that owns its inputs.
+
+Stage of an ``mb`` op: forward marks (``direction="forward"``) are cuts ``0..S-2`` in
+program order; the k-th mark's results are stage ``k+1``'s. A forward op is on the
+highest stage among its staged inputs. Backward marks are the cuts' transposes
+(reversed program order); a backward op is on the lowest stage among its backward
+inputs. The last stage's backward ops (before the first backward mark) are the ops that
+descend from the cotangent seed (an op of constants only, e.g. ``broadcast_in_dim
+1.0``), closed under consumers; the split only moves work between the F and B actions,
+program order keeps it correct either way.
+
+Errors (``ShardingError`` with the op, its source line, the shapes and the fix): a
+batch-mixing op (a non-additive reduction over the batch, a per-micro-batch op reading an
+accumulated value), a value crossing stages other than through a mark, a mark inside a
+loop or cond body, a mark count that does not match ``p * v - 1``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+from jax._src import source_info_util
+
+from ..ir.errors import ShardingError, sharding_error
+from .jaxpr_import import INLINE
+from .source_lines import source_of
+
+PARTIAL_PRODUCERS = ("reduce_sum", "dot_general", "conv_general_dilated")
+FLOAT, MB, ONCE, MARK = "float", "mb", "once", "mark"
+
+
+def inline_calls(closed):
+    """The closed jaxpr with every call (jit, custom_jvp/vjp, remat) inlined."""
+    def run(jaxpr, consts, *args):
+        env = {}
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]
+        for eqn in jaxpr.eqns:
+            ins = [read(a) for a in eqn.invars]
+            name = eqn.primitive.name
+            if name in INLINE and INLINE[name] in eqn.params:
+                body = eqn.params[INLINE[name]]
+                if isinstance(body, jcore.ClosedJaxpr):
+                    outs = run(body.jaxpr, body.consts, *ins)
+                else:
+                    outs = run(body, [], *ins)
+            else:
+                params = eqn.primitive.get_bind_params(eqn.params)
+                with source_info_util.user_context(eqn.source_info.traceback,
+                                                   name_stack=eqn.source_info.name_stack):
+                    outs = eqn.primitive.bind(*ins, **params)
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [read(a) for a in jaxpr.outvars]
+    avals = [v.aval for v in closed.jaxpr.invars]
+    return jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, *a))(
+        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+
+
+def _has_mark(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "stage_boundary":
+            return True
+        for sub in _subjaxprs(eqn):
+            if _has_mark(sub):
+                return True
+    return False
+
+
+def _subjaxprs(eqn):
+    for p in eqn.params.values():
+        for q in (p if isinstance(p, (tuple, list)) else (p,)):
+            if isinstance(q, jcore.ClosedJaxpr):
+                yield q.jaxpr
+            elif isinstance(q, jcore.Jaxpr):
+                yield q
+
+
+def _src(eqn) -> Optional[str]:
+    return source_of(eqn.source_info)
+
+
+@dataclass
+class StageProgram:
+    """One model stage's ops (equation indices into the micro-batch trace, in order)."""
+    forward: list = field(default_factory=list)
+    backward: list = field(default_factory=list)
+    once: list = field(default_factory=list)
+    backward_input: list = field(default_factory=list)    # zero-bubble split of ``backward``
+    backward_weight: list = field(default_factory=list)
+
+
+@dataclass
+class Analysis:
+    """What the lowering needs; variables are the micro-batch trace's."""
+    jaxpr: object                    # micro-batch ClosedJaxpr (calls inlined)
+    global_jaxpr: object
+    literal_override: dict           # (eqn index, operand index) -> global literal value
+    const_override: dict             # constvar index -> global constant
+    S: int                           # model stages
+    roles: list                      # per eqn: FLOAT, MB, ONCE or MARK
+    stage: list                      # per eqn: model stage (mb, once, mark) or None
+    phase: list                      # per eqn: "F" / "B" (mb and mark) or None
+    stages: list                     # StageProgram per model stage
+    fwd_marks: list                  # eqn index per cut
+    bwd_marks: list                  # eqn index per cut (None for forward-only)
+    bdim: dict                       # var -> batch dim (micro trace vars)
+    kind: dict                       # var -> FLOAT / MB / "acc" / ONCE
+    var_stage: dict                  # var -> model stage (mb, acc, once)
+    producer: dict                   # var -> eqn index
+    training: bool
+
+
+def _batch_dims(j_a, j_b, batch_mask) -> dict:
+    """var of ``j_a`` -> the dim whose size differs between the two traces."""
+    out = {}
+    def cmp(va, vb):
+        sa, sb = getattr(va.aval, "shape", ()), getattr(vb.aval, "shape", ())
+        diff = [i for i, (x, y) in enumerate(zip(sa, sb)) if x != y]
+        if len(sa) != len(sb):
+            raise ShardingError("the step's program changes with the batch size (an array's rank differs between a "
+                                "trace on the batch and one on a micro-batch); a pipeline needs one program for both")
+        if len(diff) > 1:
+            return "multi"
+        return diff[0] if diff else None
+    ja, jb = j_a.jaxpr, j_b.jaxpr
+    for va, vb in zip(ja.invars, jb.invars):
+        out[va] = cmp(va, vb)
+    if len(ja.eqns) != len(jb.eqns):
+        raise ShardingError(f"the step's program changes with the batch size ({len(ja.eqns)} ops on a micro-batch, "
+                            f"{len(jb.eqns)} on the batch): shape-dependent Python control flow in the step; "
+                            "a pipeline needs one program for every batch size")
+    for ea, eb in zip(ja.eqns, jb.eqns):
+        if ea.primitive != eb.primitive:
+            raise ShardingError(f"the step's program changes with the batch size ({ea.primitive.name} vs "
+                                f"{eb.primitive.name} at {_src(ea)})")
+        for va, vb in zip(ea.outvars, eb.outvars):
+            out[va] = cmp(va, vb)
+    return out
+
+
+def _err(problem, eqn, fix, shapes=None):
+    shapes = shapes if shapes is not None else tuple(
+        tuple(getattr(v.aval, "shape", ())) for v in eqn.invars)
+    return sharding_error(problem, operator=eqn.primitive.name, source=_src(eqn), shapes=shapes, fix=fix)
+
+
+def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_batch: int) -> Analysis:
+    """Assign the micro trace's equations to model stages and roles (see the module doc).
+    ``j_shape`` is the trace compared with ``j_micro`` for the batch dims (``j_global``
+    when ``m > 1``)."""
+    jaxpr = j_micro.jaxpr
+    for eqn in jaxpr.eqns:
+        for sub in _subjaxprs(eqn):
+            if _has_mark(sub):
+                raise _err("a stage_boundary inside a loop or cond body: a pipeline stage cannot start in the "
+                           "middle of one iteration", eqn,
+                           "move sp.stage_boundary out of the lax.scan/while_loop/cond (mark the loop's input or "
+                           "output instead), or unroll the loop")
+    bdim = _batch_dims(j_micro, j_shape, batch_mask)
+    # literals and constants that depend on the batch size: the global value
+    lit_over, const_over = {}, {}
+    if m > 1:
+        for i, (ea, eg) in enumerate(zip(jaxpr.eqns, j_global.jaxpr.eqns)):
+            for k, (a, g) in enumerate(zip(ea.invars, eg.invars)):
+                if isinstance(a, jcore.Literal) and isinstance(g, jcore.Literal):
+                    if not np.array_equal(np.asarray(a.val), np.asarray(g.val)):
+                        lit_over[(i, k)] = g.val
+        for k, (ca, cg) in enumerate(zip(j_micro.consts, j_global.consts)):
+            if np.shape(ca) == np.shape(cg) and not np.array_equal(np.asarray(ca), np.asarray(cg)):
+                const_over[k] = cg
+    kind, vstage, vphase, producer = {}, {}, {}, {}
+    for v, b in zip(jaxpr.invars, batch_mask):
+        kind[v] = FLOAT
+    for v in jaxpr.constvars:
+        kind[v] = FLOAT
+    n = len(jaxpr.eqns)
+    roles, stage, phase = [None] * n, [None] * n, [None] * n
+    fwd_marks = [i for i, e in enumerate(jaxpr.eqns)
+                 if e.primitive.name == "stage_boundary" and e.params["direction"] == "forward"]
+    bwd_marks = [i for i, e in enumerate(jaxpr.eqns)
+                 if e.primitive.name == "stage_boundary" and e.params["direction"] == "backward"]
+    if len(fwd_marks) != S - 1:
+        raise ShardingError(f"the pipeline has {S} model stages (pp x virtual_stages) and needs {S - 1} "
+                            f"sp.stage_boundary marks in the forward program; the step has {len(fwd_marks)}. "
+                            "Mark the values that cross each cut with h = sp.stage_boundary(h) (automatic cuts "
+                            "without marks are not implemented yet)")
+    training = bool(bwd_marks) or S == 1
+    if bwd_marks and len(bwd_marks) != S - 1:
+        raise ShardingError(f"{len(bwd_marks)} backward images of {S - 1} stage_boundary marks: differentiate "
+                            "the whole loss once (one value_and_grad over every stage)")
+    # the first stage's forward: the batch-dependent ancestors of the first mark (before it,
+    # nothing is staged yet, so they would otherwise float and be recomputed by every program)
+    first = set()
+    if fwd_marks:
+        dep = {v for v, b in zip(jaxpr.invars, batch_mask) if b}
+        prod_all = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+        for e in jaxpr.eqns[:fwd_marks[0]]:
+            if any(a in dep for a in e.invars if not isinstance(a, jcore.Literal)):
+                dep.update(e.outvars)
+        stack = [a for a in jaxpr.eqns[fwd_marks[0]].invars if not isinstance(a, jcore.Literal)]
+        while stack:
+            a = stack.pop()
+            i = prod_all.get(a)
+            if i is None or i in first or a not in dep:
+                continue
+            first.add(i)
+            stack += [b for b in jaxpr.eqns[i].invars if not isinstance(b, jcore.Literal)]
+    cut_of_fwd = {e: k for k, e in enumerate(fwd_marks)}
+    cut_of_bwd = {e: S - 2 - k for k, e in enumerate(bwd_marks)}
+    rd = lambda a: None if isinstance(a, jcore.Literal) else a
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [a for a in eqn.invars if not isinstance(a, jcore.Literal)]
+        kinds = [kind[a] for a in ins]
+        for o in eqn.outvars:
+            producer[o] = i
+        if bdim.get(eqn.outvars[0]) == "multi" or any(bdim.get(a) == "multi" for a in ins):
+            if m > 1:
+                raise _err("an array with two batch-sized dims (it mixes batch rows)", eqn,
+                           "keep batch rows independent of each other or use microbatches=1")
+        if i in cut_of_fwd or i in cut_of_bwd:
+            fwd = i in cut_of_fwd
+            k = cut_of_fwd[i] if fwd else cut_of_bwd[i]
+            src = k if fwd else k + 1
+            for a in ins:
+                if kind[a] == MB and vstage[a] != src:
+                    raise _err(f"stage_boundary mark {k} reads a value of stage {vstage[a]}, not stage {src}: "
+                               "marks must follow the program's order", eqn,
+                               "place the marks in the order the stages run")
+                if kind[a] in ("acc", ONCE):
+                    raise _err("a stage_boundary on an accumulated (batch-reduced) value", eqn,
+                               "mark per-example activations only")
+            roles[i], stage[i], phase[i] = MARK, (k + 1 if fwd else k), ("F" if fwd else "B")
+            for o in eqn.outvars:
+                kind[o], vstage[o], vphase[o] = MB, stage[i], phase[i]
+            continue
+        if any(k in ("acc", ONCE) for k in kinds):
+            if any(bdim.get(o) is not None for o in eqn.outvars) or MB in kinds:
+                raise _err("a batch-mixing op: it combines a value reduced over the whole batch with per-example "
+                           f"values, so micro-batches (microbatches={m}) would each see a different statistic",
+                           eqn, "compute the statistic per example (layer norm instead of batch norm), or use "
+                                "microbatches=1 (not pipelined over micro-batches)")
+            sts = {vstage[a] for a in ins if kind[a] in ("acc", ONCE, MB)}
+            if len({s_ for s_ in sts}) > 1:
+                st_ranks = sorted(sts)
+                raise _err(f"an op after the accumulation reads values of stages {st_ranks} (e.g. a tied weight's "
+                           "gradients, or a global gradient norm): combining stages after the pipeline is not "
+                           "implemented yet", eqn, "keep each parameter's update within its stage")
+            roles[i], stage[i] = ONCE, sts.pop()
+            for o in eqn.outvars:
+                kind[o], vstage[o] = ONCE, stage[i]
+            continue
+        if MB not in kinds and i not in first:
+            roles[i] = FLOAT
+            for o in eqn.outvars:
+                kind[o] = FLOAT
+            continue
+        # a per-micro-batch op
+        bins = [a for a in ins if kind[a] == MB and vphase[a] == "B"]
+        if bins:
+            st, ph = min(vstage[a] for a in bins), "B"
+        elif i in first:
+            st, ph = 0, "F"
+        else:
+            st, ph = max(vstage[a] for a in ins if kind[a] == MB), "F"
+        for a in ins:
+            if kind[a] == MB and vphase[a] == "F" and vstage[a] != st:
+                raise _err(f"a value of stage {vstage[a]} is read on stage {st} without a stage_boundary", eqn,
+                           "pass every value that crosses a cut through sp.stage_boundary (e.g. "
+                           "h, skip = sp.stage_boundary((h, skip)))")
+        roles[i], stage[i], phase[i] = MB, st, ph
+        outs_b = [bdim.get(o) is not None for o in eqn.outvars]
+        if all(outs_b):
+            for o in eqn.outvars:
+                kind[o], vstage[o], vphase[o] = MB, st, ph
+        else:
+            batched_in = any(bdim.get(a) is not None for a in ins if kind[a] == MB)
+            if batched_in and eqn.primitive.name not in PARTIAL_PRODUCERS and m > 1:
+                raise _err(f"a batch-mixing op: {eqn.primitive.name} over the batch dim is not a sum, so it "
+                           f"cannot be accumulated over micro-batches (microbatches={m})", eqn,
+                           "reduce over the batch with a sum or mean, or use microbatches=1")
+            for o in eqn.outvars:
+                kind[o], vstage[o], vphase[o] = ("acc" if batched_in else MB), st, ph
+        # slicing / concatenating along the batch dim changes which rows a micro-batch holds
+        if eqn.primitive.name in ("slice", "pad", "concatenate", "dynamic_slice", "gather", "rev", "sort",
+                                  "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp") and m > 1:
+            o = eqn.outvars[0]
+            for a in ins:
+                if bdim.get(a) is not None and bdim.get(o) is not None:
+                    ja = j_global.jaxpr
+                    gsz = None
+                    if eqn.primitive.name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort",
+                                              "rev"):
+                        axes = eqn.params.get("axis", eqn.params.get("dimension", eqn.params.get("dimensions")))
+                        axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+                        if bdim[a] in axes:
+                            gsz = -1
+                    elif a.aval.shape[bdim[a]] != o.aval.shape[bdim[o]]:
+                        gsz = -1
+                    if gsz is not None:
+                        raise _err(f"a batch-mixing op: {eqn.primitive.name} along the batch dim", eqn,
+                                   "keep batch rows independent, or use microbatches=1")
+    # the last stage's backward (before the first backward mark): the cotangent seed's descendants
+    if training and S >= 1:
+        pure = set()
+        for i, eqn in enumerate(jaxpr.eqns):
+            ins = [a for a in eqn.invars if not isinstance(a, jcore.Literal)]
+            if roles[i] == FLOAT and all(a in pure for a in ins) and not any(a in jaxpr.invars for a in ins):
+                for o in eqn.outvars:
+                    pure.add(o)
+        first_b = bwd_marks[0] if bwd_marks else n
+        seeded = set()
+        for i, eqn in enumerate(jaxpr.eqns[:first_b]):
+            if roles[i] != MB or stage[i] != S - 1:
+                continue
+            ins = [a for a in eqn.invars if not isinstance(a, jcore.Literal)]
+            if any(a in seeded or (a in pure and bdim.get(a) is not None) for a in ins):
+                phase[i] = "B"
+                for o in eqn.outvars:
+                    seeded.add(o)
+                    vphase[o] = "B"
+        if S == 1 and not bwd_marks and not seeded:
+            training = False
+    stages = [StageProgram() for _ in range(S)]
+    for i in range(n):
+        if roles[i] == MB:
+            (stages[stage[i]].forward if phase[i] == "F" else stages[stage[i]].backward).append(i)
+        elif roles[i] == ONCE:
+            stages[stage[i]].once.append(i)
+    # zero-bubble split: I = ancestors of the cotangent sent back, W = ancestors of the weight partials
+    for k, sp_ in enumerate(stages):
+        bset = set(sp_.backward)
+        targets_i = set()
+        if k > 0 and bwd_marks:
+            mk = [e for e, c in cut_of_bwd.items() if c == k - 1][0]
+            targets_i = {a for a in jaxpr.eqns[mk].invars if not isinstance(a, jcore.Literal)}
+        targets_w = {o for i in sp_.backward for o in jaxpr.eqns[i].outvars if kind.get(o) == "acc"}
+        outs = set(jaxpr.outvars)
+        targets_w |= {o for i in sp_.backward for o in jaxpr.eqns[i].outvars if o in outs}
+        sp_.backward_input = _closure(targets_i, bset, producer, jaxpr)
+        sp_.backward_weight = _closure(targets_w - set(), bset, producer, jaxpr)
+    return Analysis(j_micro, j_global, lit_over, const_over, S, roles, stage, phase, stages, fwd_marks,
+                    bwd_marks if bwd_marks else None, bdim, kind, vstage, producer, training)
+
+
+def _closure(targets, allowed: set, producer: dict, jaxpr) -> list:
+    need, stack = set(), [t for t in targets if t in producer and producer[t] in allowed]
+    while stack:
+        i = producer[stack.pop()]
+        if i in need:
+            continue
+        need.add(i)
+        for a in jaxpr.eqns[i].invars:
+            if not isinstance(a, jcore.Literal) and a in producer and producer[a] in allowed:
+                stack.append(a)
+    return sorted(need)

@@ -1,0 +1,301 @@
+"""``sp.parallelize(step, mesh=..., pipeline=sp.Pipeline(...))``: the pipelined step.
+
+:class:`PipelineFunction` traces the whole step (global batch and one micro-batch),
+assigns its ops to stages (``compiler/pipeline_assign.py``), builds the schedule and its
+unit-cost tick table (``passes/pipeline``) and lowers it to one SPMD program
+(``runtime/pipeline_lower.py``). ``pstep.plan(*args)`` returns a :class:`PipelinePlan`
+whose ``.pipeline`` has the stages, the tick table and the modeled bubble.
+
+State: the step's state outputs (what a rank's ``once`` ops compute: the new parameters
+and optimizer state) come back as ``PackedLeaf`` objects in the user's pytree; each one
+indexes a ``(p, size)`` array split over the pipeline axis, so a stage's parameters stay
+on its rank between steps. Pass them back to the step as they are (read in place);
+``sp.to_numpy(leaf)`` / ``np.asarray(leaf)`` or :func:`unpack` give values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..ir.errors import ShardingError
+from ..passes.pipeline import build_schedule, simulate
+from ..runtime.mesh import resolve_mesh
+from ..runtime.pipeline_lower import PackedLeaf, PipelineProgram, np_to_f32
+from .pipeline_assign import analyse, inline_calls
+from .stages import Pipeline, check_pipeline
+
+UNIT = {"forward": 1, "backward": 1, "backward_input": 1, "backward_weight": 1}
+
+
+def unpack(tree):
+    """A pytree with every ``PackedLeaf`` (and jax array) as a numpy array."""
+    return jax.tree.map(lambda x: np.asarray(x), tree)
+
+
+@dataclass
+class StageInfo:
+    """One model stage: ``rank`` on the pipeline axis, ``chunk`` (interleaved), the
+    devices that run it, its ops (primitive names, program order) and state inputs."""
+    index: int
+    rank: int
+    chunk: int
+    devices: tuple
+    forward_ops: list
+    backward_ops: list
+    once_ops: list
+    params: list = field(default_factory=list)   # (argument path, shape) of the state it owns
+
+    @property
+    def ops(self) -> list:
+        return self.forward_ops + self.backward_ops + self.once_ops
+
+
+@dataclass
+class PipelineInfo:
+    stages: list
+    schedule: dict          # (tick, rank) -> Action, the lowering's unit-cost tick table
+    bubble: float           # modeled idle fraction (simulator, F = 1, B = 2 or I = W = 1)
+    ticks: int
+    microbatches: int
+    schedule_name: str
+    sim: object             # the lowering's SimResult
+    model_sim: object       # the modeled SimResult (bubble)
+    slots: int              # activation slots per rank
+
+    def render(self) -> str:
+        return self.sim.render()
+
+    def text(self) -> str:
+        lines = [f"pipeline: {self.schedule_name}, {len(self.stages)} model stages, {self.microbatches} "
+                 f"micro-batches, {self.ticks} ticks, modeled bubble {self.bubble:.3f}, {self.slots} slots per rank"]
+        for s in self.stages:
+            lines.append(f"stage {s.index} (rank {s.rank}, chunk {s.chunk}, devices {list(s.devices)}): "
+                         f"{len(s.forward_ops)} forward ops, {len(s.backward_ops)} backward ops, "
+                         f"{len(s.once_ops)} once ops; state {s.params}")
+            lines.append(f"  sends: forward to rank {(s.rank + 1) % 10**9 if s.index < len(self.stages) - 1 else '-'}"
+                         f", cotangent to rank {s.rank - 1 if s.index > 0 else '-'} (collective-permute over pp)")
+        lines.append(self.render())
+        return "\n".join(lines)
+
+
+@dataclass
+class PipelinePlan:
+    pipeline: PipelineInfo
+    program: object
+    hlo: Optional[str] = None
+
+    def text(self) -> str:
+        return self.pipeline.text()
+
+
+class _Compiled:
+    def __init__(self, prog, out_tree, m, B, an, schedule):
+        self.prog, self.out_tree, self.m, self.B, self.an, self.schedule = prog, out_tree, m, B, an, schedule
+        self.fns = {}
+        self.float_fn = prog.float_fn() if prog.float_outs else None
+
+
+class PipelineFunction:
+    """A step pipelined over the ``pipeline.axis`` mesh axis (see the module doc)."""
+
+    def __init__(self, fn, *, mesh, pipeline: Pipeline, batch_argnums=None, dump_dir=None):
+        if not isinstance(pipeline, Pipeline):
+            raise ShardingError(f"pipeline={pipeline!r}: pass sp.Pipeline(microbatches=..., schedule=...)")
+        self.fn, self.pipeline = fn, pipeline
+        self.mesh_spec = resolve_mesh(mesh)
+        self.p = check_pipeline(pipeline, self.mesh_spec.ir_mesh.axis_names, self.mesh_spec.ir_mesh.axis_sizes)
+        self.mesh = self.mesh_spec.jax_mesh()
+        self.batch_argnums = batch_argnums
+        self.dump_dir = dump_dir
+        self._cache = {}
+
+    # ---------------------------------------------------------------- tracing
+    def _batch_mask(self, args, leaves_per_arg):
+        argnums = self.batch_argnums
+        if argnums is None:
+            argnums = (len(args) - 1,)
+        elif isinstance(argnums, int):
+            argnums = (argnums,)
+        mask = []
+        for a, n in enumerate(leaves_per_arg):
+            mask += [a in argnums] * n
+        return tuple(mask)
+
+    def _compile(self, args):
+        leaves, treedef = jax.tree.flatten(args)
+        per_arg = [len(jax.tree.leaves(a)) for a in args]
+        mask = self._batch_mask(args, per_arg)
+        avals = tuple(jax.ShapeDtypeStruct(tuple(np.shape(x)), x.dtype if isinstance(x, PackedLeaf)
+                                           else jnp.result_type(x)) for x in leaves)
+        key = (treedef, avals, mask)
+        if key in self._cache:
+            return self._cache[key], leaves, mask
+        pl, p = self.pipeline, self.p
+        m = pl.microbatches
+        bsizes = {a.shape[0] for a, b in zip(avals, mask) if b and a.shape}
+        if not any(mask):
+            raise ShardingError("a pipeline splits the batch arguments into micro-batches, and this step has none: "
+                                "pass batch_argnums= (default: the last positional argument)")
+        if len(bsizes) != 1:
+            raise ShardingError(f"the batch arguments' leading dims differ ({sorted(bsizes)}); every batch leaf "
+                                "must have the batch as dim 0")
+        B = bsizes.pop()
+        if B % m:
+            good = [d for d in range(1, B + 1) if B % d == 0]
+            near = min(good, key=lambda d: (abs(d - m), d))
+            raise ShardingError(f"Pipeline(microbatches={m}) does not divide the batch of {B} rows (batch "
+                                f"arguments' dim 0): use a micro-batch count that divides {B}, e.g. {near}, or a "
+                                f"batch that is a multiple of {m}")
+        out_tree = []
+
+        def flat_fn(*ls):
+            out = self.fn(*jax.tree.unflatten(treedef, ls))
+            o, t = jax.tree.flatten(out)
+            out_tree.append(t)
+            return o
+
+        def scaled(f):
+            return [jax.ShapeDtypeStruct((a.shape[0] * f // 1,) + a.shape[1:] if b else a.shape, a.dtype)
+                    if b else a for a, b in zip(avals, mask)]
+        micro = [jax.ShapeDtypeStruct((a.shape[0] // m,) + a.shape[1:], a.dtype) if b else a
+                 for a, b in zip(avals, mask)]
+        with jax.sharding.use_mesh(self.mesh) if False else _nullctx():
+            jg = inline_calls(jax.make_jaxpr(flat_fn)(*avals))
+            jm = inline_calls(jax.make_jaxpr(flat_fn)(*micro)) if m > 1 else jg
+            js = jg if m > 1 else inline_calls(jax.make_jaxpr(flat_fn)(*scaled(2)))
+        S = p * pl.virtual_stages
+        an = analyse(jg, jm, js, mask, S=S, m=m, global_batch=B)
+        schedule = build_schedule(pl.schedule, p, m, pl.virtual_stages, forward_only=not an.training)
+        sim = simulate(schedule, UNIT)
+        prog = PipelineProgram(an, schedule, sim, mesh=self.mesh, axis=pl.axis, m=m, batch_mask=mask)
+        c = _Compiled(prog, out_tree[0], m, B, an, schedule)
+        c.model_sim = simulate(schedule)
+        c.paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+        self._cache[key] = c
+        return c, leaves, mask
+
+    # ---------------------------------------------------------------- running
+    def _inputs(self, c, leaves):
+        prog, p = c.prog, self.p
+        owned = [(i, d) for i, d in enumerate(prog.owner) if isinstance(d, int) and d >= 0]
+        in_place = all(isinstance(leaves[i], PackedLeaf) and leaves[i].rank == d for i, d in owned)
+        invars = prog.j.invars
+        if in_place and owned:
+            bufs, sources = {}, []
+            desc = [dict() for _ in range(p)]
+            for i, d in owned:
+                lf = leaves[i]
+                if id(lf.buffer) not in bufs:
+                    bufs[id(lf.buffer)] = len(sources)
+                    sources.append(lf.buffer)
+                desc[d][invars[i]] = (bufs[id(lf.buffer)], lf.offset)
+        else:
+            rows = np.zeros((p, prog.state_size), np.float32)
+            for i, d in owned:
+                off = prog.state_pack[d].offset[invars[i]]
+                flat = np_to_f32(np.asarray(leaves[i]))
+                rows[d, off:off + flat.size] = flat
+            sources = [jax.device_put(rows, NamedSharding(self.mesh, P(self.pipeline.axis)))]
+            desc = [{v: (0, prog.state_pack[d].offset[v]) for v in prog.state_pack[d].vars} for d in range(p)]
+        rep = {i: jnp.asarray(np.asarray(leaves[i]) if isinstance(leaves[i], PackedLeaf) else leaves[i])
+               for i, d in enumerate(prog.owner) if d == -1}
+        batch = {}
+        for i, d in enumerate(prog.owner):
+            if d == "batch":
+                x = jnp.asarray(leaves[i])
+                batch[i] = x.reshape((c.m, x.shape[0] // c.m) + x.shape[1:])
+        return sources, desc, rep, batch
+
+    def _fn(self, c, sources, desc):
+        key = (len(sources), tuple(tuple(desc[d][v] for v in c.prog.state_pack[d].vars) for d in range(self.p)))
+        if key not in c.fns:
+            c.fns[key] = c.prog.build(len(sources), desc)
+        return c.fns[key]
+
+    def __call__(self, *args):
+        c, leaves, mask = self._compile(args)
+        prog = c.prog
+        sources, desc, rep, batch = self._inputs(c, leaves)
+        packed, bvals, out_buf = self._fn(c, sources, desc)(sources, rep, batch)
+        floats = []
+        if c.float_fn is not None:
+            need = [prog.invar_index[v] for v in prog._reads(prog.float_idxs) if v in prog.invar_index]
+            floats = c.float_fn({i: (np.asarray(leaves[i]) if isinstance(leaves[i], PackedLeaf) else leaves[i])
+                                 for i in need})
+        outs, fi, bi = [], 0, {v: n for n, v in enumerate(prog.bcast_vars)}
+        for v, s in zip(prog.j.outvars, prog.out_spec):
+            if s[0] == "literal":
+                outs.append(jnp.asarray(s[1]))
+            elif s[0] == "input":
+                outs.append(leaves[s[1]])
+            elif s[0] == "float":
+                outs.append(floats[fi])
+                fi += 1
+            elif s[0] == "bcast":
+                outs.append(bvals[bi[v]])
+            elif s[0] == "packed":
+                d = prog.rank_of(s[1])
+                outs.append(PackedLeaf(packed, d, prog.out_state_pack[d].offset[v], tuple(v.aval.shape),
+                                       v.aval.dtype))
+            else:
+                outs.append(self._batched_out(c, v, s[1], out_buf))
+        return jax.tree.unflatten(c.out_tree, outs)
+
+    def _batched_out(self, c, v, k, out_buf):
+        prog = c.prog
+        base, pk = prog.out_pack[k]
+        o = base + pk.offset[v]
+        n = int(np.prod(v.aval.shape))
+        x = out_buf[:, o:o + n]
+        from ..runtime.pipeline_lower import _from_f32
+        x = _from_f32(x, (c.m,) + tuple(v.aval.shape), v.aval.dtype)
+        bd = c.an.bdim[v]
+        x = jnp.moveaxis(x, 0, bd)
+        shape = list(v.aval.shape)
+        shape[bd] *= c.m
+        return x.reshape(shape)
+
+    # ---------------------------------------------------------------- plan
+    def plan(self, *args) -> PipelinePlan:
+        c, leaves, mask = self._compile(args)
+        prog, an, sch = c.prog, c.an, c.schedule
+        names = lambda idxs: [an.jaxpr.jaxpr.eqns[i].primitive.name for i in idxs]
+        devs = np.asarray(self.mesh.devices)
+        ax = list(self.mesh.axis_names).index(self.pipeline.axis)
+        stages = []
+        for k in range(prog.S):
+            d, ch = sch.placement(k)
+            rank_devs = tuple(int(x.id) for x in np.asarray(np.take(devs, d, axis=ax)).reshape(-1))
+            st = an.stages[k]
+            owned = [(c.paths[i], tuple(prog.j.invars[i].aval.shape)) for i, o in enumerate(prog.owner)
+                     if o == d and any(prog.j.invars[i] in prog.progs[(kind, k)]["reads"] for kind in prog.kinds)
+                     or (o == d and prog.j.invars[i] in prog.once[k]["reads"])]
+            stages.append(StageInfo(k, d, ch, rank_devs, names(st.forward), names(st.backward), names(st.once),
+                                    owned))
+        info = PipelineInfo(stages, dict(prog.sim.tick_table), float(c.model_sim.bubble), prog.T, c.m,
+                            sch.name, prog.sim, c.model_sim, prog.nslots)
+        return PipelinePlan(info, prog)
+
+    def lower_text(self, *args) -> str:
+        """The compiled HLO of the pipelined program (for the per-rank checks)."""
+        c, leaves, mask = self._compile(args)
+        sources, desc, rep, batch = self._inputs(c, leaves)
+        return self._fn(c, sources, desc).lower(sources, rep, batch).compile().as_text()
+
+    def compiled(self, *args):
+        c, leaves, mask = self._compile(args)
+        sources, desc, rep, batch = self._inputs(c, leaves)
+        return self._fn(c, sources, desc).lower(sources, rep, batch).compile()
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -1,0 +1,547 @@
+"""Lower an analysed pipeline (``compiler/pipeline_assign.py``) to one SPMD program.
+
+The program is a ``jax.shard_map`` with the pipeline axis manual. Inside it:
+
+1. a ``lax.scan`` over the ticks of the schedule's unit-cost tick table
+   (``passes/pipeline/simulate.py``). At tick ``t`` rank ``d`` reads its row of static
+   tables (action id, micro-batch, slot) and runs ``lax.switch`` over the branches
+   ``[no-op, F of model stage 0, B of model stage 0, ...]``: on a bubble tick the no-op
+   branch passes its buffers through and computes nothing;
+2. after the switch, two ``ppermute`` exchanges: the forward send to ``d+1`` and the
+   backward (cotangent) send to ``d-1`` (plus the wrap-around ``p-1 -> 0`` / ``0 -> p-1``
+   with interleaved chunks). The receiver stores what arrived in the slot a static
+   table names (or nowhere);
+3. after the scan, a ``lax.switch`` on the rank runs the rank's ``once`` ops (the
+   optimizer update on the accumulated gradients) and packs its results.
+
+Buffers per rank, all flat float32 (other dtypes of 32 bits or less are converted or
+bit-cast): ``act_in[slots, A]`` (a micro-batch's stage input), ``resid[slots, R]`` (the
+forward values its backward reads), ``ct_in[slots, G]`` (the cotangent received),
+``acc[ACC]`` (partial sums over micro-batches, at static offsets per model stage) and
+``out_buf[m, O]`` (per-micro-batch outputs of a forward-only step). A (chunk,
+micro-batch) holds one slot from the tick its input arrives to its last backward
+action; slots are reused by a static interval allocation, so 1F1B keeps about ``p - d``
+slots where GPipe keeps ``m``.
+
+Parameters: each rank's state leaves (the inputs only its programs read) are packed in
+one float32 row of a ``(p, size)`` array split over the pipeline axis, so a rank holds
+only its own stage's parameters. Outputs computed by a rank's ``once`` ops come back
+packed the same way (``PackedLeaf`` objects that index the array; passing them back to
+the step reads them in place).
+
+Nothing here imports ``compiler/``: the analysis is duck-typed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..ir.errors import ShardingError
+
+FLOAT, MB, ONCE, MARK = "float", "mb", "once", "mark"
+F_, B_, I_, W_ = "forward", "backward", "backward_input", "backward_weight"
+
+
+# ---------------------------------------------------------------- packing
+def _to_f32(x):
+    x = jnp.asarray(x)
+    dt = x.dtype
+    if dt == jnp.float32:
+        return x.reshape(-1)
+    if jnp.issubdtype(dt, jnp.floating) and dt.itemsize <= 4:
+        return x.astype(jnp.float32).reshape(-1)
+    if dt in (jnp.int32, jnp.uint32):
+        return lax.bitcast_convert_type(x, jnp.float32).reshape(-1)
+    if dt == jnp.bool_ or (jnp.issubdtype(dt, jnp.integer) and dt.itemsize < 4):
+        return x.astype(jnp.float32).reshape(-1)
+    raise ShardingError(f"a pipeline exchanges and packs arrays of 32 bits or less; got {dt} {x.shape}")
+
+
+def _from_f32(flat, shape, dtype):
+    dtype = jnp.dtype(dtype)
+    if dtype in (jnp.int32, jnp.uint32):
+        return lax.bitcast_convert_type(flat, dtype).reshape(shape)
+    return flat.astype(dtype).reshape(shape)
+
+
+def np_to_f32(x) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype in (np.int32, np.uint32):
+        return x.reshape(-1).view(np.float32)
+    return x.astype(np.float32).reshape(-1)
+
+
+def np_from_f32(flat, shape, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    flat = np.asarray(flat)
+    if dtype in (np.int32, np.uint32):
+        return flat.view(dtype).reshape(shape).copy()
+    return flat.astype(dtype).reshape(shape)
+
+
+def _size(var) -> int:
+    return int(np.prod(var.aval.shape, dtype=np.int64))
+
+
+class Packing:
+    """Static offsets of a list of vars in a flat float32 buffer."""
+    def __init__(self, vars_):
+        self.vars = list(dict.fromkeys(vars_))
+        self.offset, off = {}, 0
+        for v in self.vars:
+            self.offset[v] = off
+            off += _size(v)
+        self.size = off
+
+    def pack(self, env, total):
+        parts = [_to_f32(env[v]) for v in self.vars]
+        if total > self.size:
+            parts.append(jnp.zeros((total - self.size,), jnp.float32))
+        return jnp.concatenate(parts) if parts else jnp.zeros((total,), jnp.float32)
+
+    def unpack(self, flat, env, base=0):
+        for v in self.vars:
+            o = base + self.offset[v]
+            env[v] = _from_f32(lax.slice_in_dim(flat, o, o + _size(v)), v.aval.shape, v.aval.dtype)
+
+
+@dataclass
+class PackedLeaf:
+    """One array of a pipeline's state, stored in row ``rank`` of ``buffer`` (a
+    ``(p, size)`` float32 array split over the pipeline axis). ``np.asarray`` /
+    ``sp.to_numpy`` give its value; passing it back to the step reads it in place."""
+    buffer: object
+    rank: int
+    offset: int
+    shape: tuple
+    dtype: object
+
+    def __array__(self, dtype=None, copy=None):
+        row = np.asarray(self.buffer.addressable_shards[self.rank].data
+                         if len(self.buffer.addressable_shards) == self.buffer.shape[0]
+                         else self.buffer[self.rank])
+        row = row.reshape(-1)
+        n = int(np.prod(self.shape, dtype=np.int64))
+        a = np_from_f32(row[self.offset:self.offset + n], self.shape, self.dtype)
+        return a.astype(dtype) if dtype is not None else a
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self):
+        return f"PackedLeaf({np.dtype(self.dtype).name}{list(self.shape)} on pipeline rank {self.rank})"
+
+
+# ---------------------------------------------------------------- the program
+class PipelineProgram:
+    """Builds and runs the pipelined step for one input signature."""
+
+    def __init__(self, an, schedule, sim, *, mesh, axis, m, batch_mask):
+        """``batch_mask``: per invar, whether it is a batch argument (split into
+        micro-batches). ``self.owner`` per invar: the rank whose programs alone read it
+        (packed there), ``-1`` (replicated) or None (unused)."""
+        self.an, self.schedule, self.sim = an, schedule, sim
+        self.mesh, self.axis, self.m = mesh, axis, m
+        self.p, self.v = schedule.p, schedule.v
+        self.S = self.p * self.v
+        j = an.jaxpr.jaxpr
+        self.j = j
+        self.batch_mask = batch_mask
+        self.invar_index = {v: i for i, v in enumerate(j.invars)}
+        self.consts = [an.const_override.get(k, c) for k, c in enumerate(an.jaxpr.consts)]
+        self._plan_programs()
+        self._plan_owner()
+        self._plan_ticks()
+        self._plan_state()
+        self._plan_outputs(self.out_spec)
+
+    # -- which eqns each branch runs and what it reads
+    def _with_floats(self, idxs):
+        j, roles, prod = self.j, self.an.roles, self.an.producer
+        need, stack = set(idxs), list(idxs)
+        while stack:
+            for a in j.eqns[stack.pop()].invars:
+                if isinstance(a, jcore.Literal) or a not in prod:
+                    continue
+                i = prod[a]
+                if roles[i] == FLOAT and i not in need:
+                    need.add(i)
+                    stack.append(i)
+        return sorted(need)
+
+    def _reads(self, idxs):
+        produced = {o for i in idxs for o in self.j.eqns[i].outvars}
+        reads = []
+        for i in idxs:
+            for a in self.j.eqns[i].invars:
+                if not isinstance(a, jcore.Literal) and a not in produced:
+                    reads.append(a)
+        return list(dict.fromkeys(reads))
+
+    def _plan_programs(self):
+        an, j = self.an, self.j
+        self.fwd_in = {}   # model stage -> vars received (fwd mark k-1 outputs)
+        self.fwd_out = {}  # model stage -> vars sent (fwd mark k inputs)
+        self.bwd_in, self.bwd_out = {}, {}
+        for k, e in enumerate(an.fwd_marks):
+            self.fwd_out[k] = [a for a in j.eqns[e].invars]
+            self.fwd_in[k + 1] = list(j.eqns[e].outvars)
+        for c, e in enumerate(an.bwd_marks or []):
+            k = self.S - 2 - c
+            self.bwd_in[k] = list(j.eqns[e].outvars)     # cotangent arriving at stage k from k+1
+            self.bwd_out[k + 1] = [a for a in j.eqns[e].invars]
+        outvars = set(v for v in j.outvars if not isinstance(v, jcore.Literal))
+        kinds = [F_] + ([B_] if self.schedule.name != "zero_bubble" else [I_, W_]) if an.training else [F_]
+        self.kinds = kinds
+        self.progs = {}
+        for k in range(self.S):
+            st = an.stages[k]
+            ops = {F_: st.forward, B_: st.backward, I_: st.backward_input, W_: st.backward_weight}
+            for kind in kinds:
+                idxs = list(ops[kind])
+                sends = (self.fwd_out.get(k, []) if kind == F_ and k < self.S - 1 else
+                         self.bwd_out.get(k, []) if kind in (B_, I_) and k > 0 else [])
+                # sent values computed by floats (a marked input) join the program
+                extra = [self.an.producer[a] for a in sends if not isinstance(a, jcore.Literal)
+                         and a in self.an.producer and self.an.roles[self.an.producer[a]] == FLOAT]
+                idxs = self._with_floats(sorted(set(idxs) | set(extra)))
+                produced = {o for i in idxs for o in j.eqns[i].outvars}
+                accs = [o for i in idxs if an.roles[i] == MB for o in j.eqns[i].outvars if an.kind.get(o) == "acc"]
+                outs_b = [o for o in produced if o in outvars and an.kind.get(o) == MB]
+                self.progs[(kind, k)] = dict(idxs=idxs, reads=self._reads(idxs) + [a for a in sends
+                                             if not isinstance(a, jcore.Literal) and a not in produced],
+                                             sends=sends, accs=accs, outs_b=outs_b)
+        # residuals: forward-produced values of stage k that its backward programs read
+        self.resid = {}
+        for k in range(self.S):
+            fprod = {o for i in self.progs[(F_, k)]["idxs"] for o in j.eqns[i].outvars}
+            r = []
+            for kind in kinds[1:]:
+                r += [a for a in self.progs[(kind, k)]["reads"] if a in fprod]
+            self.resid[k] = Packing(r)
+        self.once = {}
+        for k in range(self.S):
+            idxs = self._with_floats(an.stages[k].once)
+            self.once[k] = dict(idxs=idxs, reads=self._reads(idxs))
+
+    def _plan_owner(self):
+        an, j = self.an, self.j
+        readers = {i: set() for i in range(len(j.invars))}
+        for (kind, k), prog in self.progs.items():
+            for v in prog["reads"]:
+                if v in self.invar_index:
+                    readers[self.invar_index[v]].add(self.rank_of(k))
+        for k, prog in self.once.items():
+            for v in prog["reads"]:
+                if v in self.invar_index:
+                    readers[self.invar_index[v]].add(self.rank_of(k))
+        spec, float_outs = [], []
+        for v in j.outvars:
+            if isinstance(v, jcore.Literal):
+                spec.append(("literal", v.val))
+            elif v in self.invar_index:
+                spec.append(("input", self.invar_index[v]))
+            elif an.kind[v] == FLOAT:
+                spec.append(("float",))
+                float_outs.append(v)
+            elif an.kind[v] in ("acc", ONCE):
+                k = an.var_stage[v]
+                spec.append(("bcast", k) if v.aval.ndim == 0 else ("packed", k))
+                if an.kind[v] == "acc":
+                    readers_once = self.once[k]
+                    readers_once["reads"] = list(dict.fromkeys(readers_once["reads"] + [v]))
+            else:
+                spec.append(("batched", an.var_stage[v]))
+        self.float_idxs = self._with_floats([self.an.producer[v] for v in float_outs])
+        self.float_outs = float_outs
+        for v in self._reads(self.float_idxs):
+            if v in self.invar_index:
+                readers[self.invar_index[v]].add(-1)
+        self.owner = []
+        for i in range(len(j.invars)):
+            r = readers[i]
+            self.owner.append(None if not r else "batch" if self.batch_mask[i] else
+                              next(iter(r)) if len(r) == 1 and -1 not in r else -1)
+        self.out_spec = spec
+
+    def rank_of(self, k):
+        return k % self.p
+
+    def _plan_ticks(self):
+        sim, p = self.sim, self.p
+        T = int(sim.makespan)
+        self.T = T
+        self.branch_keys = [None] + [(kind, k) for k in range(self.S) for kind in self.kinds]
+        bid = {key: i for i, key in enumerate(self.branch_keys)}
+        act = np.zeros((T, p), np.int32)
+        mb = np.zeros((T, p), np.int32)
+        when = {}   # (d, c, i) -> list of ticks of actions on it
+        arrive = {}
+        for (t, d), a in sim.tick_table.items():
+            k = self.schedule.model_stage(d, a.chunk)
+            act[t, d] = bid[(a.kind, k)]
+            mb[t, d] = a.microbatch
+            when.setdefault((d, a.chunk, a.microbatch), []).append(t)
+            if a.kind == F_ and k + 1 < self.S:
+                d2, c2 = self.schedule.placement(k + 1)
+                arrive[(d2, c2, a.microbatch)] = t
+        # slots: intervals [arrival or first action, last action]
+        slot_of, nslots = {}, 1
+        for d in range(p):
+            iv = []
+            for (dd, c, i), ts in when.items():
+                if dd != d:
+                    continue
+                start = min(ts + ([arrive[(d, c, i)]] if (d, c, i) in arrive else []))
+                iv.append((start, max(ts), c, i))
+            iv.sort()
+            free_at = []   # per slot: last tick used
+            for start, end, c, i in iv:
+                for s, last in enumerate(free_at):
+                    if last <= start:
+                        free_at[s] = end
+                        slot_of[(d, c, i)] = s
+                        break
+                else:
+                    slot_of[(d, c, i)] = len(free_at)
+                    free_at.append(end)
+            nslots = max(nslots, len(free_at))
+        self.nslots = nslots
+        slot = np.zeros((T, p), np.int32)
+        recv_f = -np.ones((T, p), np.int32)
+        recv_b = -np.ones((T, p), np.int32)
+        for (t, d), a in sim.tick_table.items():
+            slot[t, d] = slot_of[(d, a.chunk, a.microbatch)]
+            k = self.schedule.model_stage(d, a.chunk)
+            if a.kind == F_ and k + 1 < self.S:
+                d2, c2 = self.schedule.placement(k + 1)
+                recv_f[t, d2] = slot_of[(d2, c2, a.microbatch)]
+            if a.kind in (B_, I_) and k > 0:
+                d2, c2 = self.schedule.placement(k - 1)
+                recv_b[t, d2] = slot_of[(d2, c2, a.microbatch)]
+        self.tables = dict(act=act, mb=mb, slot=slot, recv_f=recv_f, recv_b=recv_b)
+
+    def _plan_state(self):
+        an, j, p = self.an, self.j, self.p
+        self.A = max([1] + [Packing(self.fwd_out[k]).size for k in self.fwd_out])
+        self.G = max([1] + [Packing(self.bwd_out[k]).size for k in self.bwd_out])
+        self.R = max([1] + [self.resid[k].size for k in range(self.S)])
+        # accumulators per rank, at offsets per model stage
+        self.acc_pack, sizes = {}, [0] * p
+        for k in range(self.S):
+            d = self.rank_of(k)
+            accs = [o for kind in self.kinds for o in self.progs[(kind, k)]["accs"]]
+            pk = Packing(accs)
+            self.acc_pack[k] = (sizes[d], pk)
+            sizes[d] += pk.size
+        self.ACC = max([1] + sizes)
+        # per-micro-batch outputs
+        self.out_pack = {}
+        osz = [0] * p
+        for k in range(self.S):
+            d = self.rank_of(k)
+            outs = [o for kind in self.kinds for o in self.progs[(kind, k)]["outs_b"]]
+            pk = Packing(outs)
+            self.out_pack[k] = (osz[d], pk)
+            osz[d] += pk.size
+        self.O = max([1] + osz)
+        # packed state per rank
+        self.state_pack = [Packing([v for i, v in enumerate(j.invars) if self.owner[i] == d]) for d in range(p)]
+        self.state_size = max([1] + [pk.size for pk in self.state_pack])
+
+    def _plan_outputs(self, spec):
+        """``spec`` per outvar: ("literal", val) / ("input", idx) / ("float",) / ("bcast", k) /
+        ("packed", k) / ("batched", k)."""
+        self.out_spec = spec
+        p = self.p
+        bc = [v for v, s in zip(self.j.outvars, spec) if s[0] == "bcast"]
+        self.bcast_vars = list(dict.fromkeys(bc))
+        self.bcast_stage = {v: s[1] for v, s in zip(self.j.outvars, spec) if s[0] == "bcast"}
+        self.out_state_pack = [Packing([v for v, s in zip(self.j.outvars, spec)
+                                        if s[0] == "packed" and self.rank_of(s[1]) == d]) for d in range(p)]
+        self.out_state_size = max([1] + [pk.size for pk in self.out_state_pack])
+
+    # -- evaluation
+    def _run(self, idxs, env):
+        j, lo = self.j, self.an.literal_override
+        for i in idxs:
+            eqn = j.eqns[i]
+            ins = [lo.get((i, q), a.val) if isinstance(a, jcore.Literal) else env[a]
+                   for q, a in enumerate(eqn.invars)]
+            params = eqn.primitive.get_bind_params(eqn.params)
+            outs = eqn.primitive.bind(*ins, **params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+
+    def _base_env(self, reads, state_row, d, rep, batch_mb):
+        env = {}
+        for c, v in zip(self.j.constvars, self.consts):
+            env[v] = c
+        sp_ = self.state_pack[d]
+        for v in reads:
+            if v in env:
+                continue
+            if v in self.invar_index:
+                i = self.invar_index[v]
+                if self.batch_mask[i]:
+                    env[v] = batch_mb[i]
+                elif self.owner[i] == d and v in sp_.offset:
+                    o = sp_.offset[v]
+                    env[v] = _from_f32(lax.slice_in_dim(state_row, o, o + _size(v)), v.aval.shape, v.aval.dtype)
+                else:
+                    env[v] = rep[i]
+        return env
+
+    def _branch(self, key):
+        kind, k = key
+        d = self.rank_of(k)
+        prog = self.progs[key]
+
+        def run(ops):
+            (act_in, resid, ct_in, acc, out_buf), mbi, slot, state_row, rep, batch = ops
+            batch_mb = {i: lax.dynamic_index_in_dim(x, mbi, 0, keepdims=False) for i, x in batch.items()}
+            env = self._base_env(prog["reads"], state_row, d, rep, batch_mb)
+            if k > 0:
+                Packing(self.fwd_in[k]).unpack(act_in[slot], env)
+            if kind != F_:
+                self.resid[k].unpack(resid[slot], env)
+                if k < self.S - 1:
+                    Packing(self.bwd_in[k]).unpack(ct_in[slot], env)
+            self._run(prog["idxs"], env)
+            send_f = jnp.zeros((self.A,), jnp.float32)
+            send_b = jnp.zeros((self.G,), jnp.float32)
+            if kind == F_:
+                if k < self.S - 1:
+                    send_f = Packing(self.fwd_out[k]).pack(env, self.A)
+                if self.resid[k].size:
+                    resid = resid.at[slot].set(self.resid[k].pack(env, self.R))
+            elif prog["sends"]:
+                send_b = Packing(prog["sends"]).pack(env, self.G)
+            base, pk = self.acc_pack[k]
+            mine = [v for v in pk.vars if v in prog["accs"]]
+            for v in mine:
+                o = base + pk.offset[v]
+                acc = lax.dynamic_update_slice_in_dim(
+                    acc, lax.slice_in_dim(acc, o, o + _size(v)) + _to_f32(env[v]), o, 0)
+            obase, opk = self.out_pack[k]
+            for v in prog["outs_b"]:
+                o = obase + opk.offset[v]
+                row = lax.dynamic_update_slice_in_dim(out_buf[mbi], _to_f32(env[v]), o, 0)
+                out_buf = out_buf.at[mbi].set(row)
+            return (act_in, resid, ct_in, acc, out_buf), send_f, send_b
+        return run
+
+    def _once(self, d):
+        def run(ops):
+            acc, state_row, rep = ops
+            ks = [k for k in range(self.S) if self.rank_of(k) == d]
+            idxs = sorted(set(i for k in ks for i in self.once[k]["idxs"]))
+            reads = self._reads(idxs)
+            outs = self.out_state_pack[d]
+            needed = list(reads) + [v for v in outs.vars] + list(self.bcast_vars)
+            env = self._base_env(needed, state_row, d, rep, {})
+            for k in ks:
+                base, pk = self.acc_pack[k]
+                for v in pk.vars:
+                    env[v] = _from_f32(lax.slice_in_dim(acc, base + pk.offset[v], base + pk.offset[v] + _size(v)),
+                                       v.aval.shape, v.aval.dtype)
+            self._run(idxs, env)
+            packed = outs.pack(env, self.out_state_size)
+            bvals = [env[v] if self.rank_of(self.bcast_stage[v]) == d else jnp.zeros(v.aval.shape, v.aval.dtype)
+                     for v in self.bcast_vars]
+            return packed, bvals
+        return run
+
+    def build(self, n_sources, src_desc):
+        """The jitted step: ``(sources, rep, batch) -> (packed_out, bcasts, out_buf)``.
+        ``src_desc[d]``: per state var of rank d, (source index, offset) of its value."""
+        p, ax, m = self.p, self.axis, self.m
+        tables = {k: jnp.asarray(v) for k, v in self.tables.items()}
+        branches = [lambda ops: (ops[0], jnp.zeros((self.A,), jnp.float32), jnp.zeros((self.G,), jnp.float32))]
+        branches += [self._branch(key) for key in self.branch_keys[1:]]
+        onces = [self._once(d) for d in range(p)]
+        fwd_perm = [(d, d + 1) for d in range(p - 1)] + ([(p - 1, 0)] if self.v > 1 else [])
+        bwd_perm = [(d + 1, d) for d in range(p - 1)] + ([(0, p - 1)] if self.v > 1 else [])
+        state_pack = self.state_pack
+
+        def gather_state(sources, d):
+            # this rank's packed state row from the source rows (in place when the layout matches)
+            pk = state_pack[d]
+            parts = []
+            for v in pk.vars:
+                si, off = src_desc[d][v]
+                parts.append(lax.slice_in_dim(sources[si][0], off, off + _size(v)))
+            if self.state_size > pk.size:
+                parts.append(jnp.zeros((self.state_size - pk.size,), jnp.float32))
+            return jnp.concatenate(parts) if parts else jnp.zeros((self.state_size,), jnp.float32)
+
+        def body(sources, rep, batch):
+            d = lax.axis_index(ax)
+            if n_sources == 1 and all(src_desc[q][v] == (0, state_pack[q].offset[v])
+                                      for q in range(p) for v in state_pack[q].vars):
+                state_row = sources[0][0]
+                if state_row.shape[0] < self.state_size:
+                    state_row = jnp.pad(state_row, (0, self.state_size - state_row.shape[0]))
+            else:
+                state_row = lax.switch(d, [lambda s, q=q: gather_state(s, q) for q in range(p)], sources)
+            carry = (jnp.zeros((self.nslots, self.A), jnp.float32), jnp.zeros((self.nslots, self.R), jnp.float32),
+                     jnp.zeros((self.nslots, self.G), jnp.float32), jnp.zeros((self.ACC,), jnp.float32),
+                     jnp.zeros((m, self.O), jnp.float32))
+
+            def tick(carry, row):
+                a, mbi, slot, rf, rb = (row[n][d] for n in ("act", "mb", "slot", "recv_f", "recv_b"))
+                carry, send_f, send_b = lax.switch(a, branches, (carry, mbi, slot, state_row, rep, batch))
+                act_in, resid, ct_in, acc, out_buf = carry
+                if p > 1:
+                    got_f = lax.ppermute(send_f, ax, fwd_perm)
+                    got_b = lax.ppermute(send_b, ax, bwd_perm)
+                    sf = jnp.maximum(rf, 0)
+                    act_in = act_in.at[sf].set(jnp.where(rf >= 0, got_f, act_in[sf]))
+                    sb = jnp.maximum(rb, 0)
+                    ct_in = ct_in.at[sb].set(jnp.where(rb >= 0, got_b, ct_in[sb]))
+                return (act_in, resid, ct_in, acc, out_buf), None
+
+            carry, _ = lax.scan(tick, carry, tables)
+            acc, out_buf = carry[3], carry[4]
+            packed, bvals = lax.switch(d, onces, (acc, state_row, rep))
+            bvals = [lax.psum(b, ax) for b in bvals]
+            out_buf = lax.psum(out_buf, ax)
+            return packed[None], bvals, out_buf
+
+        rep_spec = P()
+        smap = jax.shard_map(body, mesh=self.mesh,
+                             in_specs=([P(ax)] * n_sources, rep_spec, rep_spec),
+                             out_specs=(P(ax), rep_spec, rep_spec), check_vma=False)
+        return jax.jit(smap)
+
+    def float_fn(self):
+        """The replicated outputs (computed from step inputs only), on the global trace."""
+        gj = self.an.global_jaxpr
+        idxs, outs = self.float_idxs, self.float_outs
+        pos = {v: n for n, v in enumerate(self.j.outvars)}
+
+        def run(args):
+            env = dict(zip(gj.jaxpr.constvars, gj.consts))
+            env.update({gj.jaxpr.invars[i]: a for i, a in args.items()})
+            for i in idxs:
+                eqn = gj.jaxpr.eqns[i]
+                ins = [a.val if isinstance(a, jcore.Literal) else env[a] for a in eqn.invars]
+                params = eqn.primitive.get_bind_params(eqn.params)
+                o = eqn.primitive.bind(*ins, **params)
+                for var, val in zip(eqn.outvars, o if eqn.primitive.multiple_results else [o]):
+                    env[var] = val
+            return [env[gj.jaxpr.outvars[pos[v]]] for v in outs]
+        return jax.jit(run)

@@ -1,0 +1,231 @@
+"""Pipeline parallelism end to end (issue 26): sp.stage_boundary, sp.Pipeline, the stage
+assignment and the SPMD lowering, each schedule against one device."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import shardprop as sp
+from shardprop.compiler.pipeline_step import unpack
+from shardprop.runtime.pipeline_lower import PackedLeaf
+
+D, B = 8, 16
+
+
+def mlp(layers, cuts, opt=None):
+    """An MLP step with a stage_boundary after every layer index in ``cuts``."""
+    opt = opt or optax.adam(1e-2)
+
+    def loss_fn(params, batch):
+        x, y = batch
+        h = x
+        for i, w in enumerate(params):
+            h = jnp.tanh(h @ w["w"] + w["b"])
+            if i in cuts:
+                h = sp.stage_boundary(h)
+        return jnp.mean((h - y) ** 2)
+
+    def step(params, opt_state, batch):
+        loss, g = jax.value_and_grad(loss_fn)(params, batch)
+        up, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, up), opt_state, loss
+
+    k = jax.random.PRNGKey(0)
+    params = [{"w": jax.random.normal(jax.random.fold_in(k, i), (D, D)) * 0.5, "b": jnp.zeros(D)}
+              for i in range(layers)]
+    x = jax.random.normal(jax.random.fold_in(k, 100), (B, D))
+    y = jax.random.normal(jax.random.fold_in(k, 101), (B, D))
+    return step, params, opt.init(params), (x, y)
+
+
+def even_cuts(layers, stages):
+    bounds = np.linspace(0, layers, stages + 1).round().astype(int)
+    return set(int(b) - 1 for b in bounds[1:-1])
+
+
+def assert_matches_one_device(step, params, opt_state, batch, pstep, steps=5):
+    ref = jax.jit(step)
+    p1, o1, p2, o2 = params, opt_state, params, opt_state
+    for _ in range(steps):
+        p1, o1, l1 = ref(p1, o1, batch)
+        p2, o2, l2 = pstep(p2, o2, batch)
+        np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(unpack((p2, o2))), jax.tree.leaves((p1, o1))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+    return p2, o2
+
+
+def test_stage_boundary_is_an_identity_under_jit_grad_vmap():
+    f = lambda x: jnp.sum(jnp.sin(sp.stage_boundary({"a": x, "b": 2 * x})["a"]))
+    x = jnp.arange(6.0).reshape(2, 3)
+    assert float(jax.jit(f)(x)) == pytest.approx(float(jnp.sum(jnp.sin(x))))
+    np.testing.assert_allclose(jax.grad(f)(x), jnp.cos(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.vmap(jax.grad(f))(x), jnp.cos(x), rtol=1e-6)
+    text = str(jax.make_jaxpr(jax.grad(f))(x))
+    assert "stage_boundary[direction=forward]" in text and "stage_boundary[direction=backward]" in text
+    # the non-pipelined compiler treats it as an identity
+    out = sp.parallelize(lambda x: sp.stage_boundary(x) * 2, mesh=2)(x)
+    np.testing.assert_allclose(np.asarray(out), 2 * np.asarray(x))
+
+
+def test_mlp_pp2_1f1b_equals_one_device():
+    step, params, opt_state, batch = mlp(2, {0})
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
+    p2, o2 = assert_matches_one_device(step, params, opt_state, batch, pstep)
+    leaf = p2[1]["w"]
+    assert isinstance(leaf, PackedLeaf) and leaf.rank == 1 and sp.to_numpy(leaf).shape == (D, D)
+
+
+@pytest.mark.slow
+def test_mlp_pp4_1f1b_equals_one_device():
+    step, params, opt_state, batch = mlp(4, {0, 1, 2})
+    pstep = sp.parallelize(step, mesh=((4,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
+    p2, o2 = assert_matches_one_device(step, params, opt_state, batch, pstep)
+    # the state stays packed on its rank between steps
+    leaf = p2[2]["w"]
+    assert isinstance(leaf, PackedLeaf) and leaf.rank == 2 and sp.to_numpy(leaf).shape == (D, D)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,p,v", [("gpipe", 8, 1), ("1f1b", 8, 1), ("interleaved", 4, 2),
+                                          ("zero_bubble", 4, 1)])
+def test_mlp_schedules_equal_one_device(schedule, p, v):
+    step, params, opt_state, batch = mlp(8, even_cuts(8, p * v))
+    pstep = sp.parallelize(step, mesh=((p,), ("pp",)),
+                           pipeline=sp.Pipeline(microbatches=4 if v == 1 else p, schedule=schedule,
+                                                virtual_stages=v))
+    assert_matches_one_device(step, params, opt_state, batch, pstep)
+
+
+@pytest.mark.slow
+def test_thirty_layers_on_pp4_every_layer_once():
+    cuts = {7, 15, 22}   # 8, 8, 7, 7 layers
+    step, params, opt_state, batch = mlp(30, cuts)
+    pstep = sp.parallelize(step, mesh=((4,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
+    plan = pstep.plan(params, opt_state, batch)
+    per_stage = [st.forward_ops.count("tanh") for st in plan.pipeline.stages]
+    assert per_stage == [8, 8, 7, 7]
+    owned = [sorted(int(re.match(r"\[0\]\[(\d+)\]", path).group(1)) for path, _ in st.params
+                    if path.startswith("[0]")) for st in plan.pipeline.stages]
+    assert sorted(i for o in owned for i in set(o)) == list(range(30))
+    # every equation of the traced step runs in exactly one program (floats aside)
+    an = plan.program.an
+    seen = [i for st in an.stages for i in st.forward + st.backward + st.once]
+    assert len(seen) == len(set(seen))
+    assert_matches_one_device(step, params, opt_state, batch, pstep, steps=3)
+
+
+def test_forward_only_pipeline():
+    k = jax.random.PRNGKey(1)
+    ws = [jax.random.normal(jax.random.fold_in(k, i), (D, D)) for i in range(4)]
+
+    def infer(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            h = jnp.tanh(h @ w)
+            if i < 3:
+                h = sp.stage_boundary(h)
+        return h, jnp.sum(h)
+
+    x = jax.random.normal(k, (B, D))
+    pinf = sp.parallelize(infer, mesh=((4,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="gpipe"))
+    out, total = pinf(ws, x)
+    ref, rtotal = jax.jit(infer)(ws, x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(total), np.asarray(rtotal), rtol=1e-5)
+    plan = pinf.plan(ws, x)
+    assert all(a.kind == "forward" for a in plan.pipeline.schedule.values())
+    assert plan.pipeline.ticks == 4 + 4 - 1
+
+
+def test_plan_pipeline_stages_schedule_bubble():
+    step, params, opt_state, batch = mlp(4, {0, 1, 2})
+    pstep = sp.parallelize(step, mesh=((4,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="gpipe"))
+    pl = pstep.plan(params, opt_state, batch).pipeline
+    assert [s.rank for s in pl.stages] == [0, 1, 2, 3]
+    assert [s.devices for s in pl.stages] == [(0,), (1,), (2,), (3,)]
+    assert pl.bubble == pytest.approx(3 / 7)
+    assert pl.schedule[(0, 0)].kind == "forward" and pl.schedule[(0, 0)].microbatch == 0
+    assert (0, 1) not in pl.schedule       # stage 1 idles on tick 0
+    assert "stage 3" in pl.text() and "F0" in pl.text()
+
+
+def test_compiled_program_per_rank_checks():
+    """Exchanges only between neighbours, no parameter gathered over pp, per-device state
+    bytes about one stage's, bubble ticks compute nothing."""
+    step, params, opt_state, batch = mlp(4, {0, 1, 2})
+    pstep = sp.parallelize(step, mesh=((4,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
+    compiled = pstep.compiled(params, opt_state, batch)
+    hlo = compiled.as_text()
+    pairs = re.findall(r"source_target_pairs=\{([{}0-9,]*)\}", hlo)
+    assert pairs, "no collective-permute"
+    for group in pairs:
+        for a, b in re.findall(r"\{(\d+),(\d+)\}", group):
+            assert abs(int(a) - int(b)) == 1
+    assert "all-gather" not in hlo
+    stage_state = sum(l.size for l in jax.tree.leaves(params[0])) * 3 * 4   # params + Adam mu, nu
+    plan = pstep.plan(params, opt_state, batch)
+    assert plan.program.state_size * 4 <= 1.1 * stage_state
+    # the no-op branch of the tick's switch: only moves its buffers
+    cond = re.search(r"conditional\(.*branch_computations=\{%([\w.]+),", hlo)
+    assert cond
+    body = re.search(r"\n%" + re.escape(cond.group(1)) + r" .*?\n}\n", hlo, re.S).group(0)
+    ops = re.findall(r"= \S+ (\w[\w-]*)\(", body)
+    assert set(ops) <= {"parameter", "constant", "get-tuple-element", "tuple", "copy", "fusion", "broadcast",
+                        "bitcast"}, ops
+    for fused in re.findall(r"calls=%([\w.]+)", body):
+        assert "broadcast" in fused
+
+
+def test_microbatches_must_divide_the_batch():
+    step, params, opt_state, batch = mlp(4, {0, 1, 2})
+    pstep = sp.parallelize(step, mesh=((4,), ("pp",)), pipeline=sp.Pipeline(microbatches=5))
+    with pytest.raises(sp.ShardingError, match=r"microbatches=5.*16"):
+        pstep(params, opt_state, batch)
+
+
+def test_batch_norm_statistics_with_microbatches_is_an_error():
+    def loss_fn(w, x):
+        h = x @ w[0]
+        h = (h - jnp.mean(h, axis=0)) / jnp.sqrt(jnp.var(h, axis=0) + 1e-5)   # batch norm
+        h = sp.stage_boundary(h)
+        return jnp.mean(h @ w[1])
+
+    def step(w, x):
+        l, g = jax.value_and_grad(loss_fn)(w, x)
+        return [a - 0.1 * b for a, b in zip(w, g)], l
+
+    w = [jnp.ones((D, D)), jnp.ones((D, D))]
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=2))
+    with pytest.raises(sp.ShardingError, match=r"sub at test_pipeline_lowering.py:\d+: a batch-mixing op.*microbatches=2"):
+        pstep(w, jnp.ones((B, D)))
+
+
+def test_stage_boundary_inside_a_loop_is_an_error():
+    def loss_fn(w, x):
+        h, _ = jax.lax.scan(lambda h, wi: (sp.stage_boundary(jnp.tanh(h @ wi)), None), x, w)
+        return jnp.mean(h)
+
+    def step(w, x):
+        l, g = jax.value_and_grad(loss_fn)(w, x)
+        return w - 0.1 * g, l
+
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=2))
+    with pytest.raises(sp.ShardingError, match=r"scan.*stage_boundary inside a loop"):
+        pstep(jnp.ones((3, D, D)), jnp.ones((B, D)))
+
+
+def test_mesh_with_other_axes_is_not_yet():
+    with pytest.raises(sp.ShardingError, match="not implemented yet"):
+        sp.parallelize(lambda x: x, mesh=((4, 2), ("pp", "mp")), pipeline=sp.Pipeline(microbatches=8))
+    with pytest.raises(sp.ShardingError, match="needs 3 sp.stage_boundary marks"):
+        step, params, opt_state, batch = mlp(4, {1})
+        sp.parallelize(step, mesh=((4,), ("pp",)), pipeline=sp.Pipeline(microbatches=2))(params, opt_state, batch)
+    with pytest.raises(sp.ShardingError, match="multiple of"):
+        sp.Pipeline(microbatches=3, schedule="interleaved", virtual_stages=2) and \
+            sp.parallelize(*mlp(4, {0, 1, 2})[:1], mesh=((2,), ("pp",)),
+                           pipeline=sp.Pipeline(microbatches=3, schedule="interleaved", virtual_stages=2))(
+                *mlp(4, {0, 1, 2})[1:])
