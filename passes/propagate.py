@@ -51,7 +51,6 @@ class PropagateSharding:
         self.memo: Optional[dict] = {} if memoize else None
         self.whole_memo: dict = {}  # the same, for the round that completes partials whole
         self.wish_memo: Optional[dict] = {} if memoize else None  # situation -> wishes passed on
-        self.compute_times: dict = {}  # (id(mesh), id(graph)) -> cost.ComputeTimes (what a strategy costs in compute)
         self.partial_memo: dict = {}  # (rule, factors, passthrough) -> the results' pending partial
         # (signature, factors, passthrough) -> (strategy, layout each operand needs or None
         # for a literal, result layouts): what writing the plan reads per op
@@ -73,12 +72,7 @@ class PropagateSharding:
 
     def compute_times_of(self, graph: Graph) -> ComputeTimes:
         """What a strategy costs in compute on ``graph``'s mesh (``cost.ComputeTimes``)."""
-        key = (id(graph.mesh), id(graph))
-        times = self.compute_times.get(key)
-        if times is None or times.mesh is not graph.mesh:
-            ctx = self.context(graph)
-            times = self.compute_times[key] = ComputeTimes(self.cost, graph.mesh, ctx.resident, ctx.rules)
-        return times
+        return self.context(graph).compute_times(self.cost, graph.mesh)
 
     def __call__(self, graph: Graph) -> Graph:
         seeds = {op: self._body_wishes(op, graph) for op in graph.ops if op.subgraphs}

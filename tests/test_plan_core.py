@@ -15,6 +15,7 @@ from shardprop.ir.mesh import Mesh
 from shardprop.passes.auto import SearchStrategies
 from shardprop.passes.bind_strategies import BindUserStrategies
 from shardprop.passes.cost import DEFAULT_COST, ComputeTimes, StepEnd
+from shardprop.passes.fusion import resident_values
 from shardprop.passes.plan_core.context import PlanContext, RuleBook
 from shardprop.passes.plan_core.evaluate import evaluate_plan
 from shardprop.passes.plan_core.improve import best_move
@@ -39,10 +40,10 @@ def _graph(name: str, marked: bool):
 
 
 def _evaluated(graph, ops: dict, inputs: dict, shared_copies: bool) -> float:
-    """The plan priced afresh: a new context, new prices, new compute times."""
+    """The plan priced afresh: a new context, new prices, new compute times (rules built anew)."""
     ctx = PlanContext(graph, RuleBook())
-    e = evaluate_plan(ctx, ops, inputs, Prices(DEFAULT_COST, True), ComputeTimes(DEFAULT_COST, graph.mesh, ctx.resident),
-                      shared_copies=shared_copies)
+    compute = ComputeTimes(DEFAULT_COST, graph.mesh, resident_values(graph))
+    e = evaluate_plan(ctx, ops, inputs, Prices(DEFAULT_COST, True), compute, shared_copies=shared_copies)
     return e["compute"] + e["communication"]
 
 

@@ -33,7 +33,7 @@ from ...ir.graph import CONSTRAINT, Graph, Op, Value
 from ...ir.layout import Layout
 from ...ir.repeats import find_repeats
 
-from ..cost import ComputeTimes, CostModel
+from ..cost import CostModel
 from ..plan_core.context import PlanContext, RuleBook
 from ..plan_core.evaluate import evaluate_plan
 from ..plan_core.pricing import Prices
@@ -103,7 +103,7 @@ class Problem:
         # the graph as both planners read it (rules, users, resident values, step end)
         self.ctx = like.ctx if like is not None and like.graph is graph else PlanContext(graph, RuleBook())
         self.rules = self.ctx.rule
-        self.compute_times = ComputeTimes(cost, self.mesh, self.ctx.resident, self.ctx.rules)
+        self.compute_times = self.ctx.compute_times(cost, self.mesh)
         # values whose all_reduces XLA launches together at the step's end
         self.step_end = self.ctx.step_end
         if like is not None and like.graph is graph and (like.follow, like.share) == (follow, share_layers):
@@ -339,7 +339,8 @@ class Problem:
             produced: dict = {}
             for pos, (op, m) in enumerate(zip(n.members, n.main)):
                 if m == -1:
-                    st = self.ctx.book.strategy(self.rules(op), tuple(cand), n.passthroughs[k] if n.passthroughs else None)
+                    pt = n.passthroughs[k] if n.passthroughs else None
+                    st = self.ctx.book.strategy(self.rules(op), tuple(cand), pt)
                 elif type(m) is tuple:   # follows what its consumer (member m[1]) needs of it
                     u = n.members[m[1]]
                     need = row[m[1]].operand_layout(m[2], u.inputs[m[2]].type.rank, mesh)

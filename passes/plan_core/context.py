@@ -4,7 +4,8 @@ Built once per graph (``PlanContext``), each part on first use: the ops' factor
 rules (interned by ``RuleBook``: one object per equal rule, across graphs), the
 producer and users maps, the values fusion keeps out of memory, the step's end
 (``cost.StepEnd``), propagation's op signatures (its memo keys) and the search's
-layer tokens (its repeated layers). Nothing here depends on the mesh.
+layer tokens (its repeated layers); and, per cost model and mesh, what a strategy
+costs in compute (``cost.ComputeTimes``).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import functools
 
 from ...ir.graph import Graph, Op
 
-from ..cost import StepEnd
+from ..cost import ComputeTimes, CostModel, StepEnd
 from ..fusion import resident_values
 from ..rules import rule_for
 from ..sharding import OpStrategy
@@ -68,6 +69,16 @@ class PlanContext:
 
     def __init__(self, graph: Graph, book: RuleBook):
         self.graph, self.book = graph, book
+        self._compute: dict = {}   # (id of a cost model, mesh) -> (the model, its ComputeTimes)
+
+    def compute_times(self, cost: CostModel, mesh) -> ComputeTimes:
+        """What a strategy costs in compute under ``cost`` on ``mesh`` (``cost.ComputeTimes``),
+        one per model and mesh."""
+        key = (id(cost), mesh)
+        got = self._compute.get(key)
+        if got is None or got[0] is not cost:
+            got = self._compute[key] = (cost, ComputeTimes(cost, mesh, self.resident, self.rules))
+        return got[1]
 
     @functools.cached_property
     def rules(self) -> dict:
