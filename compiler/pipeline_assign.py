@@ -155,8 +155,9 @@ def _batch_dims(j_a, j_b, batch_mask) -> dict:
         out[va] = cmp(va, vb)
     if len(ja.eqns) != len(jb.eqns):
         raise ShardingError(f"the step's program changes with the batch size ({len(ja.eqns)} ops on a micro-batch, "
-                            f"{len(jb.eqns)} on the batch): shape-dependent Python control flow in the step; "
-                            "a pipeline needs one program for every batch size")
+                            f"{len(jb.eqns)} on the batch): shape-dependent Python control flow in the step, or "
+                            "micro-batches of one row (size-1 dims trace differently); a pipeline needs one program "
+                            "for both: use fewer micro-batches")
     for ea, eb in zip(ja.eqns, jb.eqns):
         if ea.primitive != eb.primitive:
             raise ShardingError(f"the step's program changes with the batch size ({ea.primitive.name} vs "

@@ -77,10 +77,29 @@ class PipelineInfo:
             lines.append(f"stage {s.index} (rank {s.rank}, chunk {s.chunk}, devices {list(s.devices)}): "
                          f"{len(s.forward_ops)} forward ops, {len(s.backward_ops)} backward ops, "
                          f"{len(s.once_ops)} once ops; state {s.params}")
-            lines.append(f"  sends: forward to rank {(s.rank + 1) % 10**9 if s.index < len(self.stages) - 1 else '-'}"
-                         f", cotangent to rank {s.rank - 1 if s.index > 0 else '-'} (collective-permute over pp)")
         lines.append(self.render())
         return "\n".join(lines)
+
+    def rank_text(self, rank: int) -> str:
+        """One rank's programs: its model stages' ops per action kind, its exchanges and
+        its row of the tick table."""
+        mine = [s for s in self.stages if s.rank == rank]
+        lines = [f"rank {rank}: model stages {[s.index for s in mine]} on devices {list(mine[0].devices)}"]
+        for s in mine:
+            for kind, ops in (("forward", s.forward_ops), ("backward", s.backward_ops), ("once", s.once_ops)):
+                lines.append(f"  stage {s.index} {kind} ({len(ops)} ops): {' '.join(ops)}")
+            if s.index + 1 < len(self.stages):
+                lines.append(f"  stage {s.index} sends its activations to rank {self.stages[s.index + 1].rank} "
+                             "(collective-permute over the pipeline axis)")
+            if s.index > 0 and self.schedule_has_backward():
+                lines.append(f"  stage {s.index} sends its input cotangents to rank {self.stages[s.index - 1].rank}")
+            lines.append(f"  state owned: {s.params}")
+        row = [str(self.schedule[(t, rank)]) if (t, rank) in self.schedule else "." for t in range(self.ticks)]
+        lines.append("  ticks: " + " ".join(row))
+        return "\n".join(lines)
+
+    def schedule_has_backward(self) -> bool:
+        return any(a.kind != "forward" for a in self.schedule.values())
 
 
 @dataclass
@@ -219,6 +238,9 @@ class PipelineFunction:
 
     def __call__(self, *args):
         c, leaves, mask = self._compile(args)
+        if self.dump_dir and not getattr(c, "dumped", False):
+            c.dumped = True
+            self.plan(*args)
         prog = c.prog
         sources, desc, rep, batch = self._inputs(c, leaves)
         packed, bvals, out_buf = self._fn(c, sources, desc)(sources, rep, batch)
@@ -279,7 +301,16 @@ class PipelineFunction:
                                     owned))
         info = PipelineInfo(stages, dict(prog.sim.tick_table), float(c.model_sim.bubble), prog.T, c.m,
                             sch.name, prog.sim, c.model_sim, prog.nslots)
-        return PipelinePlan(info, prog)
+        plan = PipelinePlan(info, prog)
+        if self.dump_dir:
+            import os
+            os.makedirs(self.dump_dir, exist_ok=True)
+            with open(os.path.join(self.dump_dir, "pipeline.txt"), "w") as f:
+                f.write(info.text() + "\n")
+            for d in range(self.p):
+                with open(os.path.join(self.dump_dir, f"pipeline_rank{d}.txt"), "w") as f:
+                    f.write(info.rank_text(d) + "\n")
+        return plan
 
     def lower_text(self, *args) -> str:
         """The compiled HLO of the pipelined program (for the per-rank checks)."""

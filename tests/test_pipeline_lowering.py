@@ -229,3 +229,49 @@ def test_mesh_with_other_axes_is_not_yet():
             sp.parallelize(*mlp(4, {0, 1, 2})[:1], mesh=((2,), ("pp",)),
                            pipeline=sp.Pipeline(microbatches=3, schedule="interleaved", virtual_stages=2))(
                 *mlp(4, {0, 1, 2})[1:])
+
+
+def test_dump_dir_writes_each_ranks_program(tmp_path):
+    step, params, opt_state, batch = mlp(2, {0})
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=2, schedule="1f1b"),
+                           dump_dir=str(tmp_path))
+    pstep.plan(params, opt_state, batch)
+    assert "modeled bubble" in (tmp_path / "pipeline.txt").read_text()
+    rank1 = (tmp_path / "pipeline_rank1.txt").read_text()
+    assert "stage 1 forward" in rank1 and "sends its input cotangents to rank 0" in rank1 and "ticks:" in rank1
+
+
+@pytest.mark.slow
+def test_gpt_pipeline_example_pp4_equals_one_device():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import gpt_pipeline
+    cfg = gpt_pipeline.Config(layers=4, batch=8, vocab=32, seq=8, heads=2, head_dim=4)
+    params = gpt_pipeline.init_pipeline_params(cfg)
+    tokens, targets = gpt_pipeline.make_batch(cfg)
+    step, opt = gpt_pipeline.make_train_step(cfg, 4)
+    pstep = sp.parallelize(step, mesh=((4,), ("pp",)), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
+    state = opt.init(params)
+    p1, s1, p0, s0 = params, state, params, state
+    for _ in range(5):
+        p1, s1, l1 = pstep(p1, s1, tokens, targets)
+        p0, s0, l0 = jax.jit(step)(p0, s0, tokens, targets)
+        np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(unpack(p1)), jax.tree.leaves(p0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_tied_weights_are_not_yet_supported():
+    def loss_fn(w, x):
+        h = sp.stage_boundary(jnp.tanh(x @ w))
+        return jnp.mean(jnp.tanh(h @ w.T))
+
+    def step(w, x):
+        l, g = jax.value_and_grad(loss_fn)(w, x)
+        return w - 0.1 * g, l
+
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=2))
+    with pytest.raises(sp.ShardingError, match=r"stages \[0, 1\].*tied weight"):
+        pstep(jnp.ones((D, D)), jnp.ones((B, D)))
