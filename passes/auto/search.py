@@ -124,7 +124,7 @@ class SearchStrategies:
     def __call__(self, graph: Graph) -> Graph:
         meshes = self._arrangements(graph)
         # arrangements share what does not depend on the mesh: the nodes and templates,
-        # and the redistribution prices (by virtual problem, pricing.py)
+        # and the redistribution prices (by virtual problem, plan_core/pricing.py)
         prices, last = Prices(self.cost, self.allow_rs), None
         solved, best_objective = [], None
         for mesh in meshes:
