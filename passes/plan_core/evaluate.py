@@ -6,10 +6,10 @@ each engine's own figure to it). Walked op by op in program order: each op's com
 per device (``cost.ComputeTimes``), each operand moved from the layout its producer
 makes (or its argument arrives in) to the layout the op needs, each output to its
 pinned layout, its argument's layout (returned state) or its cheapest completion,
-every move priced by ``pricing.Prices`` (an output's by ``Prices.output``). ``shared_copies``: a value needed in one
-layout by several ops is moved once (as ``insert-reshards`` writes it, and as
-propagation plans); without, once per reader (the search's linear model, which
-prices each edge on its own).
+every move priced by ``pricing.Prices`` (an output's by ``Prices.output``).
+``shared_copies``: a value needed in one layout by several ops is moved once (as
+``insert-reshards`` writes it, and as propagation plans); without, once per reader
+(the search's linear model, which prices each edge on its own).
 """
 from __future__ import annotations
 
