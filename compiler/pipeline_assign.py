@@ -19,7 +19,9 @@ Every equation gets one of these roles:
   a batch-contracting op (``reduce_sum``, ``dot_general``, ``conv``), none: those are
   **partial sums over micro-batches** (``acc``), accumulated across micro-batches;
 - ``once``: reads an accumulated value (the optimizer update, the loss normalisation):
-  runs once after the last micro-batch, on the stage (rank) that owns its inputs.
+  runs once after the last micro-batch, on the stage (rank) that owns its inputs, or on
+  every rank (``REP``) when it combines several stages' values (a tied weight's two
+  gradients, a global gradient norm).
 
 Stage of an ``mb`` op: forward marks (``direction="forward"``) are cuts ``0..S-2`` in
 program order; the k-th mark's results are stage ``k+1``'s. A forward op is on the
@@ -51,6 +53,7 @@ from .source_lines import source_of
 
 PARTIAL_PRODUCERS = ("reduce_sum", "dot_general", "conv_general_dilated")
 FLOAT, MB, ONCE, MARK = "float", "mb", "once", "mark"
+REP = -1    # the home of a once op that combines stages: every rank
 
 
 def inline_calls(closed):
@@ -136,6 +139,7 @@ class Analysis:
     var_stage: dict                  # var -> model stage (mb, acc, once)
     producer: dict                   # var -> eqn index
     training: bool
+    rep_once: list = field(default_factory=list)   # once ops that combine stages (run on every rank)
 
 
 def _batch_dims(j_a, j_b, batch_mask) -> dict:
@@ -268,13 +272,11 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
                            f"values, so micro-batches (microbatches={m}) would each see a different statistic",
                            eqn, "compute the statistic per example (layer norm instead of batch norm), or use "
                                 "microbatches=1 (not pipelined over micro-batches)")
-            sts = {vstage[a] for a in ins if kind[a] in ("acc", ONCE, MB)}
-            if len({s_ for s_ in sts}) > 1:
-                st_ranks = sorted(sts)
-                raise _err(f"an op after the accumulation reads values of stages {st_ranks} (e.g. a tied weight's "
-                           "gradients, or a global gradient norm): combining stages after the pipeline is not "
-                           "implemented yet", eqn, "keep each parameter's update within its stage")
-            roles[i], stage[i] = ONCE, sts.pop()
+            # on the one stage whose values it reads; reading several (a tied weight's two
+            # gradients, a global gradient norm) makes it replicated (REP): the lowering
+            # broadcasts its stage inputs over the pipeline axis and every rank computes it
+            sts = {vstage[a] for a in ins if kind[a] in ("acc", ONCE)} - {REP}
+            roles[i], stage[i] = ONCE, (sts.pop() if len(sts) == 1 else REP)
             for o in eqn.outvars:
                 kind[o], vstage[o] = ONCE, stage[i]
             continue
@@ -350,10 +352,11 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
         if S == 1 and not bwd_marks and not seeded:
             training = False
     stages = [StageProgram() for _ in range(S)]
+    rep_once = [i for i in range(n) if roles[i] == ONCE and stage[i] == REP]
     for i in range(n):
         if roles[i] == MB:
             (stages[stage[i]].forward if phase[i] == "F" else stages[stage[i]].backward).append(i)
-        elif roles[i] == ONCE:
+        elif roles[i] == ONCE and stage[i] != REP:
             stages[stage[i]].once.append(i)
     # zero-bubble split: I = ancestors of the cotangent sent back, W = ancestors of the weight partials
     for k, sp_ in enumerate(stages):
@@ -368,7 +371,7 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
         sp_.backward_input = _closure(targets_i, bset, producer, jaxpr)
         sp_.backward_weight = _closure(targets_w - set(), bset, producer, jaxpr)
     return Analysis(j_micro, j_global, lit_over, const_over, S, roles, stage, phase, stages, fwd_marks,
-                    bwd_marks if bwd_marks else None, bdim, kind, vstage, producer, training)
+                    bwd_marks if bwd_marks else None, bdim, kind, vstage, producer, training, rep_once)
 
 
 def _closure(targets, allowed: set, producer: dict, jaxpr) -> list:

@@ -243,13 +243,13 @@ class PipelineFunction:
             self.plan(*args)
         prog = c.prog
         sources, desc, rep, batch = self._inputs(c, leaves)
-        packed, bvals, out_buf = self._fn(c, sources, desc)(sources, rep, batch)
+        packed, bvals, out_buf, reps = self._fn(c, sources, desc)(sources, rep, batch)
         floats = []
         if c.float_fn is not None:
             need = [prog.invar_index[v] for v in prog._reads(prog.float_idxs) if v in prog.invar_index]
             floats = c.float_fn({i: (np.asarray(leaves[i]) if isinstance(leaves[i], PackedLeaf) else leaves[i])
                                  for i in need})
-        outs, fi, bi = [], 0, {v: n for n, v in enumerate(prog.bcast_vars)}
+        outs, fi, ri, bi = [], 0, 0, {v: n for n, v in enumerate(prog.bcast_vars)}
         for v, s in zip(prog.j.outvars, prog.out_spec):
             if s[0] == "literal":
                 outs.append(jnp.asarray(s[1]))
@@ -258,6 +258,9 @@ class PipelineFunction:
             elif s[0] == "float":
                 outs.append(floats[fi])
                 fi += 1
+            elif s[0] == "rep":
+                outs.append(reps[ri])
+                ri += 1
             elif s[0] == "bcast":
                 outs.append(bvals[bi[v]])
             elif s[0] == "packed":

@@ -6,9 +6,9 @@ The step is the same whole training step (``value_and_grad`` + Adam) written for
 device; ``sp.parallelize(..., pipeline=sp.Pipeline(microbatches=m, schedule=...))`` splits
 the batch into ``m`` micro-batches, runs each stage's forward and backward in the
 schedule's order on its own rank of the ``pp`` axis, accumulates the gradients and
-applies Adam once. The LM head is its own weight here: a head tied to the embedding is
-used by the first and the last stage, and summing its gradients between the two owners
-is not implemented yet (a ShardingError says so).
+applies Adam once. With ``tied=True`` the LM head is the embedding's transpose, used by
+the first and the last stage: its two accumulated gradients are summed across the
+pipeline axis and its update runs on every rank (``docs/design/pipeline.md``).
 """
 from __future__ import annotations
 
@@ -51,14 +51,16 @@ def loss_fn(params, tokens, targets, cfg: Config, cuts: set):
         x = block(x, p, cfg)
         if i in cuts:
             x = sp.stage_boundary(x)
-    logits = layer_norm(x, params["lnf_g"], params["lnf_b"]) @ params["head"]
+    head = params["head"] if "head" in params else params["wte"].T        # untied, or tied to the embedding
+    logits = layer_norm(x, params["lnf_g"], params["lnf_b"]) @ head
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.sum(jax.nn.one_hot(targets, cfg.vocab) * logp, axis=-1))
 
 
-def init_pipeline_params(cfg: Config, seed: int = 0):
+def init_pipeline_params(cfg: Config, seed: int = 0, tied: bool = False):
     params = init_params(cfg, seed)
-    params["head"] = np.ascontiguousarray(params["wte"].T)   # untied head
+    if not tied:
+        params["head"] = np.ascontiguousarray(params["wte"].T)   # an untied head
     return params
 
 
@@ -78,14 +80,16 @@ def main():
     cfg = Config(layers=8, batch=8)
     params = init_pipeline_params(cfg)
     tokens, targets = make_batch(cfg)
-    for p, schedule, v in [(8, "gpipe", 1), (8, "1f1b", 1), (4, "interleaved", 2)]:
+    for p, schedule, v, tied in [(8, "gpipe", 1, False), (8, "1f1b", 1, False), (4, "interleaved", 2, False),
+                                 (4, "1f1b", 1, True)]:
+        params = init_pipeline_params(cfg, tied=tied)
         step, opt = make_train_step(cfg, p * v)
         state = opt.init(params)
         pstep = sp.parallelize(step, mesh=((p,), ("pp",)), batch_argnums=(2, 3),
                                pipeline=sp.Pipeline(microbatches=4 if v == 1 else 4, schedule=schedule,
                                                     virtual_stages=v))
         plan = pstep.plan(params, state, tokens, targets)
-        print(f"== pp={p} {schedule} v={v}: {plan.pipeline.ticks} ticks, modeled bubble {plan.pipeline.bubble:.3f}")
+        print(f"== pp={p} {schedule} v={v}{' tied head' if tied else ''}: {plan.pipeline.ticks} ticks, modeled bubble {plan.pipeline.bubble:.3f}")
         print(plan.pipeline.render())
         p1, s1, p0, s0 = params, state, params, state
         for _ in range(3):

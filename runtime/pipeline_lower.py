@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ..ir.errors import ShardingError
 
 FLOAT, MB, ONCE, MARK = "float", "mb", "once", "mark"
+REP = -1
 F_, B_, I_, W_ = "forward", "backward", "backward_input", "backward_weight"
 
 
@@ -234,6 +235,46 @@ class PipelineProgram:
         for k in range(self.S):
             idxs = self._with_floats(an.stages[k].once)
             self.once[k] = dict(idxs=idxs, reads=self._reads(idxs))
+        self._plan_phases()
+
+    def _plan_phases(self):
+        """Once ops that combine stages (REP, ``an.rep_once``) run on every rank. Phase q:
+        the REP ops of phase q, then every rank's stage once ops of phase <= q (recomputed:
+        each phase's switch is a fresh program), then the stage values a later REP op reads
+        are broadcast (masked psum). A REP op reading a stage value of phase q is phase q+1;
+        a stage op reading a REP value of phase q is phase q."""
+        an, j = self.an, self.j
+        home = {}       # var -> stage, or REP
+        phase = {}      # var -> phase it is available in (REP vars) or computed in (stage vars)
+        for k in range(self.S):
+            for o in self.acc_vars(k):
+                home[o], phase[o] = k, 0
+        rep_set = set(an.rep_once)
+        self.op_phase = {}
+        once_ops = sorted(set(an.rep_once) | {i for k in range(self.S) for i in an.stages[k].once})
+        self.bcast_at = {}   # phase -> stage vars broadcast at its end
+        for i in once_ops:
+            eqn = j.eqns[i]
+            ins = [a for a in eqn.invars if not isinstance(a, jcore.Literal) and a in home]
+            if i in rep_set:
+                q = max([0] + [phase[a] + (1 if home[a] != REP else 0) for a in ins])
+                for a in ins:
+                    if home[a] != REP:
+                        self.bcast_at.setdefault(phase[a], [])
+                        if a not in self.bcast_at[phase[a]]:
+                            self.bcast_at[phase[a]].append(a)
+            else:
+                q = max([0] + [phase[a] for a in ins])
+            self.op_phase[i] = q
+            for o in eqn.outvars:
+                home[o], phase[o] = (REP if i in rep_set else an.stage[i]), q
+        self.var_home, self.var_phase = home, phase
+        self.nphases = 1 + max([0] + list(self.op_phase.values()))
+        self.rep_idxs = self._with_floats(an.rep_once)
+        self.rep_reads = self._reads(self.rep_idxs)
+
+    def acc_vars(self, k):
+        return [o for kind in self.kinds for o in self.progs[(kind, k)]["accs"]]
 
     def _plan_owner(self):
         an, j = self.an, self.j
@@ -246,6 +287,9 @@ class PipelineProgram:
             for v in prog["reads"]:
                 if v in self.invar_index:
                     readers[self.invar_index[v]].add(self.rank_of(k))
+        for v in self.rep_reads:
+            if v in self.invar_index:
+                readers[self.invar_index[v]].add(-1)
         spec, float_outs = [], []
         for v in j.outvars:
             if isinstance(v, jcore.Literal):
@@ -255,6 +299,8 @@ class PipelineProgram:
             elif an.kind[v] == FLOAT:
                 spec.append(("float",))
                 float_outs.append(v)
+            elif an.kind[v] == ONCE and an.var_stage[v] == REP:
+                spec.append(("rep",))
             elif an.kind[v] in ("acc", ONCE):
                 k = an.var_stage[v]
                 spec.append(("bcast", k) if v.aval.ndim == 0 else ("packed", k))
@@ -388,9 +434,9 @@ class PipelineProgram:
 
     def _base_env(self, reads, state_row, d, rep, batch_mb):
         env = {}
-        for c, v in zip(self.j.constvars, self.consts):
-            env[v] = c
-        sp_ = self.state_pack[d]
+        for cv, val in zip(self.j.constvars, self.consts):
+            env[cv] = val
+        sp_ = self.state_pack[d] if d >= 0 else Packing([])
         for v in reads:
             if v in env:
                 continue
@@ -444,26 +490,46 @@ class PipelineProgram:
             return (act_in, resid, ct_in, acc, out_buf), send_f, send_b
         return run
 
-    def _once(self, d):
+    def _once(self, d, q, rep_keys):
+        last = q == self.nphases - 1
+
         def run(ops):
-            acc, state_row, rep = ops
+            acc, state_row, rep, rep_vals = ops
+            env_rep = dict(zip(rep_keys, rep_vals))
             ks = [k for k in range(self.S) if self.rank_of(k) == d]
-            idxs = sorted(set(i for k in ks for i in self.once[k]["idxs"]))
+            idxs = sorted(set(i for k in ks for i in self.once[k]["idxs"] if self.op_phase.get(i, 0) <= q))
             reads = self._reads(idxs)
             outs = self.out_state_pack[d]
             needed = list(reads) + [v for v in outs.vars] + list(self.bcast_vars)
             env = self._base_env(needed, state_row, d, rep, {})
+            env.update(env_rep)
             for k in ks:
                 base, pk = self.acc_pack[k]
                 for v in pk.vars:
                     env[v] = _from_f32(lax.slice_in_dim(acc, base + pk.offset[v], base + pk.offset[v] + _size(v)),
                                        v.aval.shape, v.aval.dtype)
             self._run(idxs, env)
+            mine = lambda v, k: env[v] if self.rank_of(k) == d else jnp.zeros(v.aval.shape, v.aval.dtype)
+            bc = [mine(v, self.var_home[v]) for v in self.bcast_at.get(q, [])]
+            if not last:
+                return bc, jnp.zeros((self.out_state_size,), jnp.float32), [
+                    jnp.zeros(v.aval.shape, v.aval.dtype) for v in self.bcast_vars]
             packed = outs.pack(env, self.out_state_size)
-            bvals = [env[v] if self.rank_of(self.bcast_stage[v]) == d else jnp.zeros(v.aval.shape, v.aval.dtype)
-                     for v in self.bcast_vars]
-            return packed, bvals
+            return bc, packed, [mine(v, self.bcast_stage[v]) for v in self.bcast_vars]
         return run
+
+    def _run_rep(self, q, env_rep, rep):
+        """The REP once ops of phase ``q`` (and the floats they need), on every rank."""
+        idxs = [i for i in self.rep_idxs if self.op_phase.get(i, 0) == q or (
+            self.an.roles[i] == FLOAT and not all(o in env_rep for o in self.j.eqns[i].outvars))]
+        if not idxs:
+            return
+        env = self._base_env(self._reads(idxs), None, -1, rep, {})
+        env.update(env_rep)
+        self._run(idxs, env)
+        for i in idxs:
+            for o in self.j.eqns[i].outvars:
+                env_rep[o] = env[o]
 
     def build(self, n_sources, src_desc):
         """The jitted step: ``(sources, rep, batch) -> (packed_out, bcasts, out_buf)``.
@@ -472,7 +538,7 @@ class PipelineProgram:
         tables = {k: jnp.asarray(v) for k, v in self.tables.items()}
         branches = [lambda ops: (ops[0], jnp.zeros((self.A,), jnp.float32), jnp.zeros((self.G,), jnp.float32))]
         branches += [self._branch(key) for key in self.branch_keys[1:]]
-        onces = [self._once(d) for d in range(p)]
+        rep_out_vars = [v for v, s_ in zip(self.j.outvars, self.out_spec) if s_[0] == "rep"]
         fwd_perm = [(d, d + 1) for d in range(p - 1)] + ([(p - 1, 0)] if self.v > 1 else [])
         bwd_perm = [(d + 1, d) for d in range(p - 1)] + ([(0, p - 1)] if self.v > 1 else [])
         state_pack = self.state_pack
@@ -516,15 +582,22 @@ class PipelineProgram:
 
             carry, _ = lax.scan(tick, carry, tables)
             acc, out_buf = carry[3], carry[4]
-            packed, bvals = lax.switch(d, onces, (acc, state_row, rep))
+            env_rep = {}
+            for q in range(self.nphases):
+                self._run_rep(q, env_rep, rep)
+                keys = list(env_rep)
+                bc, packed, bvals = lax.switch(d, [self._once(r, q, keys) for r in range(p)],
+                                               (acc, state_row, rep, [env_rep[k] for k in keys]))
+                for v, b in zip(self.bcast_at.get(q, []), bc):
+                    env_rep[v] = lax.psum(b, ax)
             bvals = [lax.psum(b, ax) for b in bvals]
             out_buf = lax.psum(out_buf, ax)
-            return packed[None], bvals, out_buf
+            return packed[None], bvals, out_buf, [env_rep[v] for v in rep_out_vars]
 
         rep_spec = P()
         smap = jax.shard_map(body, mesh=self.mesh,
                              in_specs=([P(ax)] * n_sources, rep_spec, rep_spec),
-                             out_specs=(P(ax), rep_spec, rep_spec), check_vma=False)
+                             out_specs=(P(ax), rep_spec, rep_spec, rep_spec), check_vma=False)
         return jax.jit(smap)
 
     def float_fn(self):
