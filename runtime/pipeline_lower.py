@@ -391,7 +391,8 @@ class PipelineProgram:
             pk = Packing(accs)
             self.acc_pack[k] = (sizes[d], pk)
             sizes[d] += pk.size
-        self.ACC = max([1] + sizes)
+        self.ACCK = max([1] + [pk.size for _, pk in self.acc_pack.values()])
+        self.ACC = max([1] + sizes + [base + self.ACCK for base, _ in self.acc_pack.values()])
         # per-micro-batch outputs
         self.out_pack = {}
         osz = [0] * p
@@ -457,15 +458,15 @@ class PipelineProgram:
         prog = self.progs[key]
 
         def run(ops):
-            (act_in, resid, ct_in, acc, out_buf), mbi, slot, state_row, rep, batch = ops
+            (act_row, resid_row, ct_row, out_row), mbi, state_row, rep, batch = ops
             batch_mb = {i: lax.dynamic_index_in_dim(x, mbi, 0, keepdims=False) for i, x in batch.items()}
             env = self._base_env(prog["reads"], state_row, d, rep, batch_mb)
             if k > 0:
-                Packing(self.fwd_in[k]).unpack(act_in[slot], env)
+                Packing(self.fwd_in[k]).unpack(act_row, env)
             if kind != F_:
-                self.resid[k].unpack(resid[slot], env)
+                self.resid[k].unpack(resid_row, env)
                 if k < self.S - 1:
-                    Packing(self.bwd_in[k]).unpack(ct_in[slot], env)
+                    Packing(self.bwd_in[k]).unpack(ct_row, env)
             self._run(prog["idxs"], env)
             send_f = jnp.zeros((self.A,), jnp.float32)
             send_b = jnp.zeros((self.G,), jnp.float32)
@@ -473,21 +474,19 @@ class PipelineProgram:
                 if k < self.S - 1:
                     send_f = Packing(self.fwd_out[k]).pack(env, self.A)
                 if self.resid[k].size:
-                    resid = resid.at[slot].set(self.resid[k].pack(env, self.R))
+                    resid_row = self.resid[k].pack(env, self.R)
             elif prog["sends"]:
                 send_b = Packing(prog["sends"]).pack(env, self.G)
+            # this action's partial sums, at their offsets in the stage's accumulator piece
             base, pk = self.acc_pack[k]
-            mine = [v for v in pk.vars if v in prog["accs"]]
-            for v in mine:
-                o = base + pk.offset[v]
-                acc = lax.dynamic_update_slice_in_dim(
-                    acc, lax.slice_in_dim(acc, o, o + _size(v)) + _to_f32(env[v]), o, 0)
+            piece = [jnp.zeros((_size(v),), jnp.float32) if v not in prog["accs"] else _to_f32(env[v])
+                     for v in pk.vars]
+            piece += [jnp.zeros((self.ACCK - pk.size,), jnp.float32)] if self.ACCK > pk.size else []
+            piece = jnp.concatenate(piece)
             obase, opk = self.out_pack[k]
             for v in prog["outs_b"]:
-                o = obase + opk.offset[v]
-                row = lax.dynamic_update_slice_in_dim(out_buf[mbi], _to_f32(env[v]), o, 0)
-                out_buf = out_buf.at[mbi].set(row)
-            return (act_in, resid, ct_in, acc, out_buf), send_f, send_b
+                out_row = lax.dynamic_update_slice_in_dim(out_row, _to_f32(env[v]), obase + opk.offset[v], 0)
+            return (resid_row, out_row), (piece, jnp.int32(base)), send_f, send_b
         return run
 
     def _once(self, d, q, rep_keys):
@@ -536,7 +535,8 @@ class PipelineProgram:
         ``src_desc[d]``: per state var of rank d, (source index, offset) of its value."""
         p, ax, m = self.p, self.axis, self.m
         tables = {k: jnp.asarray(v) for k, v in self.tables.items()}
-        branches = [lambda ops: (ops[0], jnp.zeros((self.A,), jnp.float32), jnp.zeros((self.G,), jnp.float32))]
+        branches = [lambda ops: ((ops[0][1], ops[0][3]), (jnp.zeros((self.ACCK,), jnp.float32), jnp.int32(0)),
+                                 jnp.zeros((self.A,), jnp.float32), jnp.zeros((self.G,), jnp.float32))]
         branches += [self._branch(key) for key in self.branch_keys[1:]]
         rep_out_vars = [v for v, s_ in zip(self.j.outvars, self.out_spec) if s_[0] == "rep"]
         fwd_perm = [(d, d + 1) for d in range(p - 1)] + ([(p - 1, 0)] if self.v > 1 else [])
@@ -569,8 +569,15 @@ class PipelineProgram:
 
             def tick(carry, row):
                 a, mbi, slot, rf, rb = (row[n][d] for n in ("act", "mb", "slot", "recv_f", "recv_b"))
-                carry, send_f, send_b = lax.switch(a, branches, (carry, mbi, slot, state_row, rep, batch))
                 act_in, resid, ct_in, acc, out_buf = carry
+                rows = (act_in[slot], resid[slot], ct_in[slot], out_buf[mbi])
+                (resid_row, out_row), (piece, base), send_f, send_b = lax.switch(
+                    a, branches, (rows, mbi, state_row, rep, batch))
+                # only the rows and the accumulator piece an action touches are written back
+                resid = resid.at[slot].set(resid_row)
+                out_buf = out_buf.at[mbi].set(out_row)
+                acc = lax.dynamic_update_slice_in_dim(
+                    acc, lax.dynamic_slice_in_dim(acc, base, self.ACCK) + piece, base, 0)
                 if p > 1:
                     got_f = lax.ppermute(send_f, ax, fwd_perm)
                     got_b = lax.ppermute(send_b, ax, bwd_perm)
@@ -618,3 +625,25 @@ class PipelineProgram:
                     env[var] = val
             return [env[gj.jaxpr.outvars[pos[v]]] for v in outs]
         return jax.jit(run)
+
+
+def noop_branch_opcodes(hlo_text: str) -> list:
+    """The opcodes of the first branch (the bubble tick's no-op) of the tick loop's
+    ``conditional`` in compiled HLO text, with the computations its fusions call. A
+    bubble computes nothing when these only move buffers (tuple, copy, broadcast of a
+    constant...)."""
+    import re
+    cond = re.search(r"conditional\(.*branch_computations=\{%([\w.\-]+),", hlo_text)
+    if not cond:
+        return []
+    body = re.search(r"\n%" + re.escape(cond.group(1)) + r" .*?\n}\n", hlo_text, re.S).group(0)
+    ops = re.findall(r"= \S+ (\w[\w-]*)\(", body)
+    return ops + [f"fusion:{c}" for c in re.findall(r"calls=%([\w.\-]+)", body)]
+
+
+BUFFER_MOVES = {"parameter", "constant", "get-tuple-element", "tuple", "copy", "fusion", "broadcast", "bitcast"}
+
+
+def bubble_computes_nothing(hlo_text: str) -> bool:
+    ops = noop_branch_opcodes(hlo_text)
+    return bool(ops) and all(o in BUFFER_MOVES or (o.startswith("fusion:") and "broadcast" in o) for o in ops)
