@@ -621,7 +621,7 @@ def test_prices_are_shared_across_arrangements_and_exact():
     (groups priced by size) and with a profile (groups priced by the ranks they span)."""
     from shardprop.ir.layout import Layout
     from shardprop.passes.auto.candidates import tensor_layouts
-    from shardprop.passes.auto.pricing import Prices
+    from shardprop.passes.plan_core.pricing import Prices
     from shardprop.passes.cost import CostModel
     from shardprop.passes.redistribute import redistribution_cost
     shape = (8, 16, 4)
