@@ -129,6 +129,8 @@ class PipelineFunction:
         self.mesh_spec = resolve_mesh(mesh)
         self.p = check_pipeline(pipeline, self.mesh_spec.ir_mesh.axis_names, self.mesh_spec.ir_mesh.axis_sizes)
         self.mesh = self.mesh_spec.jax_mesh()
+        sizes = dict(zip(self.mesh_spec.ir_mesh.axis_names, self.mesh_spec.ir_mesh.axis_sizes))
+        self.dp = int(sizes.get("dp", 1)) if pipeline.axis != "dp" else 1
         self.batch_argnums = batch_argnums
         self.dump_dir = dump_dir
         self._cache = {}
@@ -164,6 +166,10 @@ class PipelineFunction:
             raise ShardingError(f"the batch arguments' leading dims differ ({sorted(bsizes)}); every batch leaf "
                                 "must have the batch as dim 0")
         B = bsizes.pop()
+        if B % m == 0 and (B // m) % self.dp:
+            raise ShardingError(f"Pipeline(microbatches={m}) on a mesh with dp={self.dp}: a micro-batch of {B // m} "
+                                f"rows (batch {B} / {m}) does not split over {self.dp} data-parallel devices; use a "
+                                f"batch that is a multiple of {m * self.dp}")
         if B % m:
             good = [d for d in range(1, B + 1) if B % d == 0]
             near = min(good, key=lambda d: (abs(d - m), d))
@@ -181,17 +187,19 @@ class PipelineFunction:
         def scaled(f):
             return [jax.ShapeDtypeStruct((a.shape[0] * f // 1,) + a.shape[1:] if b else a.shape, a.dtype)
                     if b else a for a, b in zip(avals, mask)]
-        micro = [jax.ShapeDtypeStruct((a.shape[0] // m,) + a.shape[1:], a.dtype) if b else a
+        md = m * self.dp    # one device's micro-batch: the batch over micro-batches and dp
+        micro = [jax.ShapeDtypeStruct((a.shape[0] // md,) + a.shape[1:], a.dtype) if b else a
                  for a, b in zip(avals, mask)]
         with jax.sharding.use_mesh(self.mesh) if False else _nullctx():
             jg = inline_calls(jax.make_jaxpr(flat_fn)(*avals))
-            jm = inline_calls(jax.make_jaxpr(flat_fn)(*micro)) if m > 1 else jg
-            js = jg if m > 1 else inline_calls(jax.make_jaxpr(flat_fn)(*scaled(2)))
+            jm = inline_calls(jax.make_jaxpr(flat_fn)(*micro)) if md > 1 else jg
+            js = jg if md > 1 else inline_calls(jax.make_jaxpr(flat_fn)(*scaled(2)))
         S = p * pl.virtual_stages
-        an = analyse(jg, jm, js, mask, S=S, m=m, global_batch=B)
+        an = analyse(jg, jm, js, mask, S=S, m=md, global_batch=B)
         schedule = build_schedule(pl.schedule, p, m, pl.virtual_stages, forward_only=not an.training)
         sim = simulate(schedule, UNIT)
-        prog = PipelineProgram(an, schedule, sim, mesh=self.mesh, axis=pl.axis, m=m, batch_mask=mask)
+        prog = PipelineProgram(an, schedule, sim, mesh=self.mesh, axis=pl.axis, m=m, batch_mask=mask,
+                               dp_axis="dp" if self.dp > 1 else None)
         c = _Compiled(prog, out_tree[0], m, B, an, schedule)
         c.model_sim = simulate(schedule)
         c.paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
@@ -276,13 +284,14 @@ class PipelineFunction:
         base, pk = prog.out_pack[k]
         o = base + pk.offset[v]
         n = int(np.prod(v.aval.shape))
-        x = out_buf[:, o:o + n]
+        x = out_buf[..., o:o + n]          # (dp, m, n): device j of dp holds rows j of each micro-batch
         from ..runtime.pipeline_lower import _from_f32
-        x = _from_f32(x, (c.m,) + tuple(v.aval.shape), v.aval.dtype)
+        x = _from_f32(x, (self.dp, c.m) + tuple(v.aval.shape), v.aval.dtype)
+        x = jnp.swapaxes(x, 0, 1).reshape((c.m * self.dp,) + tuple(v.aval.shape))
         bd = c.an.bdim[v]
         x = jnp.moveaxis(x, 0, bd)
         shape = list(v.aval.shape)
-        shape[bd] *= c.m
+        shape[bd] *= c.m * self.dp
         return x.reshape(shape)
 
     # ---------------------------------------------------------------- plan

@@ -116,16 +116,18 @@ class Pipeline:
 
 def check_pipeline(pipeline: Pipeline, axis_names, axis_sizes) -> int:
     """The number of pipeline ranks ``p``; a ShardingError for a mesh the lowering cannot
-    run (no ``pipeline.axis``; other axes of size > 1: not yet)."""
+    run (no ``pipeline.axis``; axes of size > 1 other than it and ``"dp"``: not yet). A
+    ``"dp"`` axis splits every micro-batch over its devices (data parallel inside each
+    stage: the accumulated partial sums are all-reduced over it)."""
     names = tuple(axis_names)
     if pipeline.axis not in names:
         raise ShardingError(f"Pipeline(axis={pipeline.axis!r}): the mesh has axes {names}; name the pipeline "
                             f"axis, e.g. mesh=((4,), ({pipeline.axis!r},))")
-    others = [(a, s) for a, s in zip(names, axis_sizes) if a != pipeline.axis and s > 1]
+    others = [(a, s) for a, s in zip(names, axis_sizes) if a not in (pipeline.axis, "dp") and s > 1]
     if others:
         raise ShardingError(f"pipeline over {pipeline.axis!r} with other mesh axes {others}: composing pipeline "
-                            "stages with data or tensor parallelism is not implemented yet; use a mesh whose only "
-                            f"axis of size > 1 is {pipeline.axis!r}")
+                            "stages with tensor parallelism is not implemented yet; use a mesh whose axes of "
+                            f"size > 1 are {pipeline.axis!r} and (data parallel) 'dp'")
     p = int(dict(zip(names, axis_sizes))[pipeline.axis])
     if p < 2:
         raise ShardingError(f"the pipeline axis {pipeline.axis!r} has size {p}: a pipeline needs at least 2 stages "

@@ -148,12 +148,12 @@ class PackedLeaf:
 class PipelineProgram:
     """Builds and runs the pipelined step for one input signature."""
 
-    def __init__(self, an, schedule, sim, *, mesh, axis, m, batch_mask):
+    def __init__(self, an, schedule, sim, *, mesh, axis, m, batch_mask, dp_axis=None):
         """``batch_mask``: per invar, whether it is a batch argument (split into
         micro-batches). ``self.owner`` per invar: the rank whose programs alone read it
         (packed there), ``-1`` (replicated) or None (unused)."""
         self.an, self.schedule, self.sim = an, schedule, sim
-        self.mesh, self.axis, self.m = mesh, axis, m
+        self.mesh, self.axis, self.m, self.dp_axis = mesh, axis, m, dp_axis
         self.p, self.v = schedule.p, schedule.v
         self.S = self.p * self.v
         j = an.jaxpr.jaxpr
@@ -589,6 +589,12 @@ class PipelineProgram:
 
             carry, _ = lax.scan(tick, carry, tables)
             acc, out_buf = carry[3], carry[4]
+            if self.dp_axis:
+                # data parallel inside each stage: the partial sums of every dp device's rows
+                acc = lax.psum(acc, self.dp_axis)
+                out_buf = lax.all_gather(out_buf, self.dp_axis)
+            else:
+                out_buf = out_buf[None]
             env_rep = {}
             for q in range(self.nphases):
                 self._run_rep(q, env_rep, rep)
@@ -602,8 +608,9 @@ class PipelineProgram:
             return packed[None], bvals, out_buf, [env_rep[v] for v in rep_out_vars]
 
         rep_spec = P()
+        batch_spec = P(None, self.dp_axis) if self.dp_axis else P()
         smap = jax.shard_map(body, mesh=self.mesh,
-                             in_specs=([P(ax)] * n_sources, rep_spec, rep_spec),
+                             in_specs=([P(ax)] * n_sources, rep_spec, batch_spec),
                              out_specs=(P(ax), rep_spec, rep_spec, rep_spec), check_vma=False)
         return jax.jit(smap)
 

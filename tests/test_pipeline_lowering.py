@@ -213,7 +213,7 @@ def test_stage_boundary_inside_a_loop_is_an_error():
 
 
 def test_mesh_with_other_axes_is_not_yet():
-    with pytest.raises(sp.ShardingError, match="not implemented yet"):
+    with pytest.raises(sp.ShardingError, match="tensor parallelism is not implemented yet"):
         sp.parallelize(lambda x: x, mesh=((4, 2), ("pp", "mp")), pipeline=sp.Pipeline(microbatches=8))
     with pytest.raises(sp.ShardingError, match="needs 3 sp.stage_boundary marks"):
         step, params, opt_state, batch = mlp(4, {1})
@@ -300,3 +300,29 @@ def test_tied_embedding_gpt_pp4_equals_one_device():
         np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(unpack((p1, s1))), jax.tree.leaves((p0, s0))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_pp4_by_dp2_equals_one_device():
+    """Data parallel inside each stage: every micro-batch split over dp, the accumulated
+    partial sums all-reduced over dp before the optimizer update."""
+    step, params, opt_state, batch = mlp(4, {0, 1, 2})
+    pstep = sp.parallelize(step, mesh=((4, 2), ("pp", "dp")), pipeline=sp.Pipeline(microbatches=4))
+    assert_matches_one_device(step, params, opt_state, batch, pstep)
+    hlo = pstep.lower_text(params, opt_state, batch)
+    for group in re.findall(r"source_target_pairs=\{([{}0-9,]*)\}", hlo):
+        for a, b in re.findall(r"\{(\d+),(\d+)\}", group):
+            assert abs(int(a) - int(b)) == 2      # pp neighbours on a (pp, dp) mesh: device ids 2 apart
+
+
+def test_forward_only_pp2_by_dp2():
+    ws = [jnp.full((D, D), 0.1 * (i + 1)) for i in range(2)]
+
+    def infer(ws, x):
+        return jnp.tanh(sp.stage_boundary(jnp.tanh(x @ ws[0])) @ ws[1])
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (B, D))
+    pinf = sp.parallelize(infer, mesh=((2, 2), ("dp", "pp")), pipeline=sp.Pipeline(microbatches=2))
+    np.testing.assert_allclose(np.asarray(pinf(ws, x)), np.asarray(infer(ws, x)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(sp.ShardingError, match="does not split over 2 data-parallel devices"):
+        pinf(ws, x[:6])
