@@ -59,20 +59,24 @@ class StageInfo:
 class PipelineInfo:
     stages: list
     schedule: dict          # (tick, rank) -> Action, the lowering's unit-cost tick table
-    bubble: float           # modeled idle fraction (simulator, F = 1, B = 2 or I = W = 1)
+    bubble: float           # modeled idle fraction (simulator on the cost model's stage times)
     ticks: int
     microbatches: int
     schedule_name: str
     sim: object             # the lowering's SimResult
     model_sim: object       # the modeled SimResult (bubble)
     slots: int              # activation slots per rank
+    step_time: float = 0.0  # modeled seconds of the step (the simulator's makespan)
+    unit_bubble: float = 0.0   # the idle fraction at unit costs (F = 1, B = 2): (p-1)/(m+p-1) for gpipe/1f1b
+    stage_times: list = field(default_factory=list)   # per model stage: {kind: modeled seconds}
 
     def render(self) -> str:
         return self.sim.render()
 
     def text(self) -> str:
         lines = [f"pipeline: {self.schedule_name}, {len(self.stages)} model stages, {self.microbatches} "
-                 f"micro-batches, {self.ticks} ticks, modeled bubble {self.bubble:.3f}, {self.slots} slots per rank"]
+                 f"micro-batches, {self.ticks} ticks, modeled bubble {self.bubble:.3f}, modeled step "
+                 f"{self.step_time * 1e6:.1f} us, {self.slots} slots per rank"]
         for s in self.stages:
             lines.append(f"stage {s.index} (rank {s.rank}, chunk {s.chunk}, devices {list(s.devices)}): "
                          f"{len(s.forward_ops)} forward ops, {len(s.backward_ops)} backward ops, "
@@ -110,6 +114,39 @@ class PipelinePlan:
 
     def text(self) -> str:
         return self.pipeline.text()
+
+
+def _eqn_time(eqn, cost) -> float:
+    """The roofline time of one equation (passes/cost.py's ``compute_time``): dot_general
+    and convolutions count 2 flops per multiply-add, everything else one per output."""
+    out = sum(int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
+    touched = sum(int(np.prod(getattr(v.aval, "shape", ()))) * getattr(getattr(v.aval, "dtype", None), "itemsize", 4)
+                  for v in list(eqn.invars) + list(eqn.outvars) if hasattr(v, "aval"))
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        k = int(np.prod([eqn.invars[0].aval.shape[d] for d in lc])) if lc else 1
+        return cost.compute_time(2.0 * out * k, touched, contraction=True)
+    if name == "conv_general_dilated":
+        w = eqn.invars[1].aval.shape
+        return cost.compute_time(2.0 * out * int(np.prod(w)) / max(1, w[0]), touched, contraction=True)
+    return cost.compute_time(float(out), touched)
+
+
+def _modeled_times(prog):
+    """Per model stage, the modeled seconds of each action kind on one micro-batch (the
+    default cost model's roofline over its programs' equations), and per boundary the
+    exchange time of the activations (alpha-beta over the default link)."""
+    from ..passes.cost import DEFAULT_COST as cost
+    j = prog.j
+    times = []
+    for k in range(prog.S):
+        times.append({kind: max(1e-9, sum(_eqn_time(j.eqns[i], cost) for i in prog.progs[(kind, k)]["idxs"]))
+                      for kind in prog.kinds})
+    from ..runtime.pipeline_lower import Packing
+    latency = [cost.latency_s + 4 * Packing(prog.fwd_out[k]).size / cost.link_bytes_per_s
+               for k in range(prog.S - 1)]
+    return times, latency
 
 
 class _Compiled:
@@ -201,7 +238,9 @@ class PipelineFunction:
         prog = PipelineProgram(an, schedule, sim, mesh=self.mesh, axis=pl.axis, m=m, batch_mask=mask,
                                dp_axis="dp" if self.dp > 1 else None)
         c = _Compiled(prog, out_tree[0], m, B, an, schedule)
-        c.model_sim = simulate(schedule)
+        c.stage_times, c.latency = _modeled_times(prog)
+        durations = {kind: [c.stage_times[k][kind] for k in range(S)] for kind in prog.kinds}
+        c.model_sim = simulate(schedule, durations, latency=c.latency)
         c.paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
         self._cache[key] = c
         return c, leaves, mask
@@ -312,7 +351,8 @@ class PipelineFunction:
             stages.append(StageInfo(k, d, ch, rank_devs, names(st.forward), names(st.backward), names(st.once),
                                     owned))
         info = PipelineInfo(stages, dict(prog.sim.tick_table), float(c.model_sim.bubble), prog.T, c.m,
-                            sch.name, prog.sim, c.model_sim, prog.nslots)
+                            sch.name, prog.sim, c.model_sim, prog.nslots, float(c.model_sim.makespan),
+                            float(simulate(sch).bubble), c.stage_times)
         plan = PipelinePlan(info, prog)
         if self.dump_dir:
             import os
