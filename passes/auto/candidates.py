@@ -1,7 +1,9 @@
 """The candidate strategies of one op, read off its factor rule.
 
-A candidate gives every mesh axis to at most one factor the rule lets split (axes
-within a factor in mesh order), such that every split divides its factor and a
+A candidate gives every mesh axis to at most one factor the rule lets split (a
+factor given several axes takes them in every order: ('b', 'a') splits the factor
+major over 'b', which lays the devices out differently from ('a', 'b') and can be
+the cheaper plan), such that every split divides its factor and a
 dim made of several factors is split only from its major end. ``fixed`` factors
 (a user's mark) keep their axes. The all-whole assignment, "replicated", is
 always first.
@@ -34,19 +36,22 @@ def factor_assignments(rule: FactorRule, mesh: Mesh,
                 factors[f] = factors[f] + (a,)
         if any(rule.sizes[f] % mesh.axes_size(factors[f]) for f in range(n)):
             continue
-        if broken_nesting(rule, factors, mesh) is not None:
-            continue
-        key = tuple(factors)
-        if key not in seen:
-            seen.add(key)
-            out.append(key)
+        for ordered in _orders(factors, [f in open_factors for f in range(n)]):
+            if broken_nesting(rule, ordered, mesh) is not None:
+                continue
+            key = tuple(ordered)
+            if key not in seen:
+                seen.add(key)
+                out.append(key)
     out.sort(key=lambda c: sum(len(a) for a in c))   # replicated (or the fixed part alone) first
     return out
 
 
 def tensor_layouts(shape: Sequence[int], mesh: Mesh) -> list[Layout]:
-    """Every layout of a tensor of ``shape``: each mesh axis on one dim or none (in
-    mesh order within a dim), splits dividing their dims. Replicated first."""
+    """Every layout of a tensor of ``shape``: each mesh axis on one dim or none (a dim
+    given several axes takes them in every order), splits dividing their dims.
+    Replicated first. (Stored split over every axis, gathered where an op computes
+    with it: the FSDP layout of a weight is one of these, its gather a priced move.)"""
     out = []
     for choice in itertools.product([None] + list(range(len(shape))), repeat=len(mesh.axis_names)):
         dims = [()] * len(shape)
@@ -54,6 +59,13 @@ def tensor_layouts(shape: Sequence[int], mesh: Mesh) -> list[Layout]:
             if d is not None:
                 dims[d] = dims[d] + (a,)
         if all(s % mesh.axes_size(d) == 0 for s, d in zip(shape, dims)):
-            out.append(Layout(tuple(dims)))
+            out.extend(Layout(tuple(o)) for o in _orders(dims, [True] * len(dims)))
     out.sort(key=lambda l: len(l.sharded_axes()))
     return out
+
+
+def _orders(groups: list, free: list) -> list[list]:
+    """``groups`` (tuples of axes) with each ``free`` group's axes in every order (mesh
+    order first)."""
+    options = [list(itertools.permutations(g)) if ok and len(g) > 1 else [tuple(g)] for g, ok in zip(groups, free)]
+    return [list(c) for c in itertools.product(*options)]
