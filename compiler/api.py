@@ -220,13 +220,14 @@ class ParallelFunction:
 
     def _build(self, key, args, kwargs, progress: CompileProgress) -> Compiled:
         compiled = self._plan_and_lower(args, kwargs, progress, self.options)
-        if self.options.mode == "auto" and self.options.memory_limit is not None:
+        if self.options.mode == "auto" and self.options.memory_limit is not None and not self.mesh_spec.abstract:
             compiled = self._fit_compiled(compiled, args, kwargs, progress)
         self._cache[key] = compiled
         if self.dump_dir and not self._dumped:
             progress.stage("writing dumps")
             plan = compiled.plan
-            plan.dump(self.dump_dir, ranks=owned_ranks(plan.graph.mesh.size, self.mesh_spec.devices),
+            plan.dump(self.dump_dir, ranks=None if self.mesh_spec.abstract else
+                      owned_ranks(plan.graph.mesh.size, self.mesh_spec.devices),
                       write_global=writes_global_files())
             self._dumped = True
         return compiled
@@ -242,6 +243,8 @@ class ParallelFunction:
         plan = Plan(graph, res.texts, res.seconds, trace_s,
                     regenerate_texts=lambda: run_pipeline(self._trace(args, kwargs)[0], options,
                                                           keep_texts=True).texts)
+        if self.mesh_spec.abstract:   # planned for devices not here: nothing to lower
+            return Compiled(None, plan, out_tree, [v.const for v in graph.inputs[graph.num_user_inputs:]], [])
         progress.stage("lowering")
         jmesh = self.mesh_spec.jax_mesh(graph.mesh)
         n_user = graph.num_user_inputs
@@ -328,6 +331,7 @@ class ParallelFunction:
         """The ``NamedSharding`` each argument leaf is fed in, as a pytree like the
         arguments: what an input pipeline needs to assemble global batches in place
         (``jax.make_array_from_process_local_data``) and a checkpoint to restore into."""
+        self.mesh_spec.require_devices("input_shardings")
         c = self._compile(args, kwargs)
         n = len(jax.tree_util.tree_leaves((args, kwargs)))
         tree = jax.tree_util.tree_structure((args, kwargs))
@@ -337,11 +341,13 @@ class ParallelFunction:
     def lower(self, *args, **kwargs):
         """jax's ``Lowered`` for these arguments (``.compile()``, ``.as_text()``,
         ``.compile().memory_analysis()``): what XLA is given to run."""
+        self.mesh_spec.require_devices("lowering the step")
         c = self._compile(args, kwargs)
         with jax.set_mesh(c.mesh):
             return c.fn.lower(*self._flat_inputs(c, args, kwargs))
 
     def __call__(self, *args, **kwargs):
+        self.mesh_spec.require_devices(f"running {self.__name__}")
         key = self._key(args, kwargs)
         c = self._cache.get(key)
         if c is not None:

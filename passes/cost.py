@@ -322,9 +322,12 @@ BUILTIN = {"cpu": _cpu, "h100": _h100}
 
 def resolve_cost_model(cost_model, mesh) -> CostModel:
     """``parallelize``'s ``cost_model``: None (the default model), a ``CostModel``,
-    or the name of a built-in profile; checked against the mesh it will price."""
+    a ``Cluster`` (``passes/cluster.py``), or the name of a built-in profile; checked
+    against the mesh it will price."""
     if cost_model is None:
         return DEFAULT_COST
+    if callable(getattr(cost_model, "cost_model", None)):   # a cluster (passes/cluster.py) describes its model
+        cost_model = cost_model.cost_model()
     if isinstance(cost_model, str):
         model = CostModel.builtin(cost_model)
     elif isinstance(cost_model, CostModel):

@@ -20,3 +20,9 @@ __all__ = ["shard", "parallelize", "ParallelFunction", "Plan", "PlanOp", "PlanCo
            "CostModel", "report", "Model", "Callback", "LossMonitor", "ModelCheckpoint", "ProgressBar", "StepInfo",
            "Checkpointer", "DataLoader", "DistributedSampler", "is_main_process", "print0", "to_numpy",
            "use_cpu_devices", "init_distributed", "Pipeline", "stage_boundary"]
+
+# planning for a cluster that is not here (issue 28)
+from .compiler.planning import PlanEstimate, plan_step  # noqa: E402,F401
+from .passes.cluster import Cluster, GpuProfile  # noqa: E402,F401
+
+__all__ += ["Cluster", "GpuProfile", "plan_step", "PlanEstimate"]

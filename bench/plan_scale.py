@@ -1,0 +1,79 @@
+"""Planning at scale without the devices: a GPT training step (embed 4096, seq 2048,
+Adam, Megatron's marks) planned for an ``AbstractMesh((16, 64), ("dp", "mp"))`` in a
+process with 8 CPU devices, from ``jax.ShapeDtypeStruct``s (issue 28).
+
+    python bench/plan_scale.py [--layers 12] [--auto] [--dump DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AbstractMesh  # noqa: E402
+
+import shardprop as sp  # noqa: E402
+
+
+def gpt_step(layers: int = 12, heads: int = 64, head_dim: int = 64, seq: int = 2048, batch: int = 16,
+             vocab: int = 51200, mp: int = 64, marks: bool = True):
+    """(train_step, abstract arguments) of examples/gpt_megatron.py at this size."""
+    from gpt_megatron import Config, Parallelism, make_train_step
+    from jax.sharding import PartitionSpec as P
+    cfg = Config(vocab=vocab, seq=seq, heads=heads, head_dim=head_dim, layers=layers, batch=batch)
+    par = Parallelism(heads=(P("dp", None, None), P(None, "mp", None)), columns=(P("dp", None, None), P(None, "mp")))
+    step, opt = make_train_step(par, cfg)
+    if not marks:   # the same step with every shard() mark an identity: nothing marked, for mode="auto"
+        import types
+
+        import gpt_megatron
+        marked = step
+
+        def step(*args):
+            saved, gpt_megatron.sp = gpt_megatron.sp, types.SimpleNamespace(shard=lambda f, *a, **k: f)
+            try:
+                return marked(*args)
+            finally:
+                gpt_megatron.sp = saved
+    e, f = cfg.embed, 4 * cfg.embed
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    layer = dict(ln1_g=S((e,), f32), ln1_b=S((e,), f32), wq=S((e, heads, head_dim), f32),
+                 wk=S((e, heads, head_dim), f32), wv=S((e, heads, head_dim), f32), wo=S((e, e), f32),
+                 ln2_g=S((e,), f32), ln2_b=S((e,), f32), w1=S((e, f), f32), w2=S((f, e), f32))
+    params = dict(wte=S((vocab, e), f32), wpe=S((seq, e), f32), layers=[layer] * layers,
+                  lnf_g=S((e,), f32), lnf_b=S((e,), f32))
+    state = jax.eval_shape(opt.init, params)
+    tokens = S((batch, seq), jnp.int32)
+    return step, (params, state, tokens, tokens)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--auto", action="store_true")
+    ap.add_argument("--dump")
+    a = ap.parse_args(argv)
+    step, args = gpt_step(a.layers, marks=not a.auto)
+    mesh = AbstractMesh((16, 64), ("dp", "mp"))
+    t0 = time.perf_counter()
+    pstep = sp.parallelize(step, mesh=mesh, mode="auto" if a.auto else "sharding_propagation")
+    plan = pstep.plan(*args)
+    t1 = time.perf_counter()
+    print(f"GPT-{a.layers} on {dict(zip(mesh.axis_names, mesh.axis_sizes))} "
+          f"({'auto' if a.auto else 'marks'}): planned in {t1 - t0:.1f} s, {len(plan.collectives)} collectives")
+    if a.dump:
+        t0 = time.perf_counter()
+        plan.dump(a.dump)
+        print(f"dump: {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

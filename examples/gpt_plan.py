@@ -1,0 +1,114 @@
+"""A GPT training step to plan for a cluster that is not here (docs/guide/planning.md).
+
+    shardprop plan examples/gpt_plan.py:make_step --mesh 128x8:dp,mp --cluster 128x8:a100-80gb
+
+``make_step()`` returns what ``shardprop plan`` needs: the step function, its
+arguments as ``jax.ShapeDtypeStruct``s (no memory, no devices) and options for
+``sp.plan_step`` (tokens per step). The model is Megatron's GPT: the QKV projection
+split by heads and the first MLP matmul by columns over ``mp`` (the rest is
+inferred), the batch split over ``dp``, the tied embedding split by vocabulary over
+``mp``; mixed precision (fp32 master weights and Adam state, bf16 matmuls and
+activations) and full activation recomputation per layer (``jax.checkpoint``), as
+the published runs train.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import shardprop as sp
+
+
+@dataclass(frozen=True)
+class GPT:
+    layers: int = 96
+    hidden: int = 12288
+    heads: int = 96
+    seq: int = 2048
+    vocab: int = 51200
+    batch: int = 1536          # sequences per step, all data-parallel replicas together
+    compute_dtype: str = "bfloat16"   # matmuls and activations; "float32": no mixed precision
+    remat: bool = True         # recompute each layer's activations in the backward (jax.checkpoint)
+    dp: str = "dp"             # mesh axis names (None: not split over that axis)
+    mp: str = "mp"
+
+    @property
+    def params(self) -> int:
+        """Parameters: 12 h^2 + 13 h per layer, the embeddings and the last norm."""
+        h = self.hidden
+        return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.seq) * h + 2 * h
+
+
+def _norm(x, g, b):
+    x32 = x.astype(jnp.float32)
+    m = x32.mean(-1, keepdims=True)
+    v = ((x32 - m) ** 2).mean(-1, keepdims=True)
+    return ((x32 - m) * jax.lax.rsqrt(v + 1e-5) * g + b).astype(x.dtype)
+
+
+def _layer(cfg: GPT, x, p):
+    dt = jnp.dtype(cfg.compute_dtype)
+    b, s, h = x.shape
+    w = {k: v.astype(dt) for k, v in p.items()}
+    heads = (P(cfg.dp, None, None), P(None, cfg.mp, None))
+    y = _norm(x, p["ln1_g"], p["ln1_b"])
+    project = sp.shard(lambda a, wt: jnp.einsum("bse,ehd->bshd", a, wt), heads)
+    q, k, v = project(y, w["wq"]), project(y, w["wk"]), project(y, w["wv"])
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(h // cfg.heads).astype(dt)
+    causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
+    att = jax.nn.softmax(jnp.where(causal, scores, jnp.asarray(-1e4, dt)), axis=-1)
+    x = x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, h) @ w["wo"]
+    y = _norm(x, p["ln2_g"], p["ln2_b"])
+    y = sp.shard(jnp.matmul, (P(cfg.dp, None, None), P(None, cfg.mp)))(y, w["w1"])
+    return x + jax.nn.gelu(y) @ w["w2"]
+
+
+def loss_fn(params, tokens, targets, cfg: GPT):
+    dt = jnp.dtype(cfg.compute_dtype)
+    wte = params["wte"].astype(dt)
+    x = (jnp.take(wte, tokens, axis=0) + params["wpe"].astype(dt)[None]).astype(dt)
+    layer = jax.checkpoint(lambda x, p: _layer(cfg, x, p)) if cfg.remat else (lambda x, p: _layer(cfg, x, p))
+    for p in params["layers"]:
+        x = layer(x, p)
+    x = _norm(x, params["lnf_g"], params["lnf_b"])
+    logits = sp.shard(lambda a, e: jnp.einsum("bsh,vh->bsv", a, e),
+                      (P(cfg.dp, None, None), P(cfg.mp, None)))(x, wte)        # tied head, vocab split
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def abstract_params(cfg: GPT) -> dict:
+    """The parameters as ``jax.ShapeDtypeStruct``s: fp32 master weights."""
+    h, f32, S = cfg.hidden, jnp.float32, jax.ShapeDtypeStruct
+    d = h // cfg.heads
+    layer = dict(ln1_g=S((h,), f32), ln1_b=S((h,), f32), wq=S((h, cfg.heads, d), f32),
+                 wk=S((h, cfg.heads, d), f32), wv=S((h, cfg.heads, d), f32), wo=S((h, h), f32),
+                 ln2_g=S((h,), f32), ln2_b=S((h,), f32), w1=S((h, 4 * h), f32), w2=S((4 * h, h), f32))
+    return dict(wte=S((cfg.vocab, h), f32), wpe=S((cfg.seq, h), f32), layers=[dict(layer) for _ in range(cfg.layers)],
+                lnf_g=S((h,), f32), lnf_b=S((h,), f32))
+
+
+def train_step_and_args(cfg: GPT, learning_rate: float = 1e-4):
+    """(step, (params, opt_state, tokens, targets)): Adam, every argument abstract."""
+    import optax
+    opt = optax.adam(learning_rate)
+
+    def train_step(params, opt_state, tokens, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets, cfg)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    params = abstract_params(cfg)
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32)
+    return train_step, (params, jax.eval_shape(opt.init, params), tokens, tokens)
+
+
+def make_step():
+    """What ``shardprop plan examples/gpt_plan.py:make_step`` plans: a GPT-3 175B-like
+    step (96 layers, hidden 12288, 96 heads, seq 2048, batch 1536)."""
+    cfg = GPT()
+    step, args = train_step_and_args(cfg)
+    return step, args, {"tokens": cfg.batch * cfg.seq}
