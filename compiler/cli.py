@@ -1,6 +1,8 @@
 """The ``shardprop`` command: ``shardprop launch ...`` starts a multi-process run;
 ``shardprop report DUMP_DIR -o plan.html`` draws a dump's plan as one HTML page;
-``shardprop calibrate --mesh 8 -o profile.json`` measures this machine's cost model."""
+``shardprop calibrate --mesh 8 -o profile.json`` measures this machine's cost model;
+``shardprop plan script.py:make_step --mesh 16x64:dp,mp --cluster 128x8:a100-80gb``
+plans a step for a cluster that is not here (compiler/planning.py)."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +12,11 @@ USAGE = ("usage: shardprop launch [--nproc N | --gpus 0,1,...] [--devices-per-pr
          "[--port P] [--log-dir log] script.py [args...]\n"
          "       shardprop launch --server-num N --worker-num M [--ps-mode async|sync] script.py [args...]\n"
          "       shardprop report DUMP_DIR [-o plan.html] [--explain OP_OR_LINE]\n"
-         "       shardprop calibrate [--mesh 8 | --mesh 2x4] [--cpu] [-o profile.json]\n\n"
-         "shardprop launch --help, shardprop report --help, shardprop calibrate --help   for details")
+         "       shardprop calibrate [--mesh 8 | --mesh 2x4] [--cpu] [-o profile.json]\n"
+         "       shardprop plan script.py:make_step --mesh 16x64:dp,mp --cluster 128x8:a100-80gb [--auto] "
+         "[-o plan.html]\n\n"
+         "shardprop launch --help, shardprop report --help, shardprop calibrate --help, shardprop plan --help   "
+         "for details")
 
 
 def main(argv=None) -> int:
@@ -27,7 +32,9 @@ def main(argv=None) -> int:
     if argv[0] == "calibrate":
         from .calibrate import main as calibrate
         return calibrate(argv[1:])
-    print(f"shardprop: unknown command {argv[0]!r}; the commands are 'launch', 'report' and 'calibrate'",
+    if argv[0] == "plan":
+        return plan(argv[1:])
+    print(f"shardprop: unknown command {argv[0]!r}; the commands are 'launch', 'report', 'calibrate' and 'plan'",
           file=sys.stderr)
     return 2
 
@@ -67,6 +74,44 @@ def report(argv) -> int:
     write_html(data, args.output)
     print(f"wrote {args.output}: {len(data['plan_ops'])} operators, {len(data['collectives'])} collectives "
           f"(open it in a browser)")
+    return 0
+
+
+def plan(argv) -> int:
+    ap = argparse.ArgumentParser(
+        prog="shardprop plan",
+        description="Plan a training step for a cluster that need not be here: per device memory (parameters, "
+                    "gradients, optimizer state, activations, peak), bytes per link class, modeled step time, "
+                    "tokens/s, TFLOP/s and MFU, and the HTML report. SCRIPT.py:FUNCTION names a function that "
+                    "returns (step_fn, args) or (step_fn, args, options): args the step's arguments as "
+                    "jax.ShapeDtypeStruct pytrees, options a dict of sp.plan_step keywords (tokens per step, "
+                    "param_argnums, optimizer_argnums).")
+    ap.add_argument("step", metavar="SCRIPT.py:FUNCTION")
+    ap.add_argument("--mesh", required=True, help="axis sizes and names, e.g. 16x64:dp,mp")
+    ap.add_argument("--cluster", help="NODESxGPUS_PER_NODE:GPU, e.g. 128x8:a100-80gb (GPUs: v100-32gb, "
+                                      "a100-80gb, h100-80gb); default: the default cost model")
+    ap.add_argument("--auto", action="store_true", help="mode='auto': search every strategy (marks kept)")
+    ap.add_argument("-o", "--output", default="plan.html", help="the report to write (default: plan.html)")
+    ap.add_argument("--json", help="also write the figures as JSON here")
+    args = ap.parse_args(argv)
+    from ..ir.errors import ShardingError
+    from ..passes.cluster import Cluster
+    from .planning import load_step, parse_mesh, plan_step
+    try:
+        fn, step_args, options = load_step(args.step)
+        mesh = parse_mesh(args.mesh)
+        cluster = Cluster.parse(args.cluster) if args.cluster else None
+        if args.auto:
+            options["mode"] = "auto"
+        est = plan_step(fn, step_args, mesh=mesh, cost_model=cluster, report=args.output, **options)
+    except ShardingError as e:
+        print(f"shardprop plan: {e}", file=sys.stderr)
+        return 1
+    print(est)
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(est.as_dict(), f, indent=1)
     return 0
 
 

@@ -112,3 +112,10 @@ def make_step():
     cfg = GPT()
     step, args = train_step_and_args(cfg)
     return step, args, {"tokens": cfg.batch * cfg.seq}
+
+
+def make_step_fsdp():
+    """The same step with its parameters and Adam state stored split over ``dp`` and
+    gathered at use (``parallelize(shard_params=True)``: ZeRO-3 / FSDP)."""
+    step, args, options = make_step()
+    return step, args, {**options, "shard_params": True}

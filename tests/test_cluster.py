@@ -137,3 +137,36 @@ def test_recomputation_is_counted_in_flops():
 def test_default_cost_model_prices_as_before():
     m = Mesh(("dp", "mp"), (2, 4))
     assert DEFAULT_COST.collective_time(1e6, "all_reduce", ("mp",), m) == pytest.approx(5e-6 + 1e6 / 100e9)
+
+
+SCRIPT = '''
+import sys
+sys.path.insert(0, {examples!r})
+import gpt_plan
+
+def make_step():
+    cfg = gpt_plan.GPT(layers=2, hidden=1024, heads=16, seq=512, vocab=8192, batch=256)
+    step, args = gpt_plan.train_step_and_args(cfg)
+    return step, args, {{"tokens": cfg.batch * cfg.seq}}
+
+def not_a_step():
+    return 3
+'''
+
+
+def test_shardprop_plan_command(tmp_path, capsys):
+    from shardprop.compiler.cli import main
+    script = tmp_path / "model.py"
+    script.write_text(SCRIPT.format(examples=str(ROOT / "examples")))
+    out = tmp_path / "plan.html"
+    figures = tmp_path / "plan.json"
+    assert main(["plan", f"{script}:make_step", "--mesh", "16x8:dp,mp", "--cluster", "16x8:a100-80gb",
+                 "-o", str(out), "--json", str(figures)]) == 0
+    text = capsys.readouterr().out
+    assert "dp=16 x mp=8 (128 devices)" in text and "intra-node" in text and "MFU" in text and "tokens/s" in text
+    assert out.read_text().startswith("<!DOCTYPE html") or "<html" in out.read_text()[:500]
+    data = json.loads(figures.read_text())
+    assert data["devices"] == 128 and data["memory_per_device_bytes"]["parameters"] > 0
+    assert main(["plan", f"{script}:not_a_step", "--mesh", "16x8:dp,mp"]) == 1
+    assert "must return (step_fn, args)" in capsys.readouterr().err
+    assert main(["plan", f"{script}:make_step", "--mesh", "16x8"]) == 1
