@@ -153,10 +153,13 @@ class Plan:
     def summary(self) -> str:
         return summary_text(self.graph)
 
-    def dump(self, dump_dir: str, ranks=None, write_global: bool = True) -> None:
+    def dump(self, dump_dir: str, ranks=None, write_global: bool = True, dump_ranks=None) -> None:
+        """Write the dump files (``runtime/dump.py``); ``dump_ranks``: the ranks whose
+        ``rank_<r>/execute.ir`` is written (default: every rank up to
+        ``RANK_FILES_UP_TO`` ranks; beyond, none: the rank classes hold them all)."""
         if not self.pass_texts and self._regenerate_texts is not None and write_global:
             self.pass_texts = self._regenerate_texts()
-        write_dumps(dump_dir, self.graph, self.pass_texts, ranks, write_global)
+        write_dumps(dump_dir, self.graph, self.pass_texts, ranks, write_global, dump_ranks)
         if self.graph.auto is not None and write_global:   # mode="auto": what the search chose and why
             import os
             with open(os.path.join(dump_dir, "search.txt"), "w") as f:
