@@ -12,7 +12,7 @@ schedule it prints:
   stages), each tick costing its slowest action times ``max(1, busy ranks / cores)``;
 - the compiled program's temp bytes (``memory_analysis()``: activation stashes) and its
   activation slots per rank (GPipe keeps ``m``, 1F1B about ``p``);
-- the modeled bubble (simulator, F = 1, B = 2) and whether a bubble tick computes
+- the unit-cost bubble (simulator, F = 1, B = 2) and whether a bubble tick computes
   nothing (the no-op branch of the compiled tick loop only moves buffers).
 
     python bench/pipeline.py                        # width 512, 8 layers, batch 64, pp 4, m 8
@@ -120,7 +120,7 @@ def main(argv=None):
         model = modeled(plan.pipeline.sim, t_single, a.microbatches, S, cores)
         lines.append(f"{name:<14}{t * 1e3:8.1f}{t / t_single:7.2f}{model * 1e3:10.1f}{t / model:11.2f}"
                      f"{mem.temp_size_in_bytes / 1024:10.0f}{plan.pipeline.slots:6d}{plan.pipeline.ticks:6d}"
-                     f"{plan.pipeline.bubble:8.3f}  {empty}")
+                     f"{plan.pipeline.unit_bubble:8.3f}  {empty}")
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)

@@ -52,6 +52,11 @@ from .jaxpr_import import INLINE
 from .source_lines import source_of
 
 PARTIAL_PRODUCERS = ("reduce_sum", "dot_general", "conv_general_dilated")
+# ops linear in each operand a cotangent flows through (the backward of a step is built of these)
+LINEAR = {"mul", "add", "add_any", "sub", "neg", "dot_general", "transpose", "reshape", "broadcast_in_dim",
+          "reduce_sum", "convert_element_type", "select_n", "concatenate", "pad", "slice", "dynamic_slice",
+          "dynamic_update_slice", "gather", "scatter-add", "scatter_add", "div", "copy", "copy_p", "squeeze",
+          "expand_dims", "rev", "cumsum", "conv_general_dilated", "reduce_precision", "stage_boundary"}
 FLOAT, MB, ONCE, MARK = "float", "mb", "once", "mark"
 REP = -1    # the home of a once op that combines stages: every rank
 
@@ -140,6 +145,12 @@ class Analysis:
     producer: dict                   # var -> eqn index
     training: bool
     rep_once: list = field(default_factory=list)   # once ops that combine stages (run on every rank)
+    # what crosses each cut: sent by model stage k (to k+1 forward, to k-1 backward), received by k
+    fwd_send: dict = field(default_factory=dict)
+    fwd_recv: dict = field(default_factory=dict)
+    bwd_send: dict = field(default_factory=dict)
+    bwd_recv: dict = field(default_factory=dict)
+    cuts: object = None              # StageCuts of automatic cuts (None with marks)
 
 
 def _batch_dims(j_a, j_b, batch_mask) -> dict:
@@ -177,10 +188,12 @@ def _err(problem, eqn, fix, shapes=None):
     return sharding_error(problem, operator=eqn.primitive.name, source=_src(eqn), shapes=shapes, fix=fix)
 
 
-def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_batch: int) -> Analysis:
+def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_batch: int,
+            auto: bool = False) -> Analysis:
     """Assign the micro trace's equations to model stages and roles (see the module doc).
     ``j_shape`` is the trace compared with ``j_micro`` for the batch dims (``j_global``
-    when ``m > 1``)."""
+    when ``m > 1``). ``auto`` (with ``S == 1``): every batch-dependent op is a stage-0 op,
+    for :func:`auto_stages` to cut."""
     jaxpr = j_micro.jaxpr
     for eqn in jaxpr.eqns:
         for sub in _subjaxprs(eqn):
@@ -215,8 +228,8 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
     if len(fwd_marks) != S - 1:
         raise ShardingError(f"the pipeline has {S} model stages (pp x virtual_stages) and needs {S - 1} "
                             f"sp.stage_boundary marks in the forward program; the step has {len(fwd_marks)}. "
-                            "Mark the values that cross each cut with h = sp.stage_boundary(h) (automatic cuts "
-                            "without marks are not implemented yet)")
+                            "Mark the values that cross each cut with h = sp.stage_boundary(h), or remove every "
+                            "mark to let the compiler cut the program")
     training = bool(bwd_marks) or S == 1
     if bwd_marks and len(bwd_marks) != S - 1:
         raise ShardingError(f"{len(bwd_marks)} backward images of {S - 1} stage_boundary marks: differentiate "
@@ -224,7 +237,13 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
     # the first stage's forward: the batch-dependent ancestors of the first mark (before it,
     # nothing is staged yet, so they would otherwise float and be recomputed by every program)
     first = set()
-    if fwd_marks:
+    if auto:
+        dep = {v for v, b in zip(jaxpr.invars, batch_mask) if b}
+        for i, e in enumerate(jaxpr.eqns):
+            if any(a in dep for a in e.invars if not isinstance(a, jcore.Literal)):
+                dep.update(e.outvars)
+                first.add(i)
+    elif fwd_marks:
         dep = {v for v, b in zip(jaxpr.invars, batch_mask) if b}
         prod_all = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
         for e in jaxpr.eqns[:fwd_marks[0]]:
@@ -339,16 +358,30 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
                 for o in eqn.outvars:
                     pure.add(o)
         first_b = bwd_marks[0] if bwd_marks else n
+        scope = [i for i in range(first_b) if roles[i] == MB and stage[i] == S - 1]
+        users = {}
+        for i in scope:
+            for a in jaxpr.eqns[i].invars:
+                if not isinstance(a, jcore.Literal):
+                    users.setdefault(a, []).append(i)
+        # a seed is a constant with the batch shape whose every descendant is linear in it (the
+        # cotangent's path); a forward constant (an attention mask) reaches a nonlinear op
+        seeded_ops = set()
+        for root in [a for a in pure if bdim.get(a) is not None and a in users]:
+            desc, stack = set(), [root]
+            while stack:
+                for u in users.get(stack.pop(), []):
+                    if u not in desc:
+                        desc.add(u)
+                        stack += list(jaxpr.eqns[u].outvars)
+            if all(jaxpr.eqns[u].primitive.name in LINEAR for u in desc):
+                seeded_ops |= desc
         seeded = set()
-        for i, eqn in enumerate(jaxpr.eqns[:first_b]):
-            if roles[i] != MB or stage[i] != S - 1:
-                continue
-            ins = [a for a in eqn.invars if not isinstance(a, jcore.Literal)]
-            if any(a in seeded or (a in pure and bdim.get(a) is not None) for a in ins):
-                phase[i] = "B"
-                for o in eqn.outvars:
-                    seeded.add(o)
-                    vphase[o] = "B"
+        for i in sorted(seeded_ops):
+            phase[i] = "B"
+            for o in jaxpr.eqns[i].outvars:
+                seeded.add(o)
+                vphase[o] = "B"
         if S == 1 and not bwd_marks and not seeded:
             training = False
     stages = [StageProgram() for _ in range(S)]
@@ -358,20 +391,144 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
             (stages[stage[i]].forward if phase[i] == "F" else stages[stage[i]].backward).append(i)
         elif roles[i] == ONCE and stage[i] != REP:
             stages[stage[i]].once.append(i)
-    # zero-bubble split: I = ancestors of the cotangent sent back, W = ancestors of the weight partials
-    for k, sp_ in enumerate(stages):
+    an = Analysis(j_micro, j_global, lit_over, const_over, S, roles, stage, phase, stages, fwd_marks,
+                  bwd_marks if bwd_marks else None, bdim, kind, vstage, producer, training, rep_once)
+    lit = lambda vs: [a for a in vs if not isinstance(a, jcore.Literal)]
+    for k, e in enumerate(fwd_marks):
+        an.fwd_send[k], an.fwd_recv[k + 1] = lit(jaxpr.eqns[e].invars), list(jaxpr.eqns[e].outvars)
+    for c, e in enumerate(bwd_marks):
+        k = S - 2 - c
+        an.bwd_recv[k], an.bwd_send[k + 1] = list(jaxpr.eqns[e].outvars), lit(jaxpr.eqns[e].invars)
+    # zero-bubble split: I = what the cotangent sent back needs, W = what the weight partials need
+    _split_zero_bubble(an)
+    return an
+
+
+def _split_zero_bubble(an) -> None:
+    jaxpr = an.jaxpr.jaxpr
+    outs = set(jaxpr.outvars)
+    for k, sp_ in enumerate(an.stages):
         bset = set(sp_.backward)
-        targets_i = set()
-        if k > 0 and bwd_marks:
-            mk = [e for e, c in cut_of_bwd.items() if c == k - 1][0]
-            targets_i = {a for a in jaxpr.eqns[mk].invars if not isinstance(a, jcore.Literal)}
-        targets_w = {o for i in sp_.backward for o in jaxpr.eqns[i].outvars if kind.get(o) == "acc"}
-        outs = set(jaxpr.outvars)
-        targets_w |= {o for i in sp_.backward for o in jaxpr.eqns[i].outvars if o in outs}
-        sp_.backward_input = _closure(targets_i, bset, producer, jaxpr)
-        sp_.backward_weight = _closure(targets_w - set(), bset, producer, jaxpr)
-    return Analysis(j_micro, j_global, lit_over, const_over, S, roles, stage, phase, stages, fwd_marks,
-                    bwd_marks if bwd_marks else None, bdim, kind, vstage, producer, training, rep_once)
+        targets_i = set(an.bwd_send.get(k, []))
+        targets_w = {o for i in sp_.backward for o in jaxpr.eqns[i].outvars if an.kind.get(o) == "acc" or o in outs}
+        sp_.backward_input = _closure(targets_i, bset, an.producer, jaxpr)
+        sp_.backward_weight = _closure(targets_w, bset, an.producer, jaxpr)
+
+
+def auto_stages(an, *, p: int, v: int, m: int, schedule: str, op_time, link_bytes_per_s: float = 1e11) -> Analysis:
+    """Cut a one-stage analysis (``analyse(..., S=1, auto=True)``) into ``p * v`` model
+    stages without marks. The forward ops, in program order, are the layers of
+    ``passes/pipeline/cuts.py``'s ``plan_cuts`` (time: ``op_time(eqn)`` times three, for
+    forward and backward; a cut's exchange: the bytes of the values crossing it over
+    ``link_bytes_per_s``). A
+    backward op runs on the stage of the forward values it reads (the highest), or, when
+    it reads none, on the lowest stage of its backward inputs; backward values must flow
+    down the stages (else a ShardingError asks for marks). Every value a later stage
+    reads crosses each cut in between (relayed by the stages in between), so the
+    exchanges are ``fwd_send``/``bwd_send`` sets rather than mark operands."""
+    from ..passes.pipeline import plan_cuts
+    jaxpr = an.jaxpr.jaxpr
+    S = p * v
+    fops = list(an.stages[0].forward)
+    bops = list(an.stages[0].backward)
+    if len(fops) < S:
+        raise ShardingError(f"automatic cuts: the forward has {len(fops)} ops for {S} stages; mark the cuts with "
+                            "sp.stage_boundary")
+    pos = {i: n for n, i in enumerate(fops)}
+    nbytes = lambda a: int(np.prod(a.aval.shape)) * a.aval.dtype.itemsize
+    # bytes crossing the cut after forward op n (values of forward ops read by later forward ops)
+    diff = np.zeros(len(fops) + 1)
+    for i in fops:
+        for o in jaxpr.eqns[i].outvars:
+            uses = [pos[u] for u in _users(jaxpr, o) if u in pos]
+            if uses and max(uses) > pos[i]:
+                diff[pos[i]] += nbytes(o)
+                diff[max(uses)] -= nbytes(o)
+    crossing = np.cumsum(diff)[:-1]
+    layer_time = [3.0 * max(op_time(jaxpr.eqns[i]), 1e-12) for i in fops]
+    # a cut's price is its bytes over the link: every cut pays the same latency, so it does not
+    # move the cuts (a latency far above these tiny ops' times would only skew the balance)
+    boundary = [b / link_bytes_per_s for b in crossing[:-1]]
+    cuts = plan_cuts(layer_time, p, m, schedule, v, boundary_time=boundary, objective="formula")
+    st_of = {}
+    for k, (a, b) in enumerate(cuts.bounds):
+        for n in range(a, b):
+            st_of[fops[n]] = k
+    vst, vph = dict(), dict()
+    for i in fops:
+        for o in jaxpr.eqns[i].outvars:
+            vst[o], vph[o] = st_of[i], "F"
+    for i in bops:
+        ins = [a for a in jaxpr.eqns[i].invars if not isinstance(a, jcore.Literal) and a in vst]
+        fin = [vst[a] for a in ins if vph[a] == "F"]
+        bin_ = [vst[a] for a in ins if vph[a] == "B"]
+        k = max(fin) if fin else min(bin_) if bin_ else S - 1
+        if any(b < k for b in bin_):
+            raise _err(f"automatic cuts: a backward value would flow up the stages here (forward inputs on stages "
+                       f"{fin}, backward inputs on stages {bin_})", jaxpr.eqns[i],
+                       "mark the cuts with sp.stage_boundary")
+        st_of[i] = k
+        for o in jaxpr.eqns[i].outvars:
+            vst[o], vph[o] = k, "B"
+    stages = [StageProgram() for _ in range(S)]
+    for i in fops:
+        stages[st_of[i]].forward.append(i)
+    for i in bops:
+        stages[st_of[i]].backward.append(i)
+    stage = list(an.stage)
+    for i, k in st_of.items():
+        stage[i] = k
+    var_stage = dict(an.var_stage)
+    var_stage.update(vst)
+    # once ops: on the stage of their accumulated inputs, or replicated when they combine stages
+    rep_once = []
+    for i, e in enumerate(jaxpr.eqns):
+        if an.roles[i] != ONCE:
+            continue
+        sts = {var_stage[a] for a in e.invars if not isinstance(a, jcore.Literal)
+               and an.kind.get(a) in ("acc", ONCE)} - {REP}
+        stage[i] = sts.pop() if len(sts) == 1 else REP
+        for o in e.outvars:
+            var_stage[o] = stage[i]
+        if stage[i] == REP:
+            rep_once.append(i)
+        else:
+            stages[stage[i]].once.append(i)
+    out = Analysis(an.jaxpr, an.global_jaxpr, an.literal_override, an.const_override, S, an.roles, stage,
+                   [None if k is None else ("F" if i in pos else "B" if i in set(bops) else None)
+                    for i, k in enumerate(stage)], stages, [], an.bwd_marks, an.bdim, an.kind, var_stage,
+                   an.producer, an.training, rep_once)
+    # what crosses each cut: forward values read on a later stage, backward values read on an earlier one
+    for k in range(S - 1):
+        fwd, bwd = [], []
+        for i in fops + bops:
+            for o in jaxpr.eqns[i].outvars:
+                users = [st_of[u] for u in _users(jaxpr, o) if u in st_of]
+                if vph[o] == "F" and st_of[i] <= k and any(u > k for u in users):
+                    fwd.append(o)
+                if vph[o] == "B" and st_of[i] > k and any(u <= k for u in users):
+                    bwd.append(o)
+        out.fwd_send[k], out.fwd_recv[k + 1] = fwd, fwd
+        if an.training:
+            out.bwd_send[k + 1], out.bwd_recv[k] = bwd, bwd
+    out.cuts = cuts
+    _split_zero_bubble(out)
+    return out
+
+
+def _users(jaxpr, var):
+    cache = getattr(jaxpr, "_sp_users", None)
+    if cache is None:
+        cache = {}
+        for i, e in enumerate(jaxpr.eqns):
+            for a in e.invars:
+                if not isinstance(a, jcore.Literal):
+                    cache.setdefault(a, []).append(i)
+        try:
+            jaxpr._sp_users = cache
+        except AttributeError:
+            pass
+    return cache.get(var, [])
 
 
 def _closure(targets, allowed: set, producer: dict, jaxpr) -> list:

@@ -26,7 +26,7 @@ from ..ir.errors import ShardingError
 from ..passes.pipeline import build_schedule, simulate
 from ..runtime.mesh import resolve_mesh
 from ..runtime.pipeline_lower import PackedLeaf, PipelineProgram, np_to_f32
-from .pipeline_assign import analyse, inline_calls
+from .pipeline_assign import analyse, auto_stages, inline_calls
 from .stages import Pipeline, check_pipeline
 
 UNIT = {"forward": 1, "backward": 1, "backward_input": 1, "backward_weight": 1}
@@ -188,8 +188,8 @@ class PipelineFunction:
         leaves, treedef = jax.tree.flatten(args)
         per_arg = [len(jax.tree.leaves(a)) for a in args]
         mask = self._batch_mask(args, per_arg)
-        avals = tuple(jax.ShapeDtypeStruct(tuple(np.shape(x)), x.dtype if isinstance(x, PackedLeaf)
-                                           else jnp.result_type(x)) for x in leaves)
+        avals = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) if isinstance(x, (PackedLeaf, jax.ShapeDtypeStruct))
+                      else jax.ShapeDtypeStruct(tuple(np.shape(x)), jnp.result_type(x)) for x in leaves)
         key = (treedef, avals, mask)
         if key in self._cache:
             return self._cache[key], leaves, mask
@@ -232,7 +232,17 @@ class PipelineFunction:
             jm = inline_calls(jax.make_jaxpr(flat_fn)(*micro)) if md > 1 else jg
             js = jg if md > 1 else inline_calls(jax.make_jaxpr(flat_fn)(*scaled(2)))
         S = p * pl.virtual_stages
-        an = analyse(jg, jm, js, mask, S=S, m=md, global_batch=B)
+        marks = sum(1 for e in jm.jaxpr.eqns
+                    if e.primitive.name == "stage_boundary" and e.params["direction"] == "forward")
+        if marks == 0 and pl.stages in (None, "auto"):
+            # no marks: cut the forward by modeled time where little crosses (pipeline_assign.auto_stages)
+            from ..passes.cost import DEFAULT_COST
+            one = analyse(jg, jm, js, mask, S=1, m=md, global_batch=B, auto=True)
+            an = auto_stages(one, p=p, v=pl.virtual_stages, m=m, schedule=pl.schedule,
+                             op_time=lambda e: _eqn_time(e, DEFAULT_COST),
+                             link_bytes_per_s=DEFAULT_COST.link_bytes_per_s)
+        else:
+            an = analyse(jg, jm, js, mask, S=S, m=md, global_batch=B)
         schedule = build_schedule(pl.schedule, p, m, pl.virtual_stages, forward_only=not an.training)
         sim = simulate(schedule, UNIT)
         prog = PipelineProgram(an, schedule, sim, mesh=self.mesh, axis=pl.axis, m=m, batch_mask=mask,

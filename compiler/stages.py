@@ -90,8 +90,9 @@ class Pipeline:
         ``"zero_bubble"`` (ZB-H1).
     virtual_stages: chunks per stage for ``"interleaved"`` (model stage ``c*p + d`` runs
         on rank ``d``); the program then needs ``p*v - 1`` ``stage_boundary`` marks.
-    stages: ``None`` (the marks decide; without marks, even cuts of the forward by
-        modeled time -- not yet: marks are required in this version).
+    stages: ``None`` or ``"auto"``: the marks decide; without any mark the compiler cuts
+        the forward into ``p * v`` stages of balanced modeled time where few bytes cross
+        (``compiler/pipeline_assign.py`` ``auto_stages``).
     axis: the mesh axis that carries the stages.
     """
     microbatches: int = 1

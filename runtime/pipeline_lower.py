@@ -192,16 +192,9 @@ class PipelineProgram:
 
     def _plan_programs(self):
         an, j = self.an, self.j
-        self.fwd_in = {}   # model stage -> vars received (fwd mark k-1 outputs)
-        self.fwd_out = {}  # model stage -> vars sent (fwd mark k inputs)
-        self.bwd_in, self.bwd_out = {}, {}
-        for k, e in enumerate(an.fwd_marks):
-            self.fwd_out[k] = [a for a in j.eqns[e].invars]
-            self.fwd_in[k + 1] = list(j.eqns[e].outvars)
-        for c, e in enumerate(an.bwd_marks or []):
-            k = self.S - 2 - c
-            self.bwd_in[k] = list(j.eqns[e].outvars)     # cotangent arriving at stage k from k+1
-            self.bwd_out[k + 1] = [a for a in j.eqns[e].invars]
+        # what crosses each cut (mark operands and results, or automatic cuts' crossing sets)
+        self.fwd_out, self.fwd_in = an.fwd_send, an.fwd_recv
+        self.bwd_out, self.bwd_in = an.bwd_send, an.bwd_recv
         outvars = set(v for v in j.outvars if not isinstance(v, jcore.Literal))
         kinds = [F_] + ([B_] if self.schedule.name != "zero_bubble" else [I_, W_]) if an.training else [F_]
         self.kinds = kinds
@@ -465,7 +458,7 @@ class PipelineProgram:
                 Packing(self.fwd_in[k]).unpack(act_row, env)
             if kind != F_:
                 self.resid[k].unpack(resid_row, env)
-                if k < self.S - 1:
+                if k < self.S - 1 and k in self.bwd_in:
                     Packing(self.bwd_in[k]).unpack(ct_row, env)
             self._run(prog["idxs"], env)
             send_f = jnp.zeros((self.A,), jnp.float32)
