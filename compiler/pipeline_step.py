@@ -68,6 +68,7 @@ class PipelineInfo:
     slots: int              # activation slots per rank
     step_time: float = 0.0  # modeled seconds of the step (the simulator's makespan)
     unit_bubble: float = 0.0   # the idle fraction at unit costs (F = 1, B = 2): (p-1)/(m+p-1) for gpipe/1f1b
+    search: Optional[list] = None   # "auto": (modeled seconds, microbatches, schedule) per candidate, best first
     stage_times: list = field(default_factory=list)   # per model stage: {kind: modeled seconds}
 
     def render(self) -> str:
@@ -203,6 +204,9 @@ class PipelineFunction:
             raise ShardingError(f"the batch arguments' leading dims differ ({sorted(bsizes)}); every batch leaf "
                                 "must have the batch as dim 0")
         B = bsizes.pop()
+        if m == "auto" or pl.schedule == "auto":
+            pl = self._search(args, B)
+            m = pl.microbatches
         if B % m == 0 and (B // m) % self.dp:
             raise ShardingError(f"Pipeline(microbatches={m}) on a mesh with dp={self.dp}: a micro-batch of {B // m} "
                                 f"rows (batch {B} / {m}) does not split over {self.dp} data-parallel devices; use a "
@@ -248,12 +252,56 @@ class PipelineFunction:
         prog = PipelineProgram(an, schedule, sim, mesh=self.mesh, axis=pl.axis, m=m, batch_mask=mask,
                                dp_axis="dp" if self.dp > 1 else None)
         c = _Compiled(prog, out_tree[0], m, B, an, schedule)
+        c.pipeline_config = pl
+        c.search = getattr(self, "_last_search", None)
         c.stage_times, c.latency = _modeled_times(prog)
         durations = {kind: [c.stage_times[k][kind] for k in range(S)] for kind in prog.kinds}
         c.model_sim = simulate(schedule, durations, latency=c.latency)
         c.paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
         self._cache[key] = c
         return c, leaves, mask
+
+    def _search(self, args, B: int) -> Pipeline:
+        """``microbatches="auto"`` / ``schedule="auto"``: the (schedule, m) of least modeled
+        step time. One trace at a base micro-batch count gives each stage's per-micro-batch
+        times; a micro-batch of ``1/m`` of the batch takes them scaled by ``m0/m`` (its rows),
+        the exchanges' bytes likewise (their latency stays); each candidate is simulated."""
+        from dataclasses import replace
+        pl, p, v = self.pipeline, self.p, self.pipeline.virtual_stages
+        per_dev = B // self.dp if B % self.dp == 0 else B
+        ms = [pl.microbatches] if pl.microbatches != "auto" else [
+            d for d in range(1, min(per_dev // 2, 8 * p) + 1) if B % (d * self.dp) == 0 and B // (d * self.dp) >= 2]
+        if v > 1:
+            ms = [d for d in ms if d % p == 0]
+        if not ms:
+            raise ShardingError(f"Pipeline(microbatches=\"auto\"): no micro-batch count splits the batch of {B} "
+                                f"rows into micro-batches of 2 rows or more{' (a multiple of p for interleaved)' if v > 1 else ''}")
+        names = [pl.schedule] if pl.schedule != "auto" else (["interleaved"] if v > 1 else
+                                                            ["gpipe", "1f1b", "zero_bubble"])
+        m0 = ms[len(ms) // 2]
+        base = PipelineFunction(self.fn, mesh=self.mesh, pipeline=replace(pl, microbatches=m0, schedule=(
+            "interleaved" if v > 1 else "1f1b")), batch_argnums=self.batch_argnums)
+        c0, _, _ = base._compile(args)
+        from ..passes.cost import DEFAULT_COST
+        rows = []
+        for name in names:
+            for m in ms:
+                sch = build_schedule(name, p, m, v, forward_only=not c0.an.training)
+                scale = m0 / m
+                t = c0.stage_times
+                dur = {}
+                for kind in ("forward", "backward", "backward_input", "backward_weight"):
+                    if all(kind in x for x in t):
+                        dur[kind] = [x[kind] * scale for x in t]
+                if name == "zero_bubble" and "backward_input" not in dur and "backward" in dur:
+                    dur["backward_input"] = [b / 2 for b in dur["backward"]]
+                    dur["backward_weight"] = [b / 2 for b in dur["backward"]]
+                lat = [DEFAULT_COST.latency_s + (x - DEFAULT_COST.latency_s) * scale for x in c0.latency]
+                rows.append((float(simulate(sch, dur, latency=lat).makespan), m, name))
+        rows.sort()
+        self._last_search = rows
+        best = rows[0]
+        return replace(pl, microbatches=best[1], schedule=best[2])
 
     # ---------------------------------------------------------------- running
     def _inputs(self, c, leaves):
@@ -361,8 +409,8 @@ class PipelineFunction:
             stages.append(StageInfo(k, d, ch, rank_devs, names(st.forward), names(st.backward), names(st.once),
                                     owned))
         info = PipelineInfo(stages, dict(prog.sim.tick_table), float(c.model_sim.bubble), prog.T, c.m,
-                            sch.name, prog.sim, c.model_sim, prog.nslots, float(c.model_sim.makespan),
-                            float(simulate(sch).bubble), c.stage_times)
+                            sch.name, prog.sim, c.model_sim, prog.nslots, step_time=float(c.model_sim.makespan),
+                            unit_bubble=float(simulate(sch).bubble), stage_times=c.stage_times, search=c.search)
         plan = PipelinePlan(info, prog)
         if self.dump_dir:
             import os

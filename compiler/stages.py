@@ -85,9 +85,11 @@ class Pipeline:
     """How ``sp.parallelize`` pipelines a step over the ``axis`` mesh axis.
 
     microbatches: how many micro-batches the batch arguments are split into (a sequential
-        split of dim 0; it must divide the batch).
-    schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (with ``virtual_stages``) or
-        ``"zero_bubble"`` (ZB-H1).
+        split of dim 0; it must divide the batch), or ``"auto"``.
+    schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (with ``virtual_stages``),
+        ``"zero_bubble"`` (ZB-H1) or ``"auto"``: with either ``"auto"`` the pair of least
+        modeled step time (``PipelineFunction._search``: the simulator on the cost
+        model's stage times).
     virtual_stages: chunks per stage for ``"interleaved"`` (model stage ``c*p + d`` runs
         on rank ``d``); the program then needs ``p*v - 1`` ``stage_boundary`` marks.
     stages: ``None`` or ``"auto"``: the marks decide; without any mark the compiler cuts
@@ -95,22 +97,21 @@ class Pipeline:
         (``compiler/pipeline_assign.py`` ``auto_stages``).
     axis: the mesh axis that carries the stages.
     """
-    microbatches: int = 1
+    microbatches: Union[int, str] = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
     stages: Union[None, int, str] = None
     axis: str = "pp"
 
     def __post_init__(self):
-        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+        if self.microbatches != "auto" and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ShardingError(f"Pipeline(microbatches={self.microbatches!r}): give a positive number of "
-                                "micro-batches (\"auto\" is not supported yet)")
-        if self.schedule not in SCHEDULES:
-            raise ShardingError(f"Pipeline(schedule={self.schedule!r}): one of {', '.join(SCHEDULES)} "
-                                "(\"auto\" is not supported yet)")
+                                "micro-batches or \"auto\"")
+        if self.schedule not in SCHEDULES + ("auto",):
+            raise ShardingError(f"Pipeline(schedule={self.schedule!r}): one of {', '.join(SCHEDULES)} or \"auto\"")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise ShardingError(f"Pipeline(virtual_stages={self.virtual_stages!r}): a positive integer")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved", "auto"):
             raise ShardingError(f"Pipeline(virtual_stages={self.virtual_stages}) needs schedule=\"interleaved\" "
                                 f"(got {self.schedule!r})")
 

@@ -412,3 +412,16 @@ def test_automatic_cuts_tied_gpt_pp4_equals_one_device():
         np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(unpack((p1, s1))), jax.tree.leaves((p0, s0))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_auto_microbatches_and_schedule_pick_the_least_modeled_step():
+    step, params, opt_state, batch = mlp(4, {0, 1, 2})
+    pstep = sp.parallelize(step, mesh=((4,), ("pp",)),
+                           pipeline=sp.Pipeline(microbatches="auto", schedule="auto"))
+    pl = pstep.plan(params, opt_state, batch).pipeline
+    best, m, name = pl.search[0]
+    assert (m, name) == (pl.microbatches, pl.schedule_name)
+    assert best == min(r[0] for r in pl.search)
+    assert {r[2] for r in pl.search} == {"gpipe", "1f1b", "zero_bubble"}
+    assert {r[1] for r in pl.search} == {1, 2, 4, 8}       # micro-batches of 2 rows or more
+    assert_matches_one_device(step, params, opt_state, batch, pstep, steps=2)
