@@ -20,8 +20,10 @@ What it counts, and how:
   (arguments and outputs for the whole step, params and optimizer state donated so
   the new ones overwrite the old; every other value from its maker to its last
   reader), as ``passes/auto/memory.py`` counts it; activations: the peak less the
-  arguments, i.e. what the step holds beyond its state (saved activations,
-  gradients in flight, temporaries). A loop's body is counted by its results only;
+  parameters, gradients, optimizer state and other arguments, so the five add up to
+  the peak (saved activations and temporaries alive there; gradients are taken as
+  all alive at the peak, as they are when the update follows the whole backward).
+  A loop's body is counted by its results only;
 - flops: the traced program's, so activation recomputation (``jax.checkpoint``,
   inlined by the import) is counted as the devices execute it; TFLOP/s per device is
   those flops over the devices and the modeled step time, MFU that over the cost
@@ -109,7 +111,7 @@ class PlanEstimate:
                  f"  gradients        {gib(self.grad_bytes)}",
                  f"  optimizer state  {gib(self.optimizer_bytes)}",
                  f"  other inputs     {gib(self.other_input_bytes)}",
-                 f"  activations      {gib(self.activation_bytes)}   (at the peak, beyond the arguments)",
+                 f"  activations      {gib(self.activation_bytes)}   (and temporaries, at the peak)",
                  f"  peak             {gib(self.peak_bytes)}" + (
                      f"   of {self.capacity_bytes / GiB:.0f} GiB: "
                      f"{'fits' if self.peak_bytes <= self.capacity_bytes else 'DOES NOT FIT'}"
@@ -205,7 +207,7 @@ def plan_step(fn, args, *, mesh, cost_model=None, mode: str = "sharding_propagat
     est = PlanEstimate(plan=plan, mesh=dict(zip(graph.mesh.axis_names, graph.mesh.axis_sizes)),
                        cost_name=cost.name or "the default cost model", devices=graph.mesh.size,
                        param_bytes=params, grad_bytes=params, optimizer_bytes=opt, other_input_bytes=others,
-                       activation_bytes=max(0.0, peak - params - opt - others), peak_bytes=peak,
+                       activation_bytes=max(0.0, peak - 2 * params - opt - others), peak_bytes=peak,
                        capacity_bytes=cost.memory_capacity_bytes, link_bytes=link_bytes(graph, cost),
                        compute_s=times["compute"], communication_s=times["communication"], step_s=times["total"],
                        flops=graph_flops(graph), peak_flops_per_s=cost.flops_per_s, tokens=tokens,
