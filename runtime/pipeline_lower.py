@@ -369,7 +369,18 @@ class PipelineProgram:
             if a.kind in (B_, I_) and k > 0:
                 d2, c2 = self.schedule.placement(k - 1)
                 recv_b[t, d2] = slot_of[(d2, c2, a.microbatch)]
-        self.tables = dict(act=act, mb=mb, slot=slot, recv_f=recv_f, recv_b=recv_b)
+        # actions that add partial sums run in a cond of their own (with the accumulator);
+        # the others (and bubbles) never touch it: two switches, each over its own actions
+        has_acc = [bool(key is not None and self.progs[key]["accs"]) for key in self.branch_keys]
+        self.acc_keys = [i for i, h in enumerate(has_acc) if h]
+        self.plain_keys = [i for i, h in enumerate(has_acc) if not h]      # 0 (the no-op) first
+        remap = np.zeros(len(self.branch_keys), np.int32)
+        for n, i in enumerate(self.acc_keys):
+            remap[i] = n
+        for n, i in enumerate(self.plain_keys):
+            remap[i] = n
+        self.tables = dict(act=remap[act], acc=np.asarray(has_acc, np.int32)[act], mb=mb, slot=slot,
+                           recv_f=recv_f, recv_b=recv_b)
 
     def _plan_state(self):
         an, j, p = self.an, self.j, self.p
@@ -531,6 +542,8 @@ class PipelineProgram:
         branches = [lambda ops: ((ops[0][1], ops[0][3]), (jnp.zeros((self.ACCK,), jnp.float32), jnp.int32(0)),
                                  jnp.zeros((self.A,), jnp.float32), jnp.zeros((self.G,), jnp.float32))]
         branches += [self._branch(key) for key in self.branch_keys[1:]]
+        acc_branches = [branches[i] for i in self.acc_keys]
+        plain_branches = [branches[i] for i in self.plain_keys]
         rep_out_vars = [v for v, s_ in zip(self.j.outvars, self.out_spec) if s_[0] == "rep"]
         fwd_perm = [(d, d + 1) for d in range(p - 1)] + ([(p - 1, 0)] if self.v > 1 else [])
         bwd_perm = [(d + 1, d) for d in range(p - 1)] + ([(0, p - 1)] if self.v > 1 else [])
@@ -561,16 +574,29 @@ class PipelineProgram:
                      jnp.zeros((m, self.O), jnp.float32))
 
             def tick(carry, row):
-                a, mbi, slot, rf, rb = (row[n][d] for n in ("act", "mb", "slot", "recv_f", "recv_b"))
+                a, has_acc, mbi, slot, rf, rb = (row[n][d] for n in ("act", "acc", "mb", "slot", "recv_f",
+                                                                      "recv_b"))
                 act_in, resid, ct_in, acc, out_buf = carry
                 rows = (act_in[slot], resid[slot], ct_in[slot], out_buf[mbi])
-                (resid_row, out_row), (piece, base), send_f, send_b = lax.switch(
-                    a, branches, (rows, mbi, state_row, rep, batch))
+                ops = (rows, mbi, state_row, rep, batch)
+
+                def accumulating(acc):
+                    (resid_row, out_row), (piece, base), send_f, send_b = lax.switch(a, acc_branches, ops)
+                    acc = lax.dynamic_update_slice_in_dim(
+                        acc, lax.dynamic_slice_in_dim(acc, base, self.ACCK) + piece, base, 0)
+                    return acc, resid_row, out_row, send_f, send_b
+
+                def plain(acc):
+                    (resid_row, out_row), _, send_f, send_b = lax.switch(a, plain_branches, ops)
+                    return acc, resid_row, out_row, send_f, send_b
+
+                if acc_branches:
+                    acc, resid_row, out_row, send_f, send_b = lax.cond(has_acc > 0, accumulating, plain, acc)
+                else:
+                    acc, resid_row, out_row, send_f, send_b = plain(acc)
                 # only the rows and the accumulator piece an action touches are written back
                 resid = resid.at[slot].set(resid_row)
                 out_buf = out_buf.at[mbi].set(out_row)
-                acc = lax.dynamic_update_slice_in_dim(
-                    acc, lax.dynamic_slice_in_dim(acc, base, self.ACCK) + piece, base, 0)
                 if p > 1:
                     got_f = lax.ppermute(send_f, ax, fwd_perm)
                     got_b = lax.ppermute(send_b, ax, bwd_perm)
