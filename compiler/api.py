@@ -133,6 +133,9 @@ class ParallelFunction:
         self.options = Options(mode=mode if mode in ("semi_auto", "auto") else "sharding_propagation",
                                fuse_reduce_scatter=fuse_reduce_scatter, cost=resolve_cost_model(cost_model, self.mesh_spec.ir_mesh),
                                verify=verify, memory_limit=_memory_limit(memory_limit, mode))
+        cluster_cap = getattr(getattr(self.options.cost, "cluster", None), "gpu", None)
+        if mode == "auto" and memory_limit is None and cluster_cap is not None:   # a Cluster's GPUs hold this much
+            self.options = replace(self.options, memory_limit=cluster_cap.memory_capacity_bytes)
         self.in_strategy = in_strategy
         self.out_strategy = out_strategy
         self.dump_dir = dump_dir
@@ -421,7 +424,8 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
     """
     if pipeline is not None:
         from .pipeline_step import PipelineFunction
-        return PipelineFunction(fn, mesh=mesh, pipeline=pipeline, batch_argnums=batch_argnums, dump_dir=dump_dir)
+        return PipelineFunction(fn, mesh=mesh, pipeline=pipeline, batch_argnums=batch_argnums, dump_dir=dump_dir,
+                                memory_limit=memory_limit)
     return ParallelFunction(fn, mesh=mesh, mode=mode, in_strategy=in_strategy, out_strategy=out_strategy,
                             dump_dir=dump_dir, fuse_reduce_scatter=fuse_reduce_scatter, cost_model=cost_model,
                             donate_argnums=donate_argnums, verify=verify, batch_argnums=batch_argnums,

@@ -68,7 +68,8 @@ class PipelineInfo:
     slots: int              # activation slots per rank
     step_time: float = 0.0  # modeled seconds of the step (the simulator's makespan)
     unit_bubble: float = 0.0   # the idle fraction at unit costs (F = 1, B = 2): (p-1)/(m+p-1) for gpipe/1f1b
-    search: Optional[list] = None   # "auto": (modeled seconds, microbatches, schedule) per candidate, best first
+    search: Optional[list] = None   # "auto": (seconds, microbatches, schedule, bytes) per candidate, fastest first
+    memory: int = 0         # modeled bytes per device (state, accumulator, activation slots)
     stage_times: list = field(default_factory=list)   # per model stage: {kind: modeled seconds}
 
     def render(self) -> str:
@@ -150,6 +151,16 @@ def _modeled_times(prog):
     return times, latency
 
 
+def _modeled_bytes(prog, schedule, scale: float = 1.0, slots=None) -> int:
+    """Bytes per device of a pipelined step: its state row, the accumulator, and the
+    activation slots it keeps in flight (``slots``, or the schedule's peak per rank),
+    each holding a micro-batch's stage input, the forward values kept for the backward
+    and the cotangent received (``scale``: a micro-batch's rows relative to ``prog``'s)."""
+    n = slots if slots is not None else max(schedule.peak_in_flight())
+    slot = (prog.A + prog.R + prog.G) * scale
+    return int(4 * (prog.state_size + prog.ACC + n * slot + schedule.m * prog.O * scale))
+
+
 class _Compiled:
     def __init__(self, prog, out_tree, m, B, an, schedule):
         self.prog, self.out_tree, self.m, self.B, self.an, self.schedule = prog, out_tree, m, B, an, schedule
@@ -160,7 +171,7 @@ class _Compiled:
 class PipelineFunction:
     """A step pipelined over the ``pipeline.axis`` mesh axis (see the module doc)."""
 
-    def __init__(self, fn, *, mesh, pipeline: Pipeline, batch_argnums=None, dump_dir=None):
+    def __init__(self, fn, *, mesh, pipeline: Pipeline, batch_argnums=None, dump_dir=None, memory_limit=None):
         if not isinstance(pipeline, Pipeline):
             raise ShardingError(f"pipeline={pipeline!r}: pass sp.Pipeline(microbatches=..., schedule=...)")
         self.fn, self.pipeline = fn, pipeline
@@ -171,6 +182,8 @@ class PipelineFunction:
         self.dp = int(sizes.get("dp", 1)) if pipeline.axis != "dp" else 1
         self.batch_argnums = batch_argnums
         self.dump_dir = dump_dir
+        from ..passes.auto.memory import parse_memory_limit
+        self.memory_limit = parse_memory_limit(memory_limit)
         self._cache = {}
 
     # ---------------------------------------------------------------- tracing
@@ -297,10 +310,17 @@ class PipelineFunction:
                     dur["backward_input"] = [b / 2 for b in dur["backward"]]
                     dur["backward_weight"] = [b / 2 for b in dur["backward"]]
                 lat = [DEFAULT_COST.latency_s + (x - DEFAULT_COST.latency_s) * scale for x in c0.latency]
-                rows.append((float(simulate(sch, dur, latency=lat).makespan), m, name))
+                rows.append((float(simulate(sch, dur, latency=lat).makespan), m, name,
+                             _modeled_bytes(c0.prog, sch, scale)))
         rows.sort()
         self._last_search = rows
-        best = rows[0]
+        fits = [r for r in rows if self.memory_limit is None or r[3] <= self.memory_limit]
+        if not fits:
+            least = min(rows, key=lambda r: r[3])
+            raise ShardingError(f"no pipeline fits memory_limit={self.memory_limit} bytes per device: the least, "
+                                f"{least[3]} bytes (microbatches={least[1]}, schedule={least[2]!r}); raise the limit, "
+                                "use more pipeline stages or a smaller batch")
+        best = fits[0]
         return replace(pl, microbatches=best[1], schedule=best[2])
 
     # ---------------------------------------------------------------- running
@@ -410,7 +430,8 @@ class PipelineFunction:
                                     owned))
         info = PipelineInfo(stages, dict(prog.sim.tick_table), float(c.model_sim.bubble), prog.T, c.m,
                             sch.name, prog.sim, c.model_sim, prog.nslots, step_time=float(c.model_sim.makespan),
-                            unit_bubble=float(simulate(sch).bubble), stage_times=c.stage_times, search=c.search)
+                            unit_bubble=float(simulate(sch).bubble), stage_times=c.stage_times, search=c.search,
+                            memory=_modeled_bytes(prog, sch, slots=prog.nslots))
         plan = PipelinePlan(info, prog)
         if self.dump_dir:
             import os

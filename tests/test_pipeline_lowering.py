@@ -419,11 +419,21 @@ def test_auto_microbatches_and_schedule_pick_the_least_modeled_step():
     pstep = sp.parallelize(step, mesh=((4,), ("pp",)),
                            pipeline=sp.Pipeline(microbatches="auto", schedule="auto"))
     pl = pstep.plan(params, opt_state, batch).pipeline
-    best, m, name = pl.search[0]
+    best, m, name, _ = pl.search[0]
     assert (m, name) == (pl.microbatches, pl.schedule_name)
     assert best == min(r[0] for r in pl.search)
     assert {r[2] for r in pl.search} == {"gpipe", "1f1b", "zero_bubble"}
     assert {r[1] for r in pl.search} == {1, 2, 4, 8}       # micro-batches of 2 rows or more
+    # under a memory limit only the candidates that fit: GPipe's m slots cost more than 1F1B's p
+    gpipe8 = next(r for r in pl.search if r[1:3] == (8, "gpipe"))
+    limited = sp.parallelize(step, mesh=((4,), ("pp",)), memory_limit=gpipe8[3] - 1,
+                             pipeline=sp.Pipeline(microbatches="auto", schedule="auto"))
+    pl2 = limited.plan(params, opt_state, batch).pipeline
+    assert (pl2.microbatches, pl2.schedule_name) != (8, "gpipe")
+    assert next(r for r in pl2.search if r[1:3] == (pl2.microbatches, pl2.schedule_name))[3] < gpipe8[3]
+    with pytest.raises(sp.ShardingError, match="no pipeline fits memory_limit=100 bytes"):
+        sp.parallelize(step, mesh=((4,), ("pp",)), memory_limit=100,
+                       pipeline=sp.Pipeline(microbatches="auto")).plan(params, opt_state, batch)
 
 
 @pytest.mark.slow
