@@ -133,9 +133,6 @@ class ParallelFunction:
         self.options = Options(mode=mode if mode in ("semi_auto", "auto") else "sharding_propagation",
                                fuse_reduce_scatter=fuse_reduce_scatter, cost=resolve_cost_model(cost_model, self.mesh_spec.ir_mesh),
                                verify=verify, memory_limit=_memory_limit(memory_limit, mode))
-        cluster_cap = getattr(getattr(self.options.cost, "cluster", None), "gpu", None)
-        if mode == "auto" and memory_limit is None and cluster_cap is not None:   # a Cluster's GPUs hold this much
-            self.options = replace(self.options, memory_limit=cluster_cap.memory_capacity_bytes)
         self.in_strategy = in_strategy
         self.out_strategy = out_strategy
         self.dump_dir = dump_dir
