@@ -133,6 +133,9 @@ class ParallelFunction:
         self.options = Options(mode=mode if mode in ("semi_auto", "auto") else "sharding_propagation",
                                fuse_reduce_scatter=fuse_reduce_scatter, cost=resolve_cost_model(cost_model, self.mesh_spec.ir_mesh),
                                verify=verify, memory_limit=_memory_limit(memory_limit, mode))
+        cluster_cap = getattr(getattr(self.options.cost, "cluster", None), "gpu", None)
+        if mode == "auto" and memory_limit is None and cluster_cap is not None:   # a Cluster's GPUs hold this much
+            self.options = replace(self.options, memory_limit=cluster_cap.memory_capacity_bytes)
         self.in_strategy = in_strategy
         self.out_strategy = out_strategy
         self.dump_dir = dump_dir
@@ -374,7 +377,9 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
     """Make ``fn`` run SPMD on ``mesh``.
 
     mesh: a device count (the first N devices), a ``jax.sharding.Mesh``, or
-        ``(shape, axis_names)`` such as ``((2, 4), ("dp", "mp"))``.
+        ``(shape, axis_names)`` such as ``((2, 4), ("dp", "mp"))``. A
+        ``jax.sharding.AbstractMesh``, or ``(shape, axis_names)`` larger than the devices
+        present, can be planned (``.plan`` on ``jax.ShapeDtypeStruct``s) but not run.
     mode: ``"sharding_propagation"`` (default) infers every unannotated op's
         strategy from its neighbours; ``"semi_auto"`` gives unannotated ops
         MindSpore's data-parallel default.
@@ -400,8 +405,10 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         with tensor-parallel marks on a named mesh.
     cost_model: what propagation's choices are priced by: None (the default model), a
         ``CostModel`` (``CostModel.load(path)`` reads a ``shardprop calibrate``
-        profile), or the name of a built-in profile, ``"cpu"`` or ``"h100"``. A profile
-        measured on another mesh is a ShardingError.
+        profile), the name of a built-in profile, ``"cpu"`` or ``"h100"``, or an
+        ``sp.Cluster`` (nodes of GPUs and their links; with mode="auto" its GPUs' memory
+        is the default ``memory_limit``). A profile measured on another mesh is a
+        ShardingError.
     mode="auto": a solver (HiGHS) picks every strategy that no mark, in/out
         strategy or returned state fixes, minimizing the modeled step time with
         the modeled peak bytes per device under ``memory_limit`` (an int, or text

@@ -124,6 +124,7 @@ def test_plan_estimate_reports_memory_links_and_throughput():
     assert est.optimizer_bytes == pytest.approx(2 * want, rel=0.02)
 
 
+@pytest.mark.slow
 def test_recomputation_is_counted_in_flops():
     _, step, args = _small_gpt(remat=False)
     _, step_r, args_r = _small_gpt(remat=True)
@@ -170,3 +171,22 @@ def test_shardprop_plan_command(tmp_path, capsys):
     assert main(["plan", f"{script}:not_a_step", "--mesh", "16x8:dp,mp"]) == 1
     assert "must return (step_fn, args)" in capsys.readouterr().err
     assert main(["plan", f"{script}:make_step", "--mesh", "16x8"]) == 1
+
+
+def test_auto_keeps_to_the_clusters_memory():
+    _, step, args = _small_gpt(layers=1, hidden=256, heads=4, seq=64, vocab=512, batch=8, remat=False)
+    mesh = AbstractMesh((2, 4), ("dp", "mp"))
+    pstep = sp.parallelize(step, mesh=mesh, mode="auto", cost_model=sp.Cluster(1, 8))
+    assert pstep.options.memory_limit == A100.memory_capacity_bytes
+    assert sp.parallelize(step, mesh=mesh, mode="auto", cost_model=sp.Cluster(1, 8),
+                          memory_limit="1GiB").options.memory_limit == 2 ** 30      # the user's wins
+
+
+@pytest.mark.slow
+def test_auto_says_when_nothing_fits_the_clusters_memory():
+    import dataclasses
+    _, step, args = _small_gpt(layers=1, hidden=256, heads=4, seq=64, vocab=512, batch=8, remat=False)
+    mesh = AbstractMesh((2, 4), ("dp", "mp"))
+    tiny = dataclasses.replace(A100, memory_capacity_bytes=2 ** 20)
+    with pytest.raises(sp.ShardingError, match="no plan fits memory_limit=1,048,576 bytes"):
+        sp.plan_step(step, args, mesh=mesh, cost_model=sp.Cluster(1, 8, tiny), mode="auto")
