@@ -17,6 +17,8 @@ device (float32, 1e-4 relative: whole training steps).
     python bench/compare.py                  # every case (a few minutes)
     python bench/compare.py --quick          # fewer timing repetitions
     python bench/compare.py --cases seed_network megatron_mlp
+    python bench/compare.py --auto --hand --limits 0.5,0.7,0.9   # auto under memory limits against the
+                                             # hand plans that fit (FSDP, tp+FSDP included)
     python bench/compare.py --auto --hand    # mode="auto" on the unmarked program against XLA and
                                              # the hand plans (results/auto.txt on a whole run)
 
@@ -306,6 +308,103 @@ def run_auto(case: zoo.Case, reps: int, cost_model, hand: bool = False) -> dict:
     return row
 
 
+# --limits: memory limits as fractions of the free plan's modeled peak; the hand plans
+# that fit (compiled peak under the limit) against auto under each
+PARAM_ARGNUMS = {"megatron_mlp": (1, 2), "megatron_attention": (1, 2, 3, 4), "seed_network": (1, 2),
+                 "seed_network_4096x1024": (1, 2), "mindspore_ffn": (1, 2, 3, 4)}
+
+
+def limited_hand_plans(case: zoo.Case) -> dict:
+    """The hand plans of ``hand_plans`` and FSDP (``shard_params=True``: over every
+    device) and tp+FSDP (the case's marks, parameters stored split over the rest)."""
+    plans = dict(hand_plans(case))
+    params = PARAM_ARGNUMS.get(case.name, (0,))
+    batch = BATCH_ARGNUMS.get(case.name, (2, 3) if case.name.startswith("gpt") else None)
+    if batch is not None:
+        plans["FSDP"] = ("plain", dict(mode="data_parallel", batch_argnums=batch, shard_params=True,
+                                       param_argnums=params))
+    if len(case.mesh[0]) > 1:
+        plans["tp+FSDP"] = ("shardprop", dict(shard_params=True, param_argnums=params))
+    return plans
+
+
+def run_limited(case: zoo.Case, reps: int, fracs: list, cost_model) -> list[dict]:
+    """Per limit: auto's plan under it (search seconds, compiled peak, bytes) and the hand
+    plans whose compiled peak fits, all timed in turns (interleaved medians)."""
+    shape, names = case.mesh
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
+    n = mesh.devices.size
+    args = case.args()
+    host = jax.tree_util.tree_map(np.array, args)
+    zoo.annotate.mode = "plain"
+    reference = jax.jit(case.fn)(*args)
+    free = sp.parallelize(fresh(case.fn), mesh=mesh, mode="auto", donate_argnums=case.state_argnums, progress=False,
+                          cost_model=cost_model).plan(*jax.tree_util.tree_map(np.array, host))
+    hands = {}
+    for name, (mode, kw) in limited_hand_plans(case).items():
+        try:
+            step, ok, comp = hand_step(case, mesh, jax.tree_util.tree_map(np.array, host), reference, mode, kw)
+        except sp.ShardingError as e:
+            hands[name] = {"error": str(e).splitlines()[0]}
+            continue
+        hands[name] = dict(step=step, correct=ok, bytes=collectives(comp.as_text(), n).bytes, memory=peak_memory(comp))
+    rows = []
+    for frac in fracs:
+        limit = int(frac * free.cost.peak_memory)
+        row = {"case": case.name, "mesh": "x".join(map(str, shape)), "frac": frac, "limit": limit}
+        zoo.annotate.mode = "plain"
+        a = jax.tree_util.tree_map(np.array, host)
+        try:
+            pf = sp.parallelize(fresh(case.fn), mesh=mesh, mode="auto", donate_argnums=case.state_argnums,
+                                progress=False, cost_model=cost_model, memory_limit=limit)
+            plan = pf.plan(*a)
+            comp = pf.lower(*a).compile()
+            compiled = pf._compile(a, {})
+            step = feedback(comp, pf._flat_inputs(compiled, a, {}), plan.graph.tied_outputs)
+            out = jax.tree_util.tree_unflatten(compiled.out_tree, list(step()))
+        except sp.ShardingError as e:
+            row["error"] = str(e).splitlines()[0]
+            rows.append(row)
+            continue
+        row.update(search_s=plan.pass_seconds["search-strategies"], modeled_peak=plan.cost.peak_memory,
+                   memory=peak_memory(comp), bytes=collectives(comp.as_text(), n).bytes,
+                   correct=close(out, reference, case.train), status=plan.cost.solver.get("status", ""),
+                   gap=plan.cost.solver.get("gap", 0.0),
+                   modeled_hands={h.name: (h.time, h.fits) for h in plan.cost.hand_plans})
+        fitting = [k for k, h in hands.items() if "error" not in h and h["memory"] <= limit]
+        with jax.set_mesh(mesh):
+            times = median_interleaved_all([step] + [hands[k]["step"] for k in fitting], reps)
+        row["step_ms"] = times[0] * 1e3
+        row["hand"] = {k: dict(step_ms=t * 1e3, bytes=hands[k]["bytes"], memory=hands[k]["memory"],
+                               correct=hands[k]["correct"]) for k, t in zip(fitting, times[1:])}
+        row["over"] = {k: h.get("memory") for k, h in hands.items() if k not in fitting}
+        best = min(fitting, key=lambda k: row["hand"][k]["step_ms"]) if fitting else None
+        row.update(best_hand=best, vs_best=times[0] * 1e3 / row["hand"][best]["step_ms"] if best else None,
+                   bytes_vs_best=row["bytes"] / max(row["hand"][best]["bytes"], 1) if best else None)
+        rows.append(row)
+    return rows
+
+
+def limits_table(rows: list[dict]) -> str:
+    head = (f"{'case':<22} {'mesh':<4} {'limit':>5} {'search':>7} {'auto ms':>8} {'peak/limit':>10} {'XLA/model':>9} "
+            f"{'auto bytes':>10} {'best hand':>9} {'hand ms':>8} {'hand bytes':>10} {'auto/best':>9} ok  "
+            f"hands that fit (ms)")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['case']:<22} {r['mesh']:<4} {r['frac']:>5} auto failed: {r['error']}")
+            continue
+        b = r["best_hand"]
+        h = r["hand"].get(b, {}) if b else {}
+        fit = ", ".join(f"{k} {v['step_ms']:.3f}" for k, v in r["hand"].items()) or "none"
+        lines.append(f"{r['case']:<22} {r['mesh']:<4} {r['frac']:>5} {r['search_s']:>6.2f}s {r['step_ms']:>8.3f} "
+                     f"{r['memory'] / r['limit']:>10.2f} {r['memory'] / r['modeled_peak']:>9.2f} "
+                     f"{fmt_bytes(r['bytes']):>10} {b or '-':>9} "
+                     f"{h.get('step_ms', float('nan')):>8.3f} {fmt_bytes(h.get('bytes', 0)):>10} "
+                     f"{(r['vs_best'] or float('nan')):>9.2f} {'yes' if r['correct'] else 'NO'}  {fit}")
+    return "\n".join(lines)
+
+
 def hand_table(rows: list[dict]) -> str:
     names = ["marks", "DP", "ZeRO-1"]
     head = f"{'case':<22} {'auto ms':>8} {'XLA ms':>8} {'XLA- ms':>8} " + " ".join(f"{n + ' ms':>10}" for n in names) + \
@@ -399,8 +498,28 @@ def main():
                     "parallel, ZeRO-1 where the step has Adam's state), all timed in turns with auto and XLA")
     ap.add_argument("--cost-model", default="cpu", help="(--auto) the cost model auto plans with: a built-in "
                     "profile name (default 'cpu': these forced CPU devices) or a `shardprop calibrate` file")
+    ap.add_argument("--limits", help="(--auto --hand) memory limits as fractions of the free plan's modeled peak, "
+                    "e.g. 0.5,0.7,0.9: auto under each against the hand plans whose compiled peak fits (FSDP and "
+                    "tp+FSDP included)")
     args = ap.parse_args()
     reps = 5 if args.quick else 21
+    if args.auto and args.limits:
+        if args.cost_model not in ("cpu", "h100", "default"):
+            args.cost_model = sp.CostModel.load(args.cost_model)
+        elif args.cost_model == "default":
+            args.cost_model = None
+        fracs = [float(f) for f in args.limits.split(",")]
+        rows = []
+        for case in zoo.cases():
+            if args.cases and case.name not in args.cases:
+                continue
+            print(f"... {case.name} (auto under limits {fracs})", file=sys.stderr, flush=True)
+            rows += run_limited(case, reps, fracs, args.cost_model)
+        print(limits_table(rows))
+        print(f"\nlimit: fraction of auto's free plan's modeled peak; peak/limit: auto's compiled peak "
+              f"(memory_analysis) over the limit; XLA/model: that compiled peak over auto's modeled peak; a hand plan fits where its compiled peak is under the limit; "
+              f"times: median of {reps} interleaved runs of auto and every hand plan that fits.")
+        return
     if args.auto:
         if args.cost_model not in ("cpu", "h100", "default"):
             args.cost_model = sp.CostModel.load(args.cost_model)

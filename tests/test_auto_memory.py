@@ -50,3 +50,76 @@ def test_a_plan_in_the_other_axis_order_equals_one_device():
     reversed_ = [op for op in plan.graph.ops if getattr(op, "strategy", None) is not None
                  and any(axes == ("b", "a") for axes in op.strategy.factors)]
     assert reversed_
+
+
+# -- the hand plans the search starts from --------------------------------------------------
+
+def adam_case(batch=64, width=256, layers=2):
+    import optax
+    from test_auto import adam_step
+    params, x, y = problem_data(batch, width, layers)
+    return adam_step, (params, optax.adam(1e-3).init(params), x, y)
+
+
+def limited_plan(fn, args, mesh, frac, **kw):
+    free = sp.parallelize(fn, mesh=mesh, mode="auto", progress=False, **kw).plan(*args)
+    limit = int(frac * free.cost.peak_memory)
+    return sp.parallelize(fn, mesh=mesh, mode="auto", memory_limit=limit, progress=False, **kw).plan(*args), limit
+
+
+def assert_no_hand_plan_beats_auto(plan, limit):
+    hands = plan.cost.hand_plans
+    assert hands, "no hand plan was compared"
+    fitting = [h for h in hands if h.fits and h.time is not None]
+    for h in fitting:
+        assert h.peak <= limit
+        assert plan.cost.step_time <= h.time * (1 + 1e-9), (h, plan.cost.step_time)
+    assert plan.cost.peak_memory <= limit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frac", [0.5, 0.7, 0.9])
+def test_hand_plans_are_compared_and_never_beat_auto_on_an_adam_step(frac):
+    fn, args = adam_case()
+    plan, limit = limited_plan(fn, args, ((2, 4), ("dp", "mp")), frac, donate_argnums=(0, 1))
+    assert_no_hand_plan_beats_auto(plan, limit)
+    names = {h.name.split(" = ")[0] for h in plan.cost.hand_plans}
+    assert {"DP", "ZeRO-1", "FSDP", "Megatron"} <= names
+    text = plan.explain()
+    assert "hand plans compared with" in text and "FSDP" in text and "ZeRO-1" in text
+
+
+@pytest.mark.parametrize("case", ["megatron_mlp", "megatron_attention"])
+@pytest.mark.parametrize("frac", [0.5, 0.7, 0.9])
+def test_zoo_transformer_blocks_never_worse_than_their_hand_plans(case, frac):
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    import zoo
+    c = next(c for c in zoo.cases() if c.name == case)
+    zoo.annotate.mode, zoo.annotate.mesh = "plain", c.mesh
+    plan, limit = limited_plan(c.fn, c.args(), c.mesh, frac)
+    assert_no_hand_plan_beats_auto(plan, limit)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frac", [0.5, 0.9])
+def test_zoo_gpt_step_never_worse_than_its_hand_plans(frac):
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    import zoo
+    c = next(c for c in zoo.cases() if c.name == "gpt2_train_dp2xmp4")
+    zoo.annotate.mode, zoo.annotate.mesh = "plain", c.mesh
+    plan, limit = limited_plan(c.fn, c.args(), c.mesh, frac, donate_argnums=c.state_argnums)
+    assert_no_hand_plan_beats_auto(plan, limit)
+
+
+def test_out_of_budget_the_search_returns_the_best_hand_plan_with_its_gap():
+    from shardprop.passes.auto import SearchStrategies
+    fn, args = adam_case()
+    g = traced_graph(fn, args, Mesh(("dp", "mp"), (2, 4)), tied=(0, 1))
+    _, free, free_peak = SearchStrategies().search(g)
+    s = SearchStrategies(memory_limit=int(0.7 * free_peak), time_budget=0.0)
+    s._deadline = 0.0   # (spent before the rounds start)
+    problem, sol, peak = s.search(g)
+    assert sol is not None and "the hand plan" in sol.status and "time budget" in sol.status
+    assert peak <= 0.7 * free_peak
+    assert 0 <= sol.gap < 1 and sol.bound <= sol.modeled * (1 + 1e-9)

@@ -62,11 +62,14 @@ class Solution:
     binaries: int
 
 
-def reduce(problem, memory_matters: bool, upper: Optional[float] = None) -> Reduced:
+def reduce(problem, memory_matters: bool, upper: Optional[float] = None,
+           allowed: Optional[dict] = None) -> Reduced:
     """Fold separable edges into node costs, then drop dominated candidates, and, given
     the time of some plan that fits (``upper``), every candidate that no plan taking it
     can beat that with (a lower bound on each: its own cost, the cheapest side of each
-    of its edges, the cheapest of every other node)."""
+    of its edges, the cheapest of every other node). ``allowed``: template -> the
+    candidate indices it may take (a hand plan's storage layouts, ``hand.py``);
+    dominance is then judged among those alone."""
     from .problem import Edge
     unary = {t: u.copy() for t, u in problem.unary.items()}
     # ties (a free slice of an argument fed whole) go to the plan that holds fewer bytes
@@ -86,7 +89,8 @@ def reduce(problem, memory_matters: bool, upper: Optional[float] = None) -> Redu
     if memory_matters:
         for t, vec in problem.values.values():
             memory.setdefault(t, {})[vec.tobytes()] = vec   # equal vectors compare alike
-    kept = {t: _undominated(t, unary, edges, memory.get(t, {})) for t in unary}
+    allowed = allowed or {}
+    kept = {t: _undominated(t, unary, edges, memory.get(t, {}), allowed.get(t)) for t in unary}
     if upper is not None:
         kept = _bounded(unary, edges, kept, upper)
     out = []
@@ -128,9 +132,10 @@ def _compact(classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return new.reshape(-1), old
 
 
-def _undominated(t: int, unary: dict, edges: list, memory: dict) -> np.ndarray:
+def _undominated(t: int, unary: dict, edges: list, memory: dict, among=None) -> np.ndarray:
     """Candidates of ``t`` that no other candidate beats or ties on every cost (its own,
-    each edge's against every neighbour candidate) and every value's bytes."""
+    each edge's against every neighbour candidate) and every value's bytes; ``among``:
+    only those candidates (indices) are considered."""
     cols = [unary[t][:, None]]
     for e in edges:
         if e.a == t:
@@ -139,9 +144,11 @@ def _undominated(t: int, unary: dict, edges: list, memory: dict) -> np.ndarray:
             cols.append(e.cost[:, e.cols].T)
     cols += [v[:, None] for v in memory.values()]
     feats = np.hstack(cols)
+    idx = np.arange(feats.shape[0]) if among is None else np.asarray(among, dtype=int)
+    feats = feats[idx]
     k = feats.shape[0]
     if k == 1:
-        return np.arange(1)
+        return idx
     possible = np.abs(feats[feats < IMPOSSIBLE])
     tol = 1e-12 * max(1.0, float(possible.max(initial=0.0)))   # (an impossible move's price would swamp it)
     le = np.all(feats[:, None, :] <= feats[None, :, :] + tol, axis=2)   # le[i, j]: i no worse than j anywhere
@@ -155,7 +162,7 @@ def _undominated(t: int, unary: dict, edges: list, memory: dict) -> np.ndarray:
         if not any(le[i, j] for i in keep):
             keep.append(j)
     keep.sort()
-    return np.array(keep, dtype=int)
+    return idx[np.array(keep, dtype=int)]
 
 
 def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,

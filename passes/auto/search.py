@@ -16,6 +16,7 @@ one or two axes is searched and the cheapest plan kept.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -31,7 +32,7 @@ from ..plan_core.pricing import Prices
 from ..plan_core.write import SEARCHED, USER, follows, follows_input, user_fixed, write_plan
 from ..propagate import PropagateSharding
 from ..rules import FIXED
-from . import lagrange, milp
+from . import hand, lagrange, milp
 from .memory import copy_bytes, largest_at_peak, live_intervals, plan_peak, plan_profile
 from .refine import refine
 from .problem import DECIDERS, Problem, _unique
@@ -41,6 +42,10 @@ MAX_MEMORY_ROUNDS = 25
 # decision, no shared layers): the exact ILP solves such graphs in about a second, and
 # the better of the two plans is kept
 EXACT_OPS = 150
+# seconds the search under a memory limit may take in all (every arrangement, every
+# memory round); when they run out it returns the best plan found that fits (a hand
+# plan where the rounds found none) with its proven gap
+TIME_BUDGET = 20.0
 
 
 @dataclass
@@ -79,6 +84,7 @@ class SearchResult:
     decisions: list = field(default_factory=list)   # Alternative per matmul/conv decision
     largest: list = field(default_factory=list)     # (name, shape, bytes) of the largest values at the modeled peak
     modeled_limit: Optional[int] = None             # what the modeled peak was held to (memory_check may lower it)
+    hand_plans: list = field(default_factory=list)  # hand.HandPlan: the hand plans compared with (explain lists them)
     compiled_memory: Any = None     # what XLA allocates per device (compiler/memory_check.py), where checked
     memory_checks: tuple = ()       # each plan compiled against the limit: modeled limit, peak, compiled
 
@@ -94,6 +100,11 @@ class SearchResult:
             lines.append(f"compiled per device {self.compiled_memory}")
         if len(self.memory_checks) > 1:
             lines += [f"  memory round {k}: {r}" for k, r in enumerate(self.memory_checks, start=1)]
+        if self.hand_plans:
+            lines.append("hand plans compared with (their storage layouts, each op's strategy solved for them; "
+                         "modeled):")
+            lines += [f"  {h}" + (f" ({(h.time / self.step_time - 1) * 100:+.1f}% against auto)"
+                                  if h.time is not None and self.step_time else "") for h in self.hand_plans]
         lines.append(f"solver: {self.solver.get('status', '')} in {self.solver.get('seconds', 0):.2f} s, "
                      f"gap {self.solver.get('gap', 0):.2%}; decisions below are priced on the solver's problem "
                      f"(step {self.solver.get('objective', 0) * 1e3:.4f} ms before refinement)")
@@ -108,8 +119,11 @@ class SearchStrategies:
 
     def __init__(self, cost: CostModel = DEFAULT_COST, memory_limit: Optional[int] = None,
                  time_limit: Optional[float] = 60.0, allow_reduce_scatter: bool = True,
-                 memory_method: str = "exact", memory_tolerance: float = 0.01, exact_ops: int = EXACT_OPS):
+                 memory_method: str = "exact", memory_tolerance: float = 0.01, exact_ops: int = EXACT_OPS,
+                 time_budget: Optional[float] = TIME_BUDGET):
         self.cost = cost
+        self.time_budget = time_budget
+        self._deadline = None
         self.exact_ops = exact_ops
         # the user's limit (or the device's memory, as parallelize found it), else the profile's
         self.memory_limit = memory_limit if memory_limit is not None else getattr(cost, "memory_capacity_bytes", None)
@@ -127,6 +141,8 @@ class SearchStrategies:
         # and the redistribution prices (by virtual problem, plan_core/pricing.py)
         prices, last = Prices(self.cost, self.allow_rs), None
         solved, best_objective = [], None
+        self._hands = []
+        self._deadline = None if self.time_budget is None else time.perf_counter() + self.time_budget
         for mesh in meshes:
             graph.set_mesh(mesh)
             # a later arrangement need only consider candidates that could beat the best
@@ -142,6 +158,7 @@ class SearchStrategies:
             raise self._overflow(problem, peak)
         self._write(graph, problem, solution)
         graph.auto = self._result(problem, solution)
+        graph.auto.hand_plans = list(self._hands)
         return graph
 
     def _refine_best(self, graph: Graph, solved: list) -> tuple:
@@ -165,7 +182,8 @@ class SearchStrategies:
 
     # -- the search -----------------------------------------------------------------
     def search(self, graph: Graph, follow: bool = True, share_layers: bool = True, beat: Optional[float] = None,
-               prices: Optional[Prices] = None, like: Optional[Problem] = None, refine: bool = True):
+               prices: Optional[Prices] = None, like: Optional[Problem] = None, refine: bool = True,
+               hands: bool = True):
         """(problem, solution, its peak), or if nothing fits the memory limit (problem,
         None, (peak, choice) of the smallest-peak plan the rounds met, or None); ``beat``:
         the modeled time of a plan found elsewhere (only candidates that could beat it
@@ -180,6 +198,17 @@ class SearchStrategies:
         # the marks fix), if it fits; no candidate that cannot beat it is searched
         first = {t: 0 for t in problem.unary}
         upper = problem.objective(first) if limit is None or memory.peak(first)[0] <= limit else None
+        # the hand plans (hand.py): the best that fits is a plan to beat, and the fallback
+        # (without a limit the solve's optimum is at most each of them: each is this problem
+        # with its arguments' layouts narrowed; they matter where memory rows bind)
+        plans = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit,
+                                time_limit=self.time_limit) if hands and limit is not None else []
+        for h in plans:
+            h.axes = f"{h.axes} ({problem.mesh})"
+        self._hands = getattr(self, "_hands", []) + plans
+        start = hand.best(plans)
+        if start is not None:
+            upper = start.time if upper is None else min(upper, start.time)
         if beat is not None:
             upper = beat if upper is None else min(upper, beat)
         red = milp.reduce(problem, memory_matters=limit is not None, upper=upper)
@@ -188,29 +217,65 @@ class SearchStrategies:
             sol = milp.solve(red, time_limit=self.time_limit)
             sol.rounds = 1
         else:
-            sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest)
-            if sol is None:
+            sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest, start)
+            if sol is None and start is None:
                 return problem, None, smallest
         small = follow and share_layers and len(graph.ops) <= self.exact_ops
-        peak = self._settle(graph, problem, sol)
-        if refine or small:
-            peak = self._refine(graph, problem, sol, limit)
+        if sol is not None and sol.choice:
+            peak = self._settle(graph, problem, sol)
+            if refine or small:
+                peak = self._refine(graph, problem, sol, limit)
+        if start is not None and (sol is None or not sol.choice or start.time < sol.modeled * (1 - 1e-9)):
+            sol, peak = self._from_hand(graph, problem, start, sol, limit, refine or small)
         found = (problem, sol, peak)
-        if small:
+        left = self._left() if limit is not None else None
+        if small and (left is None or left > 0):
             # small enough to solve without coarsening: keep whichever plan is cheaper
-            exact = self.search(graph, follow=False, share_layers=False, beat=sol.modeled, prices=prices)
+            exact = self.search(graph, follow=False, share_layers=False, beat=sol.modeled, prices=prices,
+                                hands=False)
             if exact[1] is not None and exact[1].modeled < sol.modeled - 1e-15:
                 exact[1].status += " (the un-coarsened problem: every op its own decision)"
                 return exact
         return found
 
-    def _solve_under_limit(self, red, problem: Problem, memory: "_Liveness", limit: float, smallest: tuple):
+    def _from_hand(self, graph: Graph, problem: Problem, start, sol, limit, refine: bool):
+        """The hand plan ``start`` as the search's plan (the solve found none cheaper
+        under the model), refined; its peak."""
+        out_of_time = self._deadline is not None and time.perf_counter() >= self._deadline
+        why = ("found no plan within its time budget" if out_of_time else "found no plan") \
+            if sol is None or not sol.choice else \
+            f"found none cheaper (its best {sol.modeled * 1e3:.4f} ms)"
+        bound = max(getattr(self, "_bound", 0.0), getattr(sol, "bound", 0.0) if sol else 0.0)
+        out = milp.Solution(dict(start.choice), start.time, bound, 0.0,
+                            f"the hand plan {start.name} ({start.axes}): the search {why}",
+                            getattr(sol, "seconds", 0.0) if sol else 0.0, getattr(sol, "variables", 0) if sol else 0,
+                            getattr(sol, "binaries", 0) if sol else 0)
+        out.rounds = getattr(sol, "rounds", 1) if sol else 1
+        out.bound = min(out.bound, start.time)
+        out.gap = (start.time - out.bound) / start.time if start.time and out.bound else 0.0
+        peak = self._settle(graph, problem, out)
+        if refine:
+            peak = self._refine(graph, problem, out, limit)
+        return out, peak
+
+    def _left(self) -> Optional[float]:
+        """Seconds a solve may take: the time limit, or what is left of the budget."""
+        if self._deadline is None:
+            return self.time_limit
+        left = self._deadline - time.perf_counter()
+        return left if self.time_limit is None else min(self.time_limit, left)
+
+    def _solve_under_limit(self, red, problem: Problem, memory: "_Liveness", limit: float, smallest: tuple,
+                           start=None):
         """(solution that fits or None, the smallest-peak plan met). The exact rows: solve,
         add the row where the plan peaks over the limit, solve again. With
         ``memory_method="lagrange"`` the multipliers (``lagrange.py``) go first, and their
         plan is kept where it is proven within ``memory_tolerance`` of the best; either
         way, where an exact solve runs out of time before any plan, the multipliers'
-        plan that fits is returned with its gap."""
+        plan that fits is returned with its gap. ``start``: the best hand plan that fits
+        (``hand.py``); where the time budget runs out (or a solve runs out of time before
+        any plan) the search returns None and falls back to it, with the first round's
+        bound (the unlimited optimum) as its proven gap."""
         lag = None
 
         def multipliers():
@@ -231,10 +296,16 @@ class SearchStrategies:
                 return sol, smallest
         rows = list(lag.rows) if lag is not None else []
         exact_seconds = 0.0
+        self._bound = 0.0
         for k in range(MAX_MEMORY_ROUNDS):
+            left = self._left()
+            if left is not None and left <= 0.05 and start is not None:
+                break   # (the budget is spent: the hand plan, with the bound so far)
             try:
-                sol = milp.solve(red, rows, limit, self.time_limit)
+                sol = milp.solve(red, rows, limit, None if left is None else max(left, 0.5))
             except ShardingError:   # the time limit, before any plan
+                if start is not None:
+                    break
                 lag = lag or multipliers()
                 if lag.choice is None:
                     raise
@@ -242,6 +313,8 @@ class SearchStrategies:
             exact_seconds += sol.seconds
             if not sol.choice:
                 break
+            if np.isfinite(sol.bound):   # (each round's problem relaxes the next, and the limit's)
+                self._bound = max(self._bound, sol.bound)
             peak, at = memory.peak(sol.choice)
             if peak <= limit:
                 if lag is not None and lag.choice is not None and lag.objective < problem.objective(sol.choice):

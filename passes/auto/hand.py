@@ -1,0 +1,204 @@
+"""The hand plans the factor structure implies, as plans of the search's own problem.
+
+A hand plan is named by how it stores the step's arguments: the batch split over the
+data-parallel axes, and the weights (read by a matmul/conv) and the rest of the state
+(returned in place of an argument: optimizer moments) replicated (DP), the state
+split over the data-parallel axes (ZeRO-1), weights and state split over them and
+gathered where a matmul reads them (FSDP / ZeRO-3), weights split over the model
+axes (Megatron: a matmul pair's column then row split is what the solver picks for
+its ops), or over both (tp+FSDP). On a mesh of two axes each axis takes each role.
+Every other decision (each op's strategy) is then the best the problem's solver
+finds for those storage layouts, so each plan here is at least as good, under the
+model, as the hand plan of that name; each is priced by the one evaluator
+(``Problem.evaluate``) and its modeled peak (``memory.plan_profile``).
+
+The search starts from the best of them that fits: its time bounds which candidates
+are searched at all, and the search never returns a plan the model prices above it
+(``search.py``). ``plan.explain()`` lists them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ...ir.errors import ShardingError
+
+from . import milp
+from .problem import DECIDERS
+
+# what each role is split over, per family: "dp" the data-parallel axes, "mp" the model
+# axes, "dp+mp" both, "none" replicated (a weight no such split divides: the search's
+# choice)
+FAMILIES = (
+    ("DP", dict(batch="dp", params="none", state="none")),
+    ("ZeRO-1", dict(batch="dp", params="none", state="dp")),
+    ("FSDP", dict(batch="dp", params="dp", state="dp")),
+    ("Megatron", dict(batch="dp", params="mp", state="mp")),
+    ("tp+FSDP", dict(batch="dp", params="dp+mp", state="dp+mp")),
+)
+
+
+BATCH_NAMES = {"x", "xs", "inputs", "batch", "tokens", "targets", "y", "labels", "images", "ids"}
+
+
+@dataclass
+class HandPlan:
+    name: str                       # "FSDP"
+    axes: str                       # "dp over a, mp over b"
+    time: Optional[float] = None    # modeled step (seconds), by the one evaluator
+    peak: Optional[float] = None    # modeled peak bytes per device
+    fits: bool = False
+    choice: Optional[dict] = None
+    note: str = ""
+
+    def __str__(self):
+        if self.time is None:
+            return f"{self.name:<9} {self.axes:<24} n/a: {self.note}"
+        fits = "fits" if self.fits else "over the limit"
+        return (f"{self.name:<9} {self.axes:<24} step {self.time * 1e3:.4f} ms, peak {self.peak / 2**20:.2f} MiB "
+                f"per device ({fits})")
+
+
+def roles(problem) -> dict:
+    """Input index -> "batch", "params", "state" or None (a scalar, a step count)."""
+    g = problem.graph
+    tied = set(g.tied_outputs.values())
+    users = problem.ctx.users
+
+    def read_by_matmul(v, depth=2):
+        for u in users.get(v, ()):
+            if u.kind in DECIDERS:
+                return True
+            if depth > 1 and len(u.outputs) == 1 and u.outputs[0].type.rank == v.type.rank and \
+                    read_by_matmul(u.outputs[0], depth - 1):
+                return True
+        return False
+    names = list(g.input_names) + [f"arg{i}" for i in range(len(g.input_names), len(g.inputs))]
+
+    def root(name):
+        return name.split("[")[0].split(".")[0]
+    # a forward step: the arguments a model's batch is usually called, else the last one
+    # (as mode="data_parallel" takes it)
+    given = {root(n) for n in names} & BATCH_NAMES
+    last = root(names[len(g.inputs) - 1]) if g.inputs else None
+    out = {}
+    for i, v in enumerate(g.inputs):
+        if v.type.rank == 0:
+            out[i] = None
+        elif tied:
+            out[i] = ("params" if read_by_matmul(v) else "state") if i in tied else "batch"
+        elif root(names[i]) in given or (not given and root(names[i]) == last):
+            out[i] = "batch"
+        else:
+            out[i] = "params" if read_by_matmul(v) else None
+    return out
+
+
+def _fits_role(layout, kind: str, dp: tuple, mp: tuple, batch: bool) -> bool:
+    used = set(layout.used_axes())
+    if layout.partial:
+        return False
+    if kind == "none":
+        return not used
+    if kind == "mp":
+        return used == set(mp)
+    if kind == "dp+mp":
+        return used == set(dp) | set(mp)
+    # "dp": exactly the data-parallel axes; the batch on its leading dim
+    if used != set(dp):
+        return False
+    return not batch or set(layout.dims[0]) == set(dp)
+
+
+def assignments(mesh) -> list[tuple[tuple, tuple]]:
+    """(data-parallel axes, model axes): all axes data parallel, all model parallel, and
+    on a mesh of two axes each taking each role."""
+    names = tuple(mesh.axis_names)
+    out = [(names, ()), ((), names)]
+    if len(names) == 2:
+        a, b = names
+        out += [((a,), (b,)), ((b,), (a,))]
+    return out
+
+
+def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[float] = 10.0) -> list[HandPlan]:
+    """Every family x axis assignment that applies (Megatron and tp+FSDP need model
+    axes; a batch that no data-parallel split divides keeps the search's choice), each
+    solved for its storage layouts and priced. ``peak_of(choice)``: its modeled peak."""
+    g = problem.graph
+    role = roles(problem)
+    if "batch" not in role.values():
+        return []
+    templates = {}
+    for i, v in enumerate(g.inputs):
+        if v in problem.owner:
+            ni = problem.owner[v][0]
+            templates[i] = problem.nodes[ni].template
+    out, seen = [], set()
+    for dp, mp in assignments(problem.mesh):
+        axes = ", ".join(([f"dp over {','.join(dp)}"] if dp else []) + ([f"mp over {','.join(mp)}"] if mp else []))
+        for name, kinds in FAMILIES:
+            if ("mp" in kinds["params"]) != bool(mp) or not (dp or mp):
+                continue
+            if not dp and kinds["params"] != "mp":   # (with no dp axes: Megatron alone)
+                continue
+            allowed: dict = {}
+            bad = None
+            for i, r in role.items():
+                if r is None or i not in templates:
+                    continue
+                t = templates[i]
+                node = problem.nodes[t]
+                ok = np.array([k for k, lay in enumerate(node.candidates)
+                               if _fits_role(lay, kinds[r], dp, mp, r == "batch")], dtype=int)
+                if not len(ok):
+                    if r == "batch":
+                        bad = f"{g.input_names[i] if i < len(g.input_names) else i} does not split over {dp}"
+                        break
+                    continue   # (a weight no split divides: the search's choice)
+                allowed[t] = ok if t not in allowed else np.intersect1d(allowed[t], ok)
+            if bad is None and any(len(a) == 0 for a in allowed.values()):
+                bad = "two arguments that share a decision take different roles"
+            if bad is not None:
+                out.append(HandPlan(name, axes, note=bad))
+                continue
+            key = tuple(sorted((t, tuple(a)) for t, a in allowed.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            plan = _solve(problem, name, axes, allowed, peak_of, limit, time_limit)
+            same = next((p for p in out if p.choice is not None and p.choice == plan.choice), None)
+            if same is not None:   # (tp+FSDP that splits nothing over dp is Megatron)
+                same.name += f" = {plan.name}" if plan.name not in same.name else ""
+                continue
+            out.append(plan)
+    return out
+
+
+def _solve(problem, name, axes, allowed, peak_of, limit, time_limit) -> HandPlan:
+    plan = HandPlan(name, axes)
+    t0 = time.perf_counter()
+    try:
+        sol = milp.solve(milp.reduce(problem, memory_matters=False, allowed=allowed), time_limit=time_limit)
+    except ShardingError as e:
+        plan.note = str(e).splitlines()[0]
+        return plan
+    if not sol.choice and problem.unary:
+        plan.note = sol.status
+        return plan
+    choice = {t: sol.choice.get(t, 0) for t in problem.unary}
+    e = problem.evaluate(*problem.op_strategies(choice))
+    plan.time = e["compute"] + e["communication"]
+    plan.peak = peak_of(choice)
+    plan.fits = limit is None or plan.peak <= limit
+    plan.choice = choice
+    plan.note = f"{time.perf_counter() - t0:.2f} s"
+    return plan
+
+
+def best(plans: list) -> Optional[HandPlan]:
+    fitting = [p for p in plans if p.fits and p.time is not None]
+    return min(fitting, key=lambda p: p.time) if fitting else None
