@@ -104,6 +104,41 @@ class PipelineInfo:
         lines.append("  ticks: " + " ".join(row))
         return "\n".join(lines)
 
+    def to_html(self, path: Optional[str] = None) -> str:
+        """The schedule as a timeline: one row per rank, one cell per tick, coloured by
+        kind (F, B, I, W) and labelled with the micro-batch (and chunk); empty cells are
+        bubbles. Written to ``path`` when given; returns the HTML."""
+        import html
+        colour = {"forward": "#8ecae6", "backward": "#ffb703", "backward_input": "#fb8500",
+                  "backward_weight": "#90be6d"}
+        head = "".join(f"<th>{t}</th>" for t in range(self.ticks))
+        rows = []
+        for d in sorted({s.rank for s in self.stages}):
+            cells = []
+            for t in range(self.ticks):
+                a = self.schedule.get((t, d))
+                if a is None:
+                    cells.append('<td class="bubble"></td>')
+                else:
+                    cells.append(f'<td style="background:{colour[a.kind]}" title="{html.escape(a.kind)} '
+                                 f'micro-batch {a.microbatch} chunk {a.chunk}">{html.escape(str(a))}</td>')
+            rows.append(f"<tr><th>rank {d}</th>{''.join(cells)}</tr>")
+        stages = "".join(f"<li>stage {s.index}: rank {s.rank}, chunk {s.chunk}, devices {list(s.devices)}, "
+                         f"{len(s.forward_ops)} forward / {len(s.backward_ops)} backward / {len(s.once_ops)} once "
+                         "ops</li>" for s in self.stages)
+        page = (f"<!doctype html><html><head><meta charset='utf-8'><title>pipeline</title><style>"
+                "table{border-collapse:collapse;font:12px monospace}td,th{border:1px solid #ccc;padding:2px 4px;"
+                "text-align:center}td.bubble{background:#f4f4f4}</style></head><body>"
+                f"<h1>{html.escape(self.schedule_name)}: {len(self.stages)} model stages, {self.microbatches} "
+                f"micro-batches</h1><p>{self.ticks} ticks; modeled bubble {self.bubble:.3f} (unit costs "
+                f"{self.unit_bubble:.3f}); modeled step {self.step_time * 1e6:.1f} us; {self.slots} activation "
+                f"slots per rank</p><table><tr><th></th>{head}</tr>{''.join(rows)}</table><ul>{stages}</ul>"
+                "</body></html>")
+        if path:
+            with open(path, "w") as f:
+                f.write(page)
+        return page
+
     def schedule_has_backward(self) -> bool:
         return any(a.kind != "forward" for a in self.schedule.values())
 
@@ -441,6 +476,7 @@ class PipelineFunction:
             for d in range(self.p):
                 with open(os.path.join(self.dump_dir, f"pipeline_rank{d}.txt"), "w") as f:
                     f.write(info.rank_text(d) + "\n")
+            info.to_html(os.path.join(self.dump_dir, "pipeline.html"))
         return plan
 
     def lower_text(self, *args) -> str:

@@ -236,6 +236,8 @@ def test_dump_dir_writes_each_ranks_program(tmp_path):
     assert "modeled bubble" in (tmp_path / "pipeline.txt").read_text()
     rank1 = (tmp_path / "pipeline_rank1.txt").read_text()
     assert "stage 1 forward" in rank1 and "sends its input cotangents to rank 0" in rank1 and "ticks:" in rank1
+    page = (tmp_path / "pipeline.html").read_text()
+    assert page.count("<tr><th>rank") == 2 and 'class="bubble"' in page and ">F0<" in page and ">B1<" in page
 
 
 @pytest.mark.slow
