@@ -444,3 +444,26 @@ def test_auto_microbatches_and_schedule_equal_one_device():
     pstep = sp.parallelize(step, mesh=((4,), ("pp",)),
                            pipeline=sp.Pipeline(microbatches="auto", schedule="auto"))
     assert_matches_one_device(step, params, opt_state, batch, pstep, steps=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gpt_pp8_equals_one_device(schedule):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import gpt_pipeline
+    cfg = gpt_pipeline.Config(layers=8, batch=16, vocab=32, seq=8, heads=2, head_dim=4)
+    params = gpt_pipeline.init_pipeline_params(cfg)
+    tokens, targets = gpt_pipeline.make_batch(cfg)
+    step, opt = gpt_pipeline.make_train_step(cfg, 8)
+    pstep = sp.parallelize(step, mesh=((8,), ("pp",)), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches=8, schedule=schedule))
+    state = opt.init(params)
+    p1, s1, p0, s0 = params, state, params, state
+    for _ in range(5):
+        p1, s1, l1 = pstep(p1, s1, tokens, targets)
+        p0, s0, l0 = jax.jit(step)(p0, s0, tokens, targets)
+        np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(unpack((p1, s1))), jax.tree.leaves((p0, s0))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
