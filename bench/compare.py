@@ -510,7 +510,7 @@ def main():
             args.cost_model = None
         fracs = [float(f) for f in args.limits.split(",")]
         rows = []
-        for case in zoo.cases():
+        for case in zoo.cases() + zoo.limit_cases():
             if args.cases and case.name not in args.cases:
                 continue
             print(f"... {case.name} (auto under limits {fracs})", file=sys.stderr, flush=True)

@@ -113,7 +113,7 @@ def _block_output_floor(mp=8):
 
 
 # -- GPT training steps (examples/gpt_megatron.py, its marks routed through annotate) --------
-def gpt_case(layers: int, dp: int):
+def gpt_case(layers: int, dp: int, shape: tuple = (2, 4)):
     import gpt_megatron as G
     cfg = G.Config(layers=layers, batch=8, seq=32, heads=8, head_dim=16, vocab=256)
     if dp == 1:
@@ -130,8 +130,8 @@ def gpt_case(layers: int, dp: int):
         params = G.init_params(cfg)
         tokens, targets = G.make_batch(cfg)
         return params, opt.init(params), tokens, targets
-    mesh = ((8,), ("mp",)) if dp == 1 else ((2, 4), ("dp", "mp"))
-    return Case(f"gpt{layers}_train_{'mp8' if dp == 1 else 'dp2xmp4'}", mesh, fn, args, train=True,
+    mesh = ((8,), ("mp",)) if dp == 1 else (tuple(shape), ("dp", "mp"))
+    return Case(f"gpt{layers}_train_{'mp8' if dp == 1 else f'dp{shape[0]}xmp{shape[1]}'}", mesh, fn, args, train=True,
                 state_argnums=(0, 1), note="forward, backward, Adam")
 
 
@@ -179,3 +179,8 @@ def cases() -> list[Case]:
                       _rand(rng, 32, 16, 16, 3), _rand(rng, 32, 10)),
              note="first conv batch split; SGD step", train=True, state_argnums=(0,)),
     ]
+
+
+def limit_cases() -> list[Case]:
+    """More cases for ``compare.py --limits``: the GPT steps on 4 x 2 too."""
+    return [gpt_case(2, 2, (4, 2)), gpt_case(12, 2, (4, 2))]
