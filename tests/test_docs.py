@@ -22,10 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GUIDE = sorted((ROOT / "docs" / "guide").glob("*.md"))
 PAGES = [ROOT / "README.md"] + GUIDE
 README_MAX_LINES = 200
-# slow pages: parameter_servers.md starts a Ray cluster (~30 s here); auto.md (a search and a
-# compiled memory check) and training.md (six compiled training steps) take 13-18 s each. The
-# rest (~15 s together) stay in the `-m "not slow"` inner loop.
-SLOW_PAGES = {"parameter_servers.md", "auto.md", "training.md"}
+# Every page runs in a fresh interpreter (multiprocess, so in the slow tier, conftest.py);
+# parameter_servers.md also starts a Ray cluster.
 RAY_PAGES = {"parameter_servers.md"}
 
 _BLOCK = re.compile(r"(?:<!--\s*requires:\s*(?P<req>[\w., -]+?)\s*-->\s*\n)?^```python[ \t]*\n(?P<code>.*?)^```[ \t]*$",
@@ -65,8 +63,7 @@ def run_page(path: Path, tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 def _param(p: Path):
-    marks = ([pytest.mark.slow] if p.name in SLOW_PAGES else []) + ([pytest.mark.ray] if p.name in RAY_PAGES else [])
-    return pytest.param(p, id=p.name, marks=marks)
+    return pytest.param(p, id=p.name, marks=[pytest.mark.ray] if p.name in RAY_PAGES else [])
 
 
 def test_guide_pages_exist():
