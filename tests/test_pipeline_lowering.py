@@ -1,6 +1,8 @@
 """Pipeline parallelism end to end (issue 26): sp.stage_boundary, sp.Pipeline, the stage
 assignment and the SPMD lowering, each schedule against one device."""
 import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -46,16 +48,28 @@ def even_cuts(layers, stages):
     return set(int(b) - 1 for b in bounds[1:-1])
 
 
-def assert_matches_one_device(step, params, opt_state, batch, pstep, steps=5):
+def assert_matches_one_device(step, params, opt_state, data, pstep, steps=5):
+    """``steps`` steps of ``pstep(params, opt_state, *data)`` against one device's: losses
+    every step, then parameters and optimizer state (``data``: the step's other arguments)."""
     ref = jax.jit(step)
     p1, o1, p2, o2 = params, opt_state, params, opt_state
     for _ in range(steps):
-        p1, o1, l1 = ref(p1, o1, batch)
-        p2, o2, l2 = pstep(p2, o2, batch)
+        p1, o1, l1 = ref(p1, o1, *data)
+        p2, o2, l2 = pstep(p2, o2, *data)
         np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(unpack((p2, o2))), jax.tree.leaves((p1, o1))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
     return p2, o2
+
+
+def gpt_pipeline_case(layers: int, batch: int, marked_stages: int, tied: bool = False):
+    """examples/gpt_pipeline.py's step at a tiny size: (step, params, Adam state, (tokens, targets))."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))   # it imports gpt_megatron
+    import gpt_pipeline
+    cfg = gpt_pipeline.Config(layers=layers, batch=batch, vocab=32, seq=8, heads=2, head_dim=4)
+    params = gpt_pipeline.init_pipeline_params(cfg, tied=tied)
+    step, opt = gpt_pipeline.make_train_step(cfg, marked_stages)
+    return step, params, opt.init(params), tuple(gpt_pipeline.make_batch(cfg))
 
 
 def test_stage_boundary_is_an_identity_under_jit_grad_vmap():
@@ -74,7 +88,7 @@ def test_stage_boundary_is_an_identity_under_jit_grad_vmap():
 def test_mlp_pp2_1f1b_equals_one_device():
     step, params, opt_state, batch = mlp(2, {0})
     pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
-    p2, o2 = assert_matches_one_device(step, params, opt_state, batch, pstep, steps=3)   # 5 in the slow tier
+    p2, o2 = assert_matches_one_device(step, params, opt_state, (batch,), pstep, steps=3)   # 5 in the slow tier
     leaf = p2[1]["w"]
     assert isinstance(leaf, PackedLeaf) and leaf.rank == 1 and sp.to_numpy(leaf).shape == (D, D)
 
@@ -83,7 +97,7 @@ def test_mlp_pp2_1f1b_equals_one_device():
 def test_mlp_pp4_1f1b_equals_one_device():
     step, params, opt_state, batch = mlp(4, {0, 1, 2})
     pstep = sp.parallelize(step, mesh=((4,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
-    p2, o2 = assert_matches_one_device(step, params, opt_state, batch, pstep)
+    p2, o2 = assert_matches_one_device(step, params, opt_state, (batch,), pstep)
     # the state stays packed on its rank between steps
     leaf = p2[2]["w"]
     assert isinstance(leaf, PackedLeaf) and leaf.rank == 2 and sp.to_numpy(leaf).shape == (D, D)
@@ -97,7 +111,7 @@ def test_mlp_schedules_equal_one_device(schedule, p, v):
     pstep = sp.parallelize(step, mesh=((p,), ("pp",)),
                            pipeline=sp.Pipeline(microbatches=4 if v == 1 else p, schedule=schedule,
                                                 virtual_stages=v))
-    assert_matches_one_device(step, params, opt_state, batch, pstep)
+    assert_matches_one_device(step, params, opt_state, (batch,), pstep)
 
 
 @pytest.mark.slow
@@ -115,7 +129,7 @@ def test_thirty_layers_on_pp4_every_layer_once():
     an = plan.program.an
     seen = [i for st in an.stages for i in st.forward + st.backward + st.once]
     assert len(seen) == len(set(seen))
-    assert_matches_one_device(step, params, opt_state, batch, pstep, steps=3)
+    assert_matches_one_device(step, params, opt_state, (batch,), pstep, steps=3)
 
 
 def test_forward_only_pipeline():
@@ -242,24 +256,10 @@ def test_dump_dir_writes_each_ranks_program(tmp_path):
 
 @pytest.mark.slow
 def test_gpt_pipeline_example_pp4_equals_one_device():
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import gpt_pipeline
-    cfg = gpt_pipeline.Config(layers=4, batch=8, vocab=32, seq=8, heads=2, head_dim=4)
-    params = gpt_pipeline.init_pipeline_params(cfg)
-    tokens, targets = gpt_pipeline.make_batch(cfg)
-    step, opt = gpt_pipeline.make_train_step(cfg, 4)
+    step, params, state, data = gpt_pipeline_case(4, 8, 4)
     pstep = sp.parallelize(step, mesh=((4,), ("pp",)), batch_argnums=(2, 3),
                            pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
-    state = opt.init(params)
-    p1, s1, p0, s0 = params, state, params, state
-    for _ in range(5):
-        p1, s1, l1 = pstep(p1, s1, tokens, targets)
-        p0, s0, l0 = jax.jit(step)(p0, s0, tokens, targets)
-        np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(unpack(p1)), jax.tree.leaves(p0)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert_matches_one_device(step, params, state, data, pstep)
 
 
 @pytest.mark.slow
@@ -282,30 +282,16 @@ def test_tied_weights_and_global_norm_clipping_equal_one_device():
     w = {"e": jax.random.normal(k, (D, D)), "m": jax.random.normal(jax.random.fold_in(k, 1), (D, D))}
     x = jax.random.normal(jax.random.fold_in(k, 2), (B, D))
     pstep = sp.parallelize(step, mesh=((3,), ("pp",)), pipeline=sp.Pipeline(microbatches=4))
-    assert_matches_one_device(step, w, opt.init(w), x, pstep, steps=3)
+    assert_matches_one_device(step, w, opt.init(w), (x,), pstep, steps=3)
     assert pstep.plan(w, opt.init(w), x).program.nphases == 2
 
 
 @pytest.mark.slow
 def test_tied_embedding_gpt_pp4_equals_one_device():
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import gpt_pipeline
-    cfg = gpt_pipeline.Config(layers=4, batch=8, vocab=32, seq=8, heads=2, head_dim=4)
-    params = gpt_pipeline.init_pipeline_params(cfg, tied=True)
-    tokens, targets = gpt_pipeline.make_batch(cfg)
-    step, opt = gpt_pipeline.make_train_step(cfg, 4)
+    step, params, state, data = gpt_pipeline_case(4, 8, 4, tied=True)
     pstep = sp.parallelize(step, mesh=((4,), ("pp",)), batch_argnums=(2, 3),
                            pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
-    state = opt.init(params)
-    p1, s1, p0, s0 = params, state, params, state
-    for _ in range(5):
-        p1, s1, l1 = pstep(p1, s1, tokens, targets)
-        p0, s0, l0 = jax.jit(step)(p0, s0, tokens, targets)
-        np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(unpack((p1, s1))), jax.tree.leaves((p0, s0))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert_matches_one_device(step, params, state, data, pstep)
 
 
 @pytest.mark.slow
@@ -314,7 +300,7 @@ def test_pp4_by_dp2_equals_one_device():
     partial sums all-reduced over dp before the optimizer update."""
     step, params, opt_state, batch = mlp(4, {0, 1, 2})
     pstep = sp.parallelize(step, mesh=((4, 2), ("pp", "dp")), pipeline=sp.Pipeline(microbatches=4))
-    assert_matches_one_device(step, params, opt_state, batch, pstep)
+    assert_matches_one_device(step, params, opt_state, (batch,), pstep)
     hlo = pstep.lower_text(params, opt_state, batch)
     for group in re.findall(r"source_target_pairs=\{([{}0-9,]*)\}", hlo):
         for a, b in re.findall(r"\{(\d+),(\d+)\}", group):
@@ -360,7 +346,7 @@ def test_automatic_cuts_without_marks_equal_one_device():
     plan = pstep.plan(params, opt_state, batch)
     assert [s.forward_ops.count("tanh") for s in plan.pipeline.stages] == [2, 2]
     assert plan.program.an.cuts is not None
-    assert_matches_one_device(step, params, opt_state, batch, pstep, steps=3)
+    assert_matches_one_device(step, params, opt_state, (batch,), pstep, steps=3)
 
 
 def test_automatic_cuts_balance_unequal_layers():
@@ -394,26 +380,12 @@ def test_automatic_cuts_balance_unequal_layers():
 
 @pytest.mark.slow
 def test_automatic_cuts_tied_gpt_pp4_equals_one_device():
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import gpt_pipeline
-    cfg = gpt_pipeline.Config(layers=4, batch=8, vocab=32, seq=8, heads=2, head_dim=4)
-    params = gpt_pipeline.init_pipeline_params(cfg, tied=True)
-    tokens, targets = gpt_pipeline.make_batch(cfg)
-    step, opt = gpt_pipeline.make_train_step(cfg, 1)          # one stage: no marks at all
+    step, params, state, data = gpt_pipeline_case(4, 8, 1, tied=True)   # one stage: no marks at all
     pstep = sp.parallelize(step, mesh=((4,), ("pp",)), batch_argnums=(2, 3),
                            pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
-    state = opt.init(params)
-    plan = pstep.plan(params, state, tokens, targets)
+    plan = pstep.plan(params, state, *data)
     assert [s.forward_ops.count("tanh") for s in plan.pipeline.stages] == [1, 1, 1, 1]   # one gelu: a block each
-    p1, s1, p0, s0 = params, state, params, state
-    for _ in range(5):
-        p1, s1, l1 = pstep(p1, s1, tokens, targets)
-        p0, s0, l0 = jax.jit(step)(p0, s0, tokens, targets)
-        np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(unpack((p1, s1))), jax.tree.leaves((p0, s0))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert_matches_one_device(step, params, state, data, pstep)
 
 
 def test_auto_microbatches_and_schedule_pick_the_least_modeled_step():
@@ -443,27 +415,13 @@ def test_auto_microbatches_and_schedule_equal_one_device():
     step, params, opt_state, batch = mlp(4, {0, 1, 2})
     pstep = sp.parallelize(step, mesh=((4,), ("pp",)),
                            pipeline=sp.Pipeline(microbatches="auto", schedule="auto"))
-    assert_matches_one_device(step, params, opt_state, batch, pstep, steps=3)
+    assert_matches_one_device(step, params, opt_state, (batch,), pstep, steps=3)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_gpt_pp8_equals_one_device(schedule):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import gpt_pipeline
-    cfg = gpt_pipeline.Config(layers=8, batch=16, vocab=32, seq=8, heads=2, head_dim=4)
-    params = gpt_pipeline.init_pipeline_params(cfg)
-    tokens, targets = gpt_pipeline.make_batch(cfg)
-    step, opt = gpt_pipeline.make_train_step(cfg, 8)
+    step, params, state, data = gpt_pipeline_case(8, 16, 8)
     pstep = sp.parallelize(step, mesh=((8,), ("pp",)), batch_argnums=(2, 3),
                            pipeline=sp.Pipeline(microbatches=8, schedule=schedule))
-    state = opt.init(params)
-    p1, s1, p0, s0 = params, state, params, state
-    for _ in range(5):
-        p1, s1, l1 = pstep(p1, s1, tokens, targets)
-        p0, s0, l0 = jax.jit(step)(p0, s0, tokens, targets)
-        np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(unpack((p1, s1))), jax.tree.leaves((p0, s0))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert_matches_one_device(step, params, state, data, pstep)
