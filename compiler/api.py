@@ -427,6 +427,17 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         ``sp.stage_boundary`` marks; returns a ``PipelineFunction``.
     """
     if pipeline is not None:
+        # what a pipelined step does not take yet is refused by name, never dropped
+        given = {"mode": mode != "sharding_propagation", "in_strategy": in_strategy is not None,
+                 "out_strategy": out_strategy is not None, "fuse_reduce_scatter": not fuse_reduce_scatter,
+                 "cost_model": cost_model is not None, "donate_argnums": bool(donate_argnums), "verify": verify,
+                 "shard_optimizer_state": bool(shard_optimizer_state), "shard_params": bool(shard_params)}
+        unsupported = [name for name, set_ in given.items() if set_]
+        if unsupported:
+            raise sharding_error(f"parallelize(pipeline=...) does not take {', '.join(unsupported)} yet",
+                                 operator=f"parallelize({getattr(fn, '__name__', 'fn')})", source=caller_source(),
+                                 shapes=None, strategy=pipeline,
+                                 fix=f"drop {', '.join(unsupported)}, or parallelize without pipeline=")
         from .pipeline_step import PipelineFunction
         return PipelineFunction(fn, mesh=mesh, pipeline=pipeline, batch_argnums=batch_argnums, dump_dir=dump_dir,
                                 memory_limit=memory_limit)
