@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..ir.errors import ShardingError, sharding_error
+from ..passes.auto.search import TIME_BUDGET as SEARCH_TIME_BUDGET
 from ..passes.cost import resolve_cost_model
 from ..runtime.lower import lower, partition_spec
 from ..runtime.mesh import resolve_mesh
@@ -222,9 +223,13 @@ class ParallelFunction:
         return CompileProgress(self.__name__, show=progress_enabled(self.progress))
 
     def _build(self, key, args, kwargs, progress: CompileProgress) -> Compiled:
-        compiled = self._plan_and_lower(args, kwargs, progress, self.options)
-        if self.options.mode == "auto" and self.options.memory_limit is not None and not self.mesh_spec.abstract:
-            compiled = self._fit_compiled(compiled, args, kwargs, progress)
+        options = self.options
+        fit = options.mode == "auto" and options.memory_limit is not None and not self.mesh_spec.abstract
+        if fit:   # one time budget for the search and the memory check's searches again
+            options = replace(options, search_deadline=time.perf_counter() + SEARCH_TIME_BUDGET)
+        compiled = self._plan_and_lower(args, kwargs, progress, options)
+        if fit:
+            compiled = self._fit_compiled(compiled, args, kwargs, progress, options)
         self._cache[key] = compiled
         if self.dump_dir and not self._dumped:
             progress.stage("writing dumps")
@@ -244,7 +249,9 @@ class ParallelFunction:
             res = run_pipeline(graph, options, keep_texts=bool(self.dump_dir), on_pass=progress.stage)
         graph = res.graph
         plan = Plan(graph, res.texts, res.seconds, trace_s,
-                    regenerate_texts=lambda: run_pipeline(self._trace(args, kwargs)[0], options,
+                    # (a budget of its own: the compile's deadline has passed by then)
+                    regenerate_texts=lambda: run_pipeline(self._trace(args, kwargs)[0],
+                                                          replace(options, search_deadline=None),
                                                           keep_texts=True).texts)
         if self.mesh_spec.abstract:   # planned for devices not here: nothing to lower
             return Compiled(None, plan, out_tree, [v.const for v in graph.inputs[graph.num_user_inputs:]], [])
@@ -257,7 +264,8 @@ class ParallelFunction:
         in_shardings = [NamedSharding(jmesh, partition_spec(v.layout)) for v in graph.inputs]
         return Compiled(fn, plan, out_tree, consts, in_shardings, jmesh, donate)
 
-    def _fit_compiled(self, compiled: Compiled, args, kwargs, progress: CompileProgress) -> Compiled:
+    def _fit_compiled(self, compiled: Compiled, args, kwargs, progress: CompileProgress,
+                      base: Options) -> Compiled:
         """mode="auto" under a memory limit: compile the plan and hold what XLA allocates
         per device to the limit; over it, search again under a lower modeled limit
         (``memory_check.ModeledLimits``). ``plan.cost`` gets every round."""
@@ -280,7 +288,7 @@ class ParallelFunction:
             modeled = limits.next()
             if modeled is None:
                 raise does_not_fit(limit, limits.rounds, largest)
-            options = replace(self.options, memory_limit=modeled)
+            options = replace(base, memory_limit=modeled)
             try:
                 compiled = self._plan_and_lower(args, kwargs, progress, options)
             except ShardingError:               # no plan models under this limit

@@ -44,6 +44,9 @@ class Options:
     cost: CostModel = DEFAULT_COST
     verify: bool = False
     memory_limit: Optional[int] = None   # mode="auto": bytes per device the plan's modeled peak must fit
+    # mode="auto": when the search's time budget ends (time.perf_counter()), shared by the
+    # searches of one compile (the memory check's rounds); None: each search its own budget
+    search_deadline: Optional[float] = None
 
 
 def default_passes(opts: Options) -> list:
@@ -53,7 +56,7 @@ def default_passes(opts: Options) -> list:
     # reason to choose another plan (so both forms plan alike, as MindSpore's dumps do).
     # MindSpore's form also settles op by op only (whole_round): the seed document's plan.
     # mode="auto": a solver picks every strategy (passes/auto); the passes after it are the same
-    choose = SearchStrategies(opts.cost, opts.memory_limit) if opts.mode == "auto" else \
+    choose = SearchStrategies(opts.cost, opts.memory_limit, deadline=opts.search_deadline) if opts.mode == "auto" else \
         PropagateSharding(opts.mode, opts.cost, True, whole_round=rs)
     return [BindUserStrategies(), choose, SinkReductions(),
             InsertReshards(rs, opts.cost), ReshardToCollectives(rs, opts.cost), Localize()]

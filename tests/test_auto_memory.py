@@ -123,3 +123,19 @@ def test_out_of_budget_the_search_returns_the_best_hand_plan_with_its_gap():
     assert sol is not None and "the hand plan" in sol.status and "time budget" in sol.status
     assert peak <= 0.7 * free_peak
     assert 0 <= sol.gap < 1 and sol.bound <= sol.modeled * (1 + 1e-9)
+
+
+def test_one_compile_shares_one_search_budget(monkeypatch):
+    """The memory check's searches again (a compiled peak over the limit) take what is left
+    of the compile's budget, not a fresh one each: spent before the first round, every
+    round returns the best hand plan that fits, with its gap."""
+    import shardprop.compiler.api as api
+    fn, args = adam_case()
+    mesh = ((2, 4), ("dp", "mp"))
+    free = sp.parallelize(fn, mesh=mesh, mode="auto", progress=False).plan(*args)
+    monkeypatch.setattr(api, "SEARCH_TIME_BUDGET", 0.0)
+    limit = int(0.7 * free.cost.peak_memory)
+    plan = sp.parallelize(fn, mesh=mesh, mode="auto", memory_limit=limit, progress=False).plan(*args)
+    status = plan.cost.solver["status"]
+    assert "the hand plan" in status and "time budget" in status, status
+    assert plan.cost.peak_memory <= limit

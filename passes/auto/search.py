@@ -120,9 +120,12 @@ class SearchStrategies:
     def __init__(self, cost: CostModel = DEFAULT_COST, memory_limit: Optional[int] = None,
                  time_limit: Optional[float] = 60.0, allow_reduce_scatter: bool = True,
                  memory_method: str = "exact", memory_tolerance: float = 0.01, exact_ops: int = EXACT_OPS,
-                 time_budget: Optional[float] = TIME_BUDGET):
+                 time_budget: Optional[float] = TIME_BUDGET, deadline: Optional[float] = None):
+        """``deadline``: when the budget ends (``time.perf_counter()``), where the searches of
+        one compile share it; None: ``time_budget`` seconds from each call."""
         self.cost = cost
         self.time_budget = time_budget
+        self.deadline = deadline
         self._deadline = None
         self.exact_ops = exact_ops
         # the user's limit (or the device's memory, as parallelize found it), else the profile's
@@ -142,7 +145,8 @@ class SearchStrategies:
         prices, last = Prices(self.cost, self.allow_rs), None
         solved, best_objective = [], None
         self._hands = []
-        self._deadline = None if self.time_budget is None else time.perf_counter() + self.time_budget
+        self._deadline = self.deadline if self.deadline is not None else \
+            None if self.time_budget is None else time.perf_counter() + self.time_budget
         for mesh in meshes:
             graph.set_mesh(mesh)
             # a later arrangement need only consider candidates that could beat the best
