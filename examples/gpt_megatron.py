@@ -136,15 +136,21 @@ def make_batch(cfg: Config, seed: int = 1):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def make_train_step(par: Parallelism, cfg: Config, learning_rate: float = 1e-3):
+def adam_train_step(loss, learning_rate: float = 1e-3):
+    """The whole step for ``loss(params, tokens, targets)``: value_and_grad and Adam's
+    update, as one function (what parallelize compiles), and the optimizer."""
     import optax
     opt = optax.adam(learning_rate)
 
     def train_step(params, opt_state, tokens, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets, par, cfg)
+        value, grads = jax.value_and_grad(loss)(params, tokens, targets)
         updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, value
     return train_step, opt
+
+
+def make_train_step(par: Parallelism, cfg: Config, learning_rate: float = 1e-3):
+    return adam_train_step(lambda params, tokens, targets: loss_fn(params, tokens, targets, par, cfg), learning_rate)
 
 
 def main():

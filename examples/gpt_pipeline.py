@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import shardprop as sp  # noqa: E402
-from gpt_megatron import Config, init_params, layer_norm, make_batch  # noqa: E402
+from gpt_megatron import Config, adam_train_step, init_params, layer_norm, make_batch  # noqa: E402
 
 
 def block(x, p, cfg: Config):
@@ -65,15 +65,8 @@ def init_pipeline_params(cfg: Config, seed: int = 0, tied: bool = False):
 
 
 def make_train_step(cfg: Config, stages: int, learning_rate: float = 1e-3):
-    import optax
-    opt = optax.adam(learning_rate)
     cuts = stage_cuts(cfg.layers, stages)
-
-    def train_step(params, opt_state, tokens, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets, cfg, cuts)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-    return train_step, opt
+    return adam_train_step(lambda params, tokens, targets: loss_fn(params, tokens, targets, cfg, cuts), learning_rate)
 
 
 def main():
