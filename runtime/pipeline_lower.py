@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from ..ir.errors import ShardingError
 
@@ -382,30 +382,28 @@ class PipelineProgram:
         self.tables = dict(act=remap[act], acc=np.asarray(has_acc, np.int32)[act], mb=mb, slot=slot,
                            recv_f=recv_f, recv_b=recv_b)
 
+    def _packs_per_rank(self, field: str) -> tuple[dict, list]:
+        """Per model stage, (its offset on its rank, a Packing of the ``field`` values of its
+        programs); and the packed size per rank."""
+        packs, sizes = {}, [0] * self.p
+        for k in range(self.S):
+            d = self.rank_of(k)
+            pk = Packing([o for kind in self.kinds for o in self.progs[(kind, k)][field]])
+            packs[k] = (sizes[d], pk)
+            sizes[d] += pk.size
+        return packs, sizes
+
     def _plan_state(self):
-        an, j, p = self.an, self.j, self.p
+        j, p = self.j, self.p
         self.A = max([1] + [Packing(self.fwd_out[k]).size for k in self.fwd_out])
         self.G = max([1] + [Packing(self.bwd_out[k]).size for k in self.bwd_out])
         self.R = max([1] + [self.resid[k].size for k in range(self.S)])
         # accumulators per rank, at offsets per model stage
-        self.acc_pack, sizes = {}, [0] * p
-        for k in range(self.S):
-            d = self.rank_of(k)
-            accs = [o for kind in self.kinds for o in self.progs[(kind, k)]["accs"]]
-            pk = Packing(accs)
-            self.acc_pack[k] = (sizes[d], pk)
-            sizes[d] += pk.size
+        self.acc_pack, sizes = self._packs_per_rank("accs")
         self.ACCK = max([1] + [pk.size for _, pk in self.acc_pack.values()])
         self.ACC = max([1] + sizes + [base + self.ACCK for base, _ in self.acc_pack.values()])
         # per-micro-batch outputs
-        self.out_pack = {}
-        osz = [0] * p
-        for k in range(self.S):
-            d = self.rank_of(k)
-            outs = [o for kind in self.kinds for o in self.progs[(kind, k)]["outs_b"]]
-            pk = Packing(outs)
-            self.out_pack[k] = (osz[d], pk)
-            osz[d] += pk.size
+        self.out_pack, osz = self._packs_per_rank("outs_b")
         self.O = max([1] + osz)
         # packed state per rank
         self.state_pack = [Packing([v for i, v in enumerate(j.invars) if self.owner[i] == d]) for d in range(p)]
