@@ -436,10 +436,11 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
     """
     if pipeline is not None:
         # what a pipelined step does not take yet is refused by name, never dropped
-        given = {"mode": mode != "sharding_propagation", "in_strategy": in_strategy is not None,
+        # mode (of the marks' propagation on the axes beside the pipeline's) and ZeRO-1 are taken
+        given = {"mode": mode not in ("sharding_propagation", "semi_auto"), "in_strategy": in_strategy is not None,
                  "out_strategy": out_strategy is not None, "fuse_reduce_scatter": not fuse_reduce_scatter,
                  "cost_model": cost_model is not None, "donate_argnums": bool(donate_argnums), "verify": verify,
-                 "shard_optimizer_state": bool(shard_optimizer_state), "shard_params": bool(shard_params)}
+                 "shard_params": bool(shard_params)}
         unsupported = [name for name, set_ in given.items() if set_]
         if unsupported:
             raise sharding_error(f"parallelize(pipeline=...) does not take {', '.join(unsupported)} yet",
@@ -448,7 +449,8 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                                  fix=f"drop {', '.join(unsupported)}, or parallelize without pipeline=")
         from .pipeline_step import PipelineFunction
         return PipelineFunction(fn, mesh=mesh, pipeline=pipeline, batch_argnums=batch_argnums, dump_dir=dump_dir,
-                                memory_limit=memory_limit)
+                                memory_limit=memory_limit, mode=mode, shard_optimizer_state=shard_optimizer_state,
+                                optimizer_argnums=optimizer_argnums)
     return ParallelFunction(fn, mesh=mesh, mode=mode, in_strategy=in_strategy, out_strategy=out_strategy,
                             dump_dir=dump_dir, fuse_reduce_scatter=fuse_reduce_scatter, cost_model=cost_model,
                             donate_argnums=donate_argnums, verify=verify, batch_argnums=batch_argnums,

@@ -225,14 +225,16 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
                  if e.primitive.name == "stage_boundary" and e.params["direction"] == "forward"]
     bwd_marks = [i for i, e in enumerate(jaxpr.eqns)
                  if e.primitive.name == "stage_boundary" and e.params["direction"] == "backward"]
-    if len(fwd_marks) != S - 1:
+    cut_of_fwd, cut_of_bwd = _cuts(jaxpr, fwd_marks, False), _cuts(jaxpr, bwd_marks, True)
+    n_fwd, n_bwd = len(set(cut_of_fwd.values())), len(set(cut_of_bwd.values()))
+    if n_fwd != S - 1:
         raise ShardingError(f"the pipeline has {S} model stages (pp x virtual_stages) and needs {S - 1} "
-                            f"sp.stage_boundary marks in the forward program; the step has {len(fwd_marks)}. "
+                            f"sp.stage_boundary marks in the forward program; the step has {n_fwd}. "
                             "Mark the values that cross each cut with h = sp.stage_boundary(h), or remove every "
                             "mark to let the compiler cut the program")
     training = bool(bwd_marks) or S == 1
-    if bwd_marks and len(bwd_marks) != S - 1:
-        raise ShardingError(f"{len(bwd_marks)} backward images of {S - 1} stage_boundary marks: differentiate "
+    if bwd_marks and n_bwd != S - 1:
+        raise ShardingError(f"{n_bwd} backward images of {S - 1} stage_boundary marks: differentiate "
                             "the whole loss once (one value_and_grad over every stage)")
     # the first stage's forward: the batch-dependent ancestors of the first mark (before it,
     # nothing is staged yet, so they would otherwise float and be recomputed by every program)
@@ -246,10 +248,11 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
     elif fwd_marks:
         dep = {v for v, b in zip(jaxpr.invars, batch_mask) if b}
         prod_all = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
-        for e in jaxpr.eqns[:fwd_marks[0]]:
+        cut0 = [e for e in fwd_marks if cut_of_fwd[e] == 0]
+        for e in jaxpr.eqns[:max(cut0)]:
             if any(a in dep for a in e.invars if not isinstance(a, jcore.Literal)):
                 dep.update(e.outvars)
-        stack = [a for a in jaxpr.eqns[fwd_marks[0]].invars if not isinstance(a, jcore.Literal)]
+        stack = [a for e in cut0 for a in jaxpr.eqns[e].invars if not isinstance(a, jcore.Literal)]
         while stack:
             a = stack.pop()
             i = prod_all.get(a)
@@ -257,8 +260,6 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
                 continue
             first.add(i)
             stack += [b for b in jaxpr.eqns[i].invars if not isinstance(b, jcore.Literal)]
-    cut_of_fwd = {e: k for k, e in enumerate(fwd_marks)}
-    cut_of_bwd = {e: S - 2 - k for k, e in enumerate(bwd_marks)}
     rd = lambda a: None if isinstance(a, jcore.Literal) else a
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [a for a in eqn.invars if not isinstance(a, jcore.Literal)]
@@ -394,14 +395,27 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
     an = Analysis(j_micro, j_global, lit_over, const_over, S, roles, stage, phase, stages, fwd_marks,
                   bwd_marks if bwd_marks else None, bdim, kind, vstage, producer, training, rep_once)
     lit = lambda vs: [a for a in vs if not isinstance(a, jcore.Literal)]
-    for k, e in enumerate(fwd_marks):
-        an.fwd_send[k], an.fwd_recv[k + 1] = lit(jaxpr.eqns[e].invars), list(jaxpr.eqns[e].outvars)
-    for c, e in enumerate(bwd_marks):
-        k = S - 2 - c
-        an.bwd_recv[k], an.bwd_send[k + 1] = list(jaxpr.eqns[e].outvars), lit(jaxpr.eqns[e].invars)
+    for e in fwd_marks:
+        k = cut_of_fwd[e]
+        an.fwd_send.setdefault(k, []).extend(lit(jaxpr.eqns[e].invars))
+        an.fwd_recv.setdefault(k + 1, []).extend(jaxpr.eqns[e].outvars)
+    for e in bwd_marks:
+        k = cut_of_bwd[e]
+        an.bwd_recv.setdefault(k, []).extend(jaxpr.eqns[e].outvars)
+        an.bwd_send.setdefault(k + 1, []).extend(lit(jaxpr.eqns[e].invars))
     # zero-bubble split: I = what the cotangent sent back needs, W = what the weight partials need
     _split_zero_bubble(an)
     return an
+
+
+def _cuts(jaxpr, marks, backward: bool) -> dict:
+    """eqn index -> cut index. A per-rank program's marks carry their cut (one mark per
+    operand, compiler/pipeline_submesh.py); a user's k-th forward mark is cut k, its
+    backward images come in reverse order."""
+    if marks and all(jaxpr.eqns[e].params.get("cut") is not None for e in marks):
+        return {e: jaxpr.eqns[e].params["cut"] for e in marks}
+    n = len(marks)
+    return {e: (n - 1 - k if backward else k) for k, e in enumerate(marks)}
 
 
 def _split_zero_bubble(an) -> None:

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ..ir.errors import ShardingError
 from ..passes.pipeline import build_schedule, simulate
 from ..runtime.mesh import resolve_mesh
-from ..runtime.pipeline_lower import PackedLeaf, PipelineProgram, np_to_f32
+from ..runtime.pipeline_lower import PackedLeaf, PipelineProgram, np_to_f32, pack_blocks
 from .pipeline_assign import analyse, auto_stages, inline_calls
 from .stages import Pipeline, check_pipeline
 
@@ -206,7 +206,8 @@ class _Compiled:
 class PipelineFunction:
     """A step pipelined over the ``pipeline.axis`` mesh axis (see the module doc)."""
 
-    def __init__(self, fn, *, mesh, pipeline: Pipeline, batch_argnums=None, dump_dir=None, memory_limit=None):
+    def __init__(self, fn, *, mesh, pipeline: Pipeline, batch_argnums=None, dump_dir=None, memory_limit=None,
+                 mode: str = "sharding_propagation", shard_optimizer_state=False, optimizer_argnums=(1,)):
         if not isinstance(pipeline, Pipeline):
             raise ShardingError(f"pipeline={pipeline!r}: pass sp.Pipeline(microbatches=..., schedule=...)")
         self.fn, self.pipeline = fn, pipeline
@@ -214,7 +215,23 @@ class PipelineFunction:
         self.p = check_pipeline(pipeline, self.mesh_spec.ir_mesh.axis_names, self.mesh_spec.ir_mesh.axis_sizes)
         self.mesh = self.mesh_spec.jax_mesh()
         sizes = dict(zip(self.mesh_spec.ir_mesh.axis_names, self.mesh_spec.ir_mesh.axis_sizes))
-        self.dp = int(sizes.get("dp", 1)) if pipeline.axis != "dp" else 1
+        self.mode, self.optimizer_argnums = mode, tuple(optimizer_argnums)
+        # the axes beside the pipeline's: planned by the non-pipeline passes when any of them
+        # carries tensor parallelism or ZeRO (compiler/pipeline_submesh.py); "dp" alone splits
+        # each micro-batch over its devices without planning
+        self.sub_axes = tuple(a for a in self.mesh_spec.ir_mesh.axis_names if a != pipeline.axis)
+        self.zero_axes = () if not shard_optimizer_state else (
+            (shard_optimizer_state,) if isinstance(shard_optimizer_state, str) else
+            tuple(shard_optimizer_state) if isinstance(shard_optimizer_state, (tuple, list)) else ("dp",))
+        if self.zero_axes and not set(self.zero_axes) <= {a for a in self.sub_axes if sizes[a] > 1}:
+            raise ShardingError(f"shard_optimizer_state={shard_optimizer_state!r} with a pipeline: ZeRO-1 splits the "
+                                f"optimizer state over data-parallel axes beside {pipeline.axis!r}, and the mesh has "
+                                f"{dict(sizes)}; add a 'dp' axis, e.g. mesh=((2, 2, 2), ('pp', 'dp', 'mp'))")
+        self.planned = bool(self.zero_axes) or any(sizes[a] > 1 for a in self.sub_axes if a != "dp") \
+            or (mode != "sharding_propagation" and any(sizes[a] > 1 for a in self.sub_axes))
+        self.sub_sizes = tuple(int(sizes[a]) for a in self.sub_axes)
+        self.planned_dp = int(sizes.get("dp", 1)) if self.planned else 1
+        self.dp = int(sizes.get("dp", 1)) if pipeline.axis != "dp" and not self.planned else 1
         self.batch_argnums = batch_argnums
         self.dump_dir = dump_dir
         from ..passes.auto.memory import parse_memory_limit
@@ -255,10 +272,11 @@ class PipelineFunction:
         if m == "auto" or pl.schedule == "auto":
             pl = self._search(args, B)
             m = pl.microbatches
-        if B % m == 0 and (B // m) % self.dp:
-            raise ShardingError(f"Pipeline(microbatches={m}) on a mesh with dp={self.dp}: a micro-batch of {B // m} "
-                                f"rows (batch {B} / {m}) does not split over {self.dp} data-parallel devices; use a "
-                                f"batch that is a multiple of {m * self.dp}")
+        dp = max(self.dp, self.planned_dp)
+        if B % m == 0 and (B // m) % dp:
+            raise ShardingError(f"Pipeline(microbatches={m}) on a mesh with dp={dp}: a micro-batch of {B // m} "
+                                f"rows (batch {B} / {m}) does not split over {dp} data-parallel devices; use a "
+                                f"batch that is a multiple of {m * dp}")
         if B % m:
             good = [d for d in range(1, B + 1) if B % d == 0]
             near = min(good, key=lambda d: (abs(d - m), d))
@@ -283,6 +301,10 @@ class PipelineFunction:
             jg = inline_calls(jax.make_jaxpr(flat_fn)(*avals))
             jm = inline_calls(jax.make_jaxpr(flat_fn)(*micro)) if md > 1 else jg
             js = jg if md > 1 else inline_calls(jax.make_jaxpr(flat_fn)(*scaled(2)))
+        sub = None
+        if self.planned:
+            jg, jm, js, sub, mask = self._plan_submesh(jg, jm, js, avals, micro, scaled(2) if md == 1 else None,
+                                                       mask, treedef, out_tree[0])
         S = p * pl.virtual_stages
         marks = sum(1 for e in jm.jaxpr.eqns
                     if e.primitive.name == "stage_boundary" and e.params["direction"] == "forward")
@@ -298,7 +320,9 @@ class PipelineFunction:
         schedule = build_schedule(pl.schedule, p, m, pl.virtual_stages, forward_only=not an.training)
         sim = simulate(schedule, UNIT)
         prog = PipelineProgram(an, schedule, sim, mesh=self.mesh, axis=pl.axis, m=m, batch_mask=mask,
-                               dp_axis="dp" if self.dp > 1 else None)
+                               dp_axis="dp" if self.dp > 1 else None, sub=sub)
+        if sub is not None:
+            self._check_planned_outputs(prog)
         c = _Compiled(prog, out_tree[0], m, B, an, schedule)
         c.pipeline_config = pl
         c.search = getattr(self, "_last_search", None)
@@ -306,8 +330,76 @@ class PipelineFunction:
         durations = {kind: [c.stage_times[k][kind] for k in range(S)] for kind in prog.kinds}
         c.model_sim = simulate(schedule, durations, latency=c.latency)
         c.paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+        c.sub, c.consts = sub, getattr(self, "_consts", [])
+        c.paths += [f"<constant {n}>" for n in range(len(c.consts))]
         self._cache[key] = c
         return c, leaves, mask
+
+    def _plan_submesh(self, jg, jm, js, avals, micro, doubled, mask, treedef, out_tree):
+        """The three traces (global, micro-batch, shape) planned on the sub-mesh
+        (``compiler/pipeline_submesh.py``): their per-rank programs, the sub-mesh's layouts
+        and the batch mask over the per-rank program's inputs (the graph's constants are
+        inputs after the user's leaves). One plan must serve every batch size."""
+        from ..runtime.mesh import resolve_mesh as _resolve
+        from ..runtime.pipeline_lower import SubMesh
+        from .pipeline_submesh import plan_submesh
+        from .trace import input_names
+        spec = _resolve((self.sub_sizes, self.sub_axes))
+        jmesh = spec.jax_mesh()
+        names = [f"arg{i}" for i in range(len(avals))]
+        try:
+            import inspect
+            args_abs = jax.tree.unflatten(treedef, list(avals))
+            names = input_names(self.fn, args_abs, {}) if not isinstance(args_abs, dict) else names
+        except Exception:   # names are for messages only
+            pass
+        batch_argnums = self._batch_argnums(treedef)
+
+        def planned(closed, leaves):
+            outs = jax.tree.unflatten(out_tree, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                                 for v in closed.jaxpr.outvars])
+            return plan_submesh(closed, names, ir_mesh=spec.ir_mesh, jax_mesh=jmesh, batch_mask=mask,
+                                arg_leaves=list(leaves), args_tree=treedef, out_shape=outs, mode=self.mode,
+                                zero_axes=self.zero_axes, optimizer_argnums=self.optimizer_argnums,
+                                batch_argnums=batch_argnums)
+        pg = planned(jg, avals)
+        pm = planned(jm, micro) if jm is not jg else pg
+        ps = pg if js is jg else planned(js, doubled)
+        for other in (pg, ps):
+            if other.in_specs != pm.in_specs or other.out_specs != pm.out_specs:
+                raise ShardingError("the plan of the pipelined step on the mesh axes beside the pipeline's differs "
+                                    "between the batch and a micro-batch (the inputs' or outputs' layouts change); "
+                                    "pin them with sp.shard marks, or use another micro-batch count")
+        self._consts = pm.consts
+        n_user = len(avals)
+        full_mask = tuple(mask) + (False,) * (len(pm.jaxpr.jaxpr.invars) - n_user)
+        gshape = lambda x: tuple(x.shape)   # noqa: E731
+        sub = SubMesh(self.sub_axes, self.sub_sizes, tuple(pm.in_dims), tuple(pm.out_dims),
+                      tuple([gshape(a) for a in avals] + [tuple(np.shape(c)) for c in pm.consts]),
+                      tuple(pm.global_out_shapes))
+        return pg.jaxpr, pm.jaxpr, ps.jaxpr, sub, full_mask
+
+    def _batch_argnums(self, treedef) -> tuple:
+        n = len(treedef.children())
+        argnums = self.batch_argnums
+        if argnums is None:
+            return (n - 1,)
+        return (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def _check_planned_outputs(self, prog) -> None:
+        for v, s_ in zip(prog.j.outvars, prog.out_spec):
+            if s_[0] == "batched":
+                raise ShardingError("a pipelined step with tensor-parallel axes returns a per-example output (a "
+                                    f"{v.aval.shape} array per micro-batch): not yet supported beside a planned "
+                                    "sub-mesh; return a reduced value (a loss), or pipeline over 'pp' (and 'dp') only")
+            if s_[0] == "float":
+                i = prog.an.producer.get(v)
+                reads = prog._reads(prog.float_idxs)
+                split = [r for r in reads if r in prog.invar_index and any(prog.sub.in_dims[prog.invar_index[r]])]
+                if split:
+                    raise ShardingError("a pipelined step's output computed from inputs only reads an input split "
+                                        "over the tensor-parallel axes: not yet supported; compute it outside the "
+                                        "step")
 
     def _search(self, args, B: int) -> Pipeline:
         """``microbatches="auto"`` / ``schedule="auto"``: the (schedule, m) of least modeled
@@ -328,7 +420,8 @@ class PipelineFunction:
                                                             ["gpipe", "1f1b", "zero_bubble"])
         m0 = ms[len(ms) // 2]
         base = PipelineFunction(self.fn, mesh=self.mesh, pipeline=replace(pl, microbatches=m0, schedule=(
-            "interleaved" if v > 1 else "1f1b")), batch_argnums=self.batch_argnums)
+            "interleaved" if v > 1 else "1f1b")), batch_argnums=self.batch_argnums, mode=self.mode,
+            shard_optimizer_state=self.zero_axes or False, optimizer_argnums=self.optimizer_argnums)
         c0, _, _ = base._compile(args)
         from ..passes.cost import DEFAULT_COST
         rows = []
@@ -360,6 +453,8 @@ class PipelineFunction:
 
     # ---------------------------------------------------------------- running
     def _inputs(self, c, leaves):
+        if c.sub is not None:
+            return self._inputs_sub(c, list(leaves) + list(c.consts))
         prog, p = c.prog, self.p
         owned = [(i, d) for i, d in enumerate(prog.owner) if isinstance(d, int) and d >= 0]
         in_place = all(isinstance(leaves[i], PackedLeaf) and leaves[i].rank == d for i, d in owned)
@@ -390,6 +485,42 @@ class PipelineFunction:
                 batch[i] = x.reshape((c.m, x.shape[0] // c.m) + x.shape[1:])
         return sources, desc, rep, batch
 
+    def _inputs_sub(self, c, leaves):
+        """``_inputs`` over a sub-mesh: each (pipeline rank, sub-mesh rank) holds its blocks
+        of its stage's state (a ``(p, ranks, size)`` array); replicated and batch inputs go
+        in under their planned layouts."""
+        prog, p, sub = c.prog, self.p, c.sub
+        ax = self.pipeline.axis
+        owned = [(i, d) for i, d in enumerate(prog.owner) if isinstance(d, int) and d >= 0]
+        invars = prog.j.invars
+        in_place = all(isinstance(leaves[i], PackedLeaf) and leaves[i].rank == d and leaves[i].sub == sub
+                       and leaves[i].dims == sub.in_dims[i] for i, d in owned)
+        if in_place and owned:
+            bufs, sources = {}, []
+            desc = [dict() for _ in range(p)]
+            for i, d in owned:
+                lf = leaves[i]
+                if id(lf.buffer) not in bufs:
+                    bufs[id(lf.buffer)] = len(sources)
+                    sources.append(lf.buffer)
+                desc[d][invars[i]] = (bufs[id(lf.buffer)], lf.offset)
+        else:
+            rows = np.zeros((p, sub.ranks, prog.state_size), np.float32)
+            for i, d in owned:
+                off = prog.state_pack[d].offset[invars[i]]
+                blocks = pack_blocks(np.asarray(leaves[i]), sub, sub.in_dims[i])
+                rows[d, :, off:off + blocks.shape[1]] = blocks
+            sources = [jax.device_put(rows, NamedSharding(self.mesh, P(ax, tuple(sub.axes))))]
+            desc = [{v: (0, prog.state_pack[d].offset[v]) for v in prog.state_pack[d].vars} for d in range(p)]
+        rep = {i: jax.device_put(np.asarray(leaves[i]), NamedSharding(self.mesh, sub.spec(sub.in_dims[i])))
+               for i in prog.rep_inputs()}
+        batch = {}
+        for i in prog.batch_inputs():
+            x = np.asarray(leaves[i])
+            x = x.reshape((c.m, x.shape[0] // c.m) + x.shape[1:])
+            batch[i] = jax.device_put(x, NamedSharding(self.mesh, P(None, *sub.spec(sub.in_dims[i]))))
+        return sources, desc, rep, batch
+
     def _fn(self, c, sources, desc):
         key = (len(sources), tuple(tuple(desc[d][v] for v in c.prog.state_pack[d].vars) for d in range(self.p)))
         if key not in c.fns:
@@ -407,7 +538,8 @@ class PipelineFunction:
         floats = []
         if c.float_fn is not None:
             need = [prog.invar_index[v] for v in prog._reads(prog.float_idxs) if v in prog.invar_index]
-            floats = c.float_fn({i: (np.asarray(leaves[i]) if isinstance(leaves[i], PackedLeaf) else leaves[i])
+            allv = list(leaves) + list(c.consts)
+            floats = c.float_fn({i: (np.asarray(allv[i]) if isinstance(allv[i], PackedLeaf) else allv[i])
                                  for i in need})
         outs, fi, ri, bi = [], 0, 0, {v: n for n, v in enumerate(prog.bcast_vars)}
         for v, s in zip(prog.j.outvars, prog.out_spec):
@@ -423,6 +555,10 @@ class PipelineFunction:
                 ri += 1
             elif s[0] == "bcast":
                 outs.append(bvals[bi[v]])
+            elif s[0] == "packed" and c.sub is not None:
+                d, n = prog.rank_of(s[1]), len(outs)
+                outs.append(PackedLeaf(packed, d, prog.out_state_pack[d].offset[v], c.sub.out_shapes[n],
+                                       v.aval.dtype, c.sub.out_dims[n], c.sub))
             elif s[0] == "packed":
                 d = prog.rank_of(s[1])
                 outs.append(PackedLeaf(packed, d, prog.out_state_pack[d].offset[v], tuple(v.aval.shape),

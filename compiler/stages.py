@@ -36,9 +36,11 @@ _FLIP = {FORWARD_MARK: BACKWARD_MARK, BACKWARD_MARK: FORWARD_MARK}
 
 stage_boundary_p = Primitive("stage_boundary")
 stage_boundary_p.multiple_results = True
-stage_boundary_p.def_impl(lambda *xs, direction: list(xs))
-stage_boundary_p.def_abstract_eval(lambda *avals, direction: list(avals))
-mlir.register_lowering(stage_boundary_p, lambda ctx, *xs, direction: list(xs))
+# ``cut``: the cut index, set only on the marks of a per-rank program (compiler/pipeline_submesh.py
+# replays a planned graph, where one mark of several operands is one mark per operand)
+stage_boundary_p.def_impl(lambda *xs, direction, cut=None: list(xs))
+stage_boundary_p.def_abstract_eval(lambda *avals, direction, cut=None: list(avals))
+mlir.register_lowering(stage_boundary_p, lambda ctx, *xs, direction, cut=None: list(xs))
 
 
 def _jvp(primals, tangents, *, direction):
@@ -117,19 +119,15 @@ class Pipeline:
 
 
 def check_pipeline(pipeline: Pipeline, axis_names, axis_sizes) -> int:
-    """The number of pipeline ranks ``p``; a ShardingError for a mesh the lowering cannot
-    run (no ``pipeline.axis``; axes of size > 1 other than it and ``"dp"``: not yet). A
-    ``"dp"`` axis splits every micro-batch over its devices (data parallel inside each
-    stage: the accumulated partial sums are all-reduced over it)."""
+    """The number of pipeline ranks ``p``; a ShardingError for a mesh without
+    ``pipeline.axis``. The other axes run each stage's work: ``"dp"`` alone splits every
+    micro-batch over its devices (the accumulated partial sums are all-reduced over it);
+    any other axis (tensor parallel marks) has the step planned on the axes beside the
+    pipeline's (``compiler/pipeline_submesh.py``)."""
     names = tuple(axis_names)
     if pipeline.axis not in names:
         raise ShardingError(f"Pipeline(axis={pipeline.axis!r}): the mesh has axes {names}; name the pipeline "
                             f"axis, e.g. mesh=((4,), ({pipeline.axis!r},))")
-    others = [(a, s) for a, s in zip(names, axis_sizes) if a not in (pipeline.axis, "dp") and s > 1]
-    if others:
-        raise ShardingError(f"pipeline over {pipeline.axis!r} with other mesh axes {others}: composing pipeline "
-                            "stages with tensor parallelism is not implemented yet; use a mesh whose axes of "
-                            f"size > 1 are {pipeline.axis!r} and (data parallel) 'dp'")
     p = int(dict(zip(names, axis_sizes))[pipeline.axis])
     if p < 2:
         raise ShardingError(f"the pipeline axis {pipeline.axis!r} has size {p}: a pipeline needs at least 2 stages "

@@ -23,7 +23,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import shardprop as sp  # noqa: E402
-from gpt_megatron import Config, adam_train_step, init_params, layer_norm, make_batch  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from gpt_megatron import (Config, Parallelism, adam_train_step, attention, init_params, layer_norm,  # noqa: E402
+                          make_batch, mlp)
 
 
 def block(x, p, cfg: Config):
@@ -45,10 +48,19 @@ def stage_cuts(layers: int, stages: int) -> set:
     return {int(b) - 1 for b in bounds[1:-1]}
 
 
-def loss_fn(params, tokens, targets, cfg: Config, cuts: set):
+def tensor_parallel(dp: bool = False) -> Parallelism:
+    """examples/gpt_megatron.py's two marks per layer on a mesh with an ``mp`` axis (and a
+    ``dp`` axis splitting the batch), as PartitionSpecs: with ``pp`` on the mesh, split
+    counts would not say which axis they mean."""
+    b = "dp" if dp else None
+    return Parallelism(heads=(P(b, None, None), P(None, "mp", None)), columns=(P(b, None, None), P(None, "mp")))
+
+
+def loss_fn(params, tokens, targets, cfg: Config, cuts: set, par: Parallelism = None):
     x = jax.nn.one_hot(tokens, cfg.vocab, dtype=jnp.float32) @ params["wte"] + params["wpe"]
     for i, p in enumerate(params["layers"]):
-        x = block(x, p, cfg)
+        # Megatron's layer (gpt_megatron's attention and mlp, two marks) or the unmarked block
+        x = mlp(attention(x, p, par, cfg), p, par) if par is not None else block(x, p, cfg)
         if i in cuts:
             x = sp.stage_boundary(x)
     head = params["head"] if "head" in params else params["wte"].T        # untied, or tied to the embedding
@@ -64,9 +76,10 @@ def init_pipeline_params(cfg: Config, seed: int = 0, tied: bool = False):
     return params
 
 
-def make_train_step(cfg: Config, stages: int, learning_rate: float = 1e-3):
+def make_train_step(cfg: Config, stages: int, learning_rate: float = 1e-3, par: Parallelism = None):
     cuts = stage_cuts(cfg.layers, stages)
-    return adam_train_step(lambda params, tokens, targets: loss_fn(params, tokens, targets, cfg, cuts), learning_rate)
+    return adam_train_step(lambda params, tokens, targets: loss_fn(params, tokens, targets, cfg, cuts, par),
+                           learning_rate)
 
 
 def main():

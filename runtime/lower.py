@@ -198,16 +198,20 @@ def run_graph(graph: Graph, args: Sequence) -> list:
     """Replay a localized graph on local blocks (inside shard_map)."""
     env = {v.id: x for v, x in zip(graph.inputs, args)}
     for op in graph.ops:
-        ins = [_read(env, v) for v in op.inputs]
-        if is_collective(op):
-            outs = [_run_collective(op, ins[0], graph.mesh.axis_names)]
-        elif op.kind in _CONTROL_FLOW:
-            outs = _CONTROL_FLOW[op.kind](op, ins)
-        else:
-            outs = _run_primitive(op, ins)
+        outs = run_op(op, [_read(env, v) for v in op.inputs], graph.mesh.axis_names)
         for v, x in zip(op.outputs, outs):
             env[v.id] = x
     return [_read(env, v) for v in graph.outputs]
+
+
+def run_op(op: Op, ins: list, mesh_axes: tuple) -> list:
+    """One op of a localized graph on local blocks (inside shard_map): its outputs. The
+    pipeline (runtime/pipeline_lower.py) replays a graph op by op with this."""
+    if is_collective(op):
+        return [_run_collective(op, ins[0], mesh_axes)]
+    if op.kind in _CONTROL_FLOW:
+        return _CONTROL_FLOW[op.kind](op, ins)
+    return _run_primitive(op, ins)
 
 
 def _run_scan(op: Op, args: list) -> list:

@@ -86,6 +86,12 @@ def np_from_f32(flat, shape, dtype) -> np.ndarray:
     return flat.astype(dtype).reshape(shape)
 
 
+def _row(x):
+    """A rank's packed state row from its block of the state array (``(1, size)``, or
+    ``(1, 1, size)`` over a sub-mesh)."""
+    return x.reshape(x.shape[-1])
+
+
 def _size(var) -> int:
     return int(np.prod(var.aval.shape, dtype=np.int64))
 
@@ -112,18 +118,71 @@ class Packing:
             env[v] = _from_f32(lax.slice_in_dim(flat, o, o + _size(v)), v.aval.shape, v.aval.dtype)
 
 
+@dataclass(frozen=True)
+class SubMesh:
+    """The mesh axes beside the pipeline's (tensor parallel, dp) that a planned per-rank
+    program runs on (``compiler/pipeline_submesh.py``): their names and sizes in mesh
+    order, and per invar / outvar of the per-rank program the mesh axes of each dim
+    (``Layout.dims``) and the global shape."""
+    axes: tuple
+    sizes: tuple
+    in_dims: tuple
+    out_dims: tuple
+    in_shapes: tuple
+    out_shapes: tuple
+
+    @property
+    def ranks(self) -> int:
+        return int(np.prod(self.sizes, dtype=np.int64))
+
+    def spec(self, dims) -> P:
+        return P(*[None if not d else (d[0] if len(d) == 1 else tuple(d)) for d in dims])
+
+    def block(self, shape, dims, r: int) -> tuple:
+        """The slices of the global ``shape`` that sub-mesh rank ``r`` (linear, mesh order)
+        holds under ``dims``."""
+        coord = dict(zip(self.axes, np.unravel_index(r, self.sizes))) if self.axes else {}
+        size = dict(zip(self.axes, self.sizes))
+        out = []
+        for n, axes in zip(shape, dims):
+            parts, idx = 1, 0
+            for a in axes:
+                parts, idx = parts * size[a], idx * size[a] + int(coord[a])
+            out.append(slice(idx * (n // parts), (idx + 1) * (n // parts)))
+        return tuple(out)
+
+
+def pack_blocks(x, sub: SubMesh, dims) -> np.ndarray:
+    """``(ranks, local size)``: each sub-mesh rank's block of the global ``x``, flat f32."""
+    x = np.asarray(x)
+    return np.stack([np_to_f32(x[sub.block(x.shape, dims, r)]) for r in range(sub.ranks)])
+
+
 @dataclass
 class PackedLeaf:
     """One array of a pipeline's state, stored in row ``rank`` of ``buffer`` (a
-    ``(p, size)`` float32 array split over the pipeline axis). ``np.asarray`` /
-    ``sp.to_numpy`` give its value; passing it back to the step reads it in place."""
+    ``(p, size)`` float32 array split over the pipeline axis; with a sub-mesh ``sub``, a
+    ``(p, ranks, size)`` array split over it too, each rank holding its block of the
+    array under ``dims``). ``np.asarray`` / ``sp.to_numpy`` give its value; passing it
+    back to the step reads it in place."""
     buffer: object
     rank: int
     offset: int
     shape: tuple
     dtype: object
+    dims: tuple = None
+    sub: SubMesh = None
 
     def __array__(self, dtype=None, copy=None):
+        if self.sub is not None:
+            rows = np.asarray(self.buffer[self.rank])
+            a = np.empty(self.shape, np.dtype(self.dtype))
+            for r in range(self.sub.ranks):
+                sl = self.sub.block(self.shape, self.dims, r)
+                local = tuple(s.stop - s.start for s in sl)
+                n = int(np.prod(local, dtype=np.int64))
+                a[sl] = np_from_f32(rows[r, self.offset:self.offset + n], local, self.dtype)
+            return a.astype(dtype) if dtype is not None else a
         row = np.asarray(self.buffer.addressable_shards[self.rank].data
                          if len(self.buffer.addressable_shards) == self.buffer.shape[0]
                          else self.buffer[self.rank])
@@ -148,12 +207,14 @@ class PackedLeaf:
 class PipelineProgram:
     """Builds and runs the pipelined step for one input signature."""
 
-    def __init__(self, an, schedule, sim, *, mesh, axis, m, batch_mask, dp_axis=None):
+    def __init__(self, an, schedule, sim, *, mesh, axis, m, batch_mask, dp_axis=None, sub: SubMesh = None):
         """``batch_mask``: per invar, whether it is a batch argument (split into
         micro-batches). ``self.owner`` per invar: the rank whose programs alone read it
-        (packed there), ``-1`` (replicated) or None (unused)."""
+        (packed there), ``-1`` (replicated) or None (unused). ``sub``: the program is a
+        planned per-rank program on these other mesh axes (every axis is manual; state,
+        replicated inputs and outputs are blocks under their layouts)."""
         self.an, self.schedule, self.sim = an, schedule, sim
-        self.mesh, self.axis, self.m, self.dp_axis = mesh, axis, m, dp_axis
+        self.mesh, self.axis, self.m, self.dp_axis, self.sub = mesh, axis, m, dp_axis, sub
         self.p, self.v = schedule.p, schedule.v
         self.S = self.p * self.v
         j = an.jaxpr.jaxpr
@@ -553,7 +614,7 @@ class PipelineProgram:
             parts = []
             for v in pk.vars:
                 si, off = src_desc[d][v]
-                parts.append(lax.slice_in_dim(sources[si][0], off, off + _size(v)))
+                parts.append(lax.slice_in_dim(_row(sources[si]), off, off + _size(v)))
             if self.state_size > pk.size:
                 parts.append(jnp.zeros((self.state_size - pk.size,), jnp.float32))
             return jnp.concatenate(parts) if parts else jnp.zeros((self.state_size,), jnp.float32)
@@ -562,7 +623,7 @@ class PipelineProgram:
             d = lax.axis_index(ax)
             if n_sources == 1 and all(src_desc[q][v] == (0, state_pack[q].offset[v])
                                       for q in range(p) for v in state_pack[q].vars):
-                state_row = sources[0][0]
+                state_row = _row(sources[0])
                 if state_row.shape[0] < self.state_size:
                     state_row = jnp.pad(state_row, (0, self.state_size - state_row.shape[0]))
             else:
@@ -622,14 +683,33 @@ class PipelineProgram:
                     env_rep[v] = lax.psum(b, ax)
             bvals = [lax.psum(b, ax) for b in bvals]
             out_buf = lax.psum(out_buf, ax)
-            return packed[None], bvals, out_buf, [env_rep[v] for v in rep_out_vars]
+            lead = (1, 1) if self.sub else (1,)
+            return packed.reshape(lead + packed.shape), bvals, out_buf, [env_rep[v] for v in rep_out_vars]
 
-        rep_spec = P()
-        batch_spec = P(None, self.dp_axis) if self.dp_axis else P()
+        state_spec, rep_spec, batch_spec, rep_out_spec = self._specs(rep_out_vars)
         smap = jax.shard_map(body, mesh=self.mesh,
-                             in_specs=([P(ax)] * n_sources, rep_spec, batch_spec),
-                             out_specs=(P(ax), rep_spec, rep_spec, rep_spec), check_vma=False)
+                             in_specs=([state_spec] * n_sources, rep_spec, batch_spec),
+                             out_specs=(state_spec, P(), P(), rep_out_spec), check_vma=False)
         return jax.jit(smap)
+
+    def rep_inputs(self) -> list:
+        """The invars every rank reads (replicated over the pipeline axis)."""
+        return [i for i, d in enumerate(self.owner) if d == -1]
+
+    def batch_inputs(self) -> list:
+        return [i for i, d in enumerate(self.owner) if d == "batch"]
+
+    def _specs(self, rep_out_vars):
+        """in/out specs of the step: the packed state (split over the pipeline axis, and the
+        sub-mesh), the replicated inputs, the batch (``(m, rows, ...)``) and the replicated
+        outputs; without a sub-mesh the old ``dp``-only layout."""
+        ax, sub = self.axis, self.sub
+        if sub is None:
+            return P(ax), P(), P(None, self.dp_axis) if self.dp_axis else P(), P()
+        pos = {v: n for n, v in enumerate(self.j.outvars)}
+        return (P(ax, tuple(sub.axes)), {i: sub.spec(sub.in_dims[i]) for i in self.rep_inputs()},
+                {i: P(None, *sub.spec(sub.in_dims[i])) for i in self.batch_inputs()},
+                [sub.spec(sub.out_dims[pos[v]]) for v in rep_out_vars])
 
     def float_fn(self):
         """The replicated outputs (computed from step inputs only), on the global trace."""

@@ -238,9 +238,9 @@ def test_options_a_pipeline_does_not_take_yet_are_refused_by_name():
         sp.parallelize(step, mesh=((2,), ("pp",)), shard_params=True, pipeline=sp.Pipeline(microbatches=2))
 
 
-def test_mesh_with_other_axes_is_not_yet():
-    with pytest.raises(sp.ShardingError, match="tensor parallelism is not implemented yet"):
-        sp.parallelize(lambda x: x, mesh=((4, 2), ("pp", "mp")), pipeline=sp.Pipeline(microbatches=8))
+def test_mesh_errors():
+    with pytest.raises(sp.ShardingError, match="the mesh has axes"):
+        sp.parallelize(lambda x: x, mesh=((4, 2), ("stage", "mp")), pipeline=sp.Pipeline(microbatches=8))
     with pytest.raises(sp.ShardingError, match="needs 3 sp.stage_boundary marks"):
         step, params, opt_state, batch = mlp(4, {1})
         sp.parallelize(step, mesh=((4,), ("pp",)), pipeline=sp.Pipeline(microbatches=2))(params, opt_state, batch)

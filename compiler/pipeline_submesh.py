@@ -1,0 +1,169 @@
+"""A pipelined step planned on the mesh axes beside the pipeline's (tensor parallel, ZeRO).
+
+On a mesh such as ``((4, 2), ("pp", "mp"))`` every stage's work runs tensor parallel over
+``mp``. The step is planned ONCE by the non-pipeline passes (bind the ``sp.shard`` marks,
+propagate, insert reshards, collectives, localize) on the **sub-mesh** of the other axes,
+so every value has one layout and the per-rank program holds its own collectives; that
+per-rank program, as a jaxpr, is what the pipeline analysis (``compiler/pipeline_assign.py``)
+cuts into stages and the lowering (``runtime/pipeline_lower.py``) runs inside one
+``shard_map`` with every mesh axis manual.
+
+The stage marks must survive planning: the importer treats ``stage_boundary`` as an
+identity, so before import each mark becomes one ``copy_p`` per operand under a named
+scope that records its direction and cut (:func:`marks_as_copies`); after planning the
+replay binds those copies back as ``stage_boundary`` equations with a ``cut`` parameter
+(:func:`per_rank_jaxpr`). A value crossing a cut is the copy's operand on one side and
+its result on the other, and a copy has one layout in and out: both stages see the same
+layout.
+
+Pins, as ``parallelize`` sets them without a pipeline: the batch leaves split on dim 0
+over ``"dp"`` (when the sub-mesh has it), ZeRO-1 splits the optimizer state over
+``"dp"`` (``shard_optimizer_state``), and every state output is tied to the layout of the
+input it replaces, so the new state comes back in the layout the next step reads.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import jax
+from jax._src import source_info_util
+from jax._src.lax.lax import copy_p
+from jax.extend import core as jcore
+
+from ..ir.errors import ShardingError
+from ..runtime.lower import partition_spec, run_op
+from .jaxpr_import import import_jaxpr
+from .pipeline import Options, run_pipeline
+from .stages import stage_boundary_p
+from .state import optimizer_state_pins, state_ties
+
+TAG = "sp_stage_boundary"
+_TAG_RE = re.compile(TAG + r"\.(forward|backward)\.(\d+)")
+
+
+def marks_as_copies(closed):
+    """``closed`` (calls inlined) with every ``stage_boundary`` replaced by one ``copy_p``
+    per operand, inside a named scope ``sp_stage_boundary.<direction>.<cut>``."""
+    jaxpr = closed.jaxpr
+    nf = sum(1 for e in jaxpr.eqns if e.primitive.name == "stage_boundary" and e.params["direction"] == "forward")
+
+    def run(*args):
+        env = dict(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.invars, args))
+        read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]   # noqa: E731
+        fk = bk = 0
+        for eqn in jaxpr.eqns:
+            ins = [read(a) for a in eqn.invars]
+            if eqn.primitive.name == "stage_boundary":
+                direction = eqn.params["direction"]
+                if direction == "forward":
+                    cut, fk = fk, fk + 1
+                else:
+                    cut, bk = nf - 1 - bk, bk + 1
+                with source_info_util.user_context(eqn.source_info.traceback), \
+                        jax.named_scope(f"{TAG}.{direction}.{cut}"):
+                    outs = [copy_p.bind(x) for x in ins]
+            else:
+                params = eqn.primitive.get_bind_params(eqn.params)
+                with source_info_util.user_context(eqn.source_info.traceback,
+                                                   name_stack=eqn.source_info.name_stack):
+                    outs = eqn.primitive.bind(*ins, **params)
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [read(a) for a in jaxpr.outvars]
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+    return jax.make_jaxpr(run)(*avals)
+
+
+def _mark_of(op):
+    src = op.__dict__.get("_source")
+    info = getattr(src, "info", None)
+    if op.kind not in ("copy_p", "copy") or info is None:
+        return None
+    found = _TAG_RE.search(str(info.name_stack))
+    return (found.group(1), int(found.group(2))) if found else None
+
+
+@dataclass
+class SubmeshProgram:
+    """One planned per-rank program: the jaxpr the pipeline cuts, and the layouts of its
+    inputs and outputs on the sub-mesh (``PartitionSpec`` per invar / outvar, global
+    shapes), and the graph's constants (inputs after the user's leaves)."""
+    jaxpr: object            # ClosedJaxpr, local shapes
+    in_specs: list
+    out_specs: list
+    in_dims: list            # per invar: the mesh axes per dim (Layout.dims)
+    out_dims: list
+    global_out_shapes: list
+    consts: list
+    graph: object
+
+
+def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, args_tree, out_shape,
+                 mode: str = "sharding_propagation", zero_axes=(), optimizer_argnums=(1,),
+                 batch_argnums=()) -> SubmeshProgram:
+    """Plan ``closed`` (the step traced at some batch size, calls inlined) on the sub-mesh
+    and return its per-rank program. ``arg_leaves``/``args_tree``: the step's arguments
+    (abstract), for the pins; ``out_shape``: its outputs' shapes (for the state ties)."""
+    graph = import_jaxpr(marks_as_copies(closed), ir_mesh, names, "pipelined_step")
+    for op in graph.ops:
+        mark = _mark_of(op)
+        if mark is not None:
+            op.pipeline_mark = mark
+    graph.count_mesh = False
+    args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
+    if "dp" in ir_mesh.axis_names:
+        for i, (x, b) in enumerate(zip(arg_leaves, batch_mask)):
+            if b:
+                graph.pinned_inputs[i] = ("axes", (("dp",),) + ((),) * (len(x.shape) - 1))
+    if zero_axes:
+        graph.pinned_inputs.update(optimizer_state_pins(args, optimizer_argnums, ir_mesh, tuple(zero_axes)))
+    state = [a for a in range(len(args)) if a not in batch_argnums]
+    graph.tied_outputs = state_ties(args, state, out_shape)
+    graph = run_pipeline(graph, Options(mode=mode)).graph
+    return SubmeshProgram(per_rank_jaxpr(graph, jax_mesh), [partition_spec(v.layout) for v in graph.inputs],
+                          [partition_spec(v.layout) for v in graph.outputs],
+                          [tuple(v.layout.dims) for v in graph.inputs], [tuple(v.layout.dims) for v in graph.outputs],
+                          [tuple(v.type.shape) for v in graph.outputs],
+                          [v.const for v in graph.inputs[graph.num_user_inputs:]], graph)
+
+
+def per_rank_jaxpr(graph, jax_mesh):
+    """The localized graph replayed on local blocks inside a ``shard_map`` over the
+    sub-mesh and traced: the body's jaxpr (local shapes, the plan's collectives, the
+    stage marks back as ``stage_boundary`` equations with their ``cut``). Each op's
+    equations carry the user's source line, for the pipeline analysis' errors."""
+    axes = graph.mesh.axis_names
+
+    def read(env, v):
+        return v.literal if v.is_literal else env[v.id]
+
+    def body(*local):
+        env = {v.id: x for v, x in zip(graph.inputs, local)}
+        for op in graph.ops:
+            ins = [read(env, v) for v in op.inputs]
+            src = op.__dict__.get("_source")
+            tb = getattr(getattr(src, "info", None), "traceback", None)
+            mark = getattr(op, "pipeline_mark", None)
+            with source_info_util.user_context(tb):
+                if mark is not None:
+                    outs = stage_boundary_p.bind(*ins, direction=mark[0], cut=mark[1])
+                else:
+                    outs = run_op(op, ins, axes)
+            for v, x in zip(op.outputs, outs):
+                env[v.id] = x
+        return tuple(read(env, v) for v in graph.outputs)
+
+    in_specs = tuple(partition_spec(v.layout) for v in graph.inputs)
+    out_specs = tuple(partition_spec(v.layout) for v in graph.outputs)
+    avals = [jax.ShapeDtypeStruct(tuple(v.type.shape), v.type.dtype) for v in graph.inputs]
+    outer = jax.make_jaxpr(jax.shard_map(body, mesh=jax_mesh, in_specs=in_specs, out_specs=out_specs,
+                                         check_vma=False))(*avals)
+    smaps = [e for e in outer.jaxpr.eqns if e.primitive.name == "shard_map"]
+    if len(smaps) != 1:
+        raise ShardingError("internal: the per-rank program of a pipelined step did not trace to one shard_map")
+    inner = smaps[0].params["jaxpr"]
+    return jcore.ClosedJaxpr(inner, [])
