@@ -15,10 +15,16 @@ that knows which devices share a node:
   one member per node at the NIC's, and a group spanning both (k members in each of m
   nodes) as a hierarchical collective: an all_reduce reduce-scatters inside the node,
   all-reduces 1/k of the buffer across nodes and all-gathers inside the node
-  (``hierarchical_time``);
-- a contraction's time is its flops at the tensor cores' dense peak plus a kernel's
-  fixed overhead (its efficiency by size: ``matmul_efficiency``); other ops stay on
-  the roofline of the GPU's HBM bandwidth.
+  (``hierarchical_time``), or, with ``Cluster(collectives="ring")``, as one flat ring
+  whose every step crosses the node's NICs (``ring_time``: NCCL's ring);
+- a matmul or convolution on 16-bit floats runs on the tensor cores at the dense peak
+  times the GPU's matmul-efficiency curve by size (``GpuProfile.matmul_efficiency``:
+  published measurements of the fraction of peak a GEMM of that many flops reaches,
+  and a kernel's launch overhead as the floor of its time); one on 32-bit floats at the
+  float32 matmul peak (TF32 where XLA uses it) times the same curve; every other op's
+  arithmetic at the float32 (CUDA core) peak. Every op is bounded below by its bytes at
+  the HBM bandwidth (the roofline): the optimizer's float32 update on the master
+  weights is priced there.
 
 The GPUs' figures are package data (``profiles/<name>.json``, schema
 ``shardprop.gpu/1``), each with its published source; the few that no datasheet gives
@@ -44,6 +50,8 @@ class GpuProfile:
     name: str
     device_kind: str
     matmul_flops_per_s: float     # dense bf16/fp16 tensor-core peak
+    fp32_matmul_flops_per_s: float   # a float32 matmul's peak (TF32 tensor cores, or CUDA cores)
+    fp32_flops_per_s: float       # CUDA cores, float32: every other op's arithmetic
     memory_bytes_per_s: float     # HBM
     memory_capacity_bytes: int
     nvlink_bytes_per_s: float     # per GPU, each way
@@ -51,7 +59,16 @@ class GpuProfile:
     nic_bytes_per_s: float        # per GPU, each way
     nic_latency_s: float
     kernel_overhead_s: float
+    # ((flops, fraction of peak), ...): published GEMM measurements, flops ascending,
+    # fractions non-decreasing (``matmul_efficiency``)
+    matmul_efficiency_points: tuple = ()
     sources: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        pts = self.matmul_efficiency_points
+        if any(not (0 < f <= 1) for _, f in pts) or any(a[0] >= b[0] or a[1] > b[1] for a, b in zip(pts, pts[1:])):
+            raise ShardingError(f"GPU profile {self.name!r}: matmul_efficiency points {list(pts)} must be "
+                                "(flops, fraction) with flops ascending and fractions in (0, 1], non-decreasing")
 
     @classmethod
     def builtin(cls, name: str) -> "GpuProfile":
@@ -60,11 +77,34 @@ class GpuProfile:
             raise ShardingError(f"no built-in GPU profile {name!r}; the built-in ones are {list(GPUS)}")
         return _gpu(key)
 
+    def sustained_fraction(self, flops: float) -> float:
+        """The fraction of peak the published measurements give a GEMM of ``flops``:
+        interpolated in log(flops) between the points, held at the first below it and
+        at the last above it (a larger GEMM tiles at least as well); 1 without points."""
+        pts = self.matmul_efficiency_points
+        if not pts:
+            return 1.0
+        if flops <= pts[0][0]:
+            return pts[0][1]
+        for (f0, e0), (f1, e1) in zip(pts, pts[1:]):
+            if flops <= f1:
+                return e0 + (e1 - e0) * math.log(flops / f0) / math.log(f1 / f0)
+        return pts[-1][1]
+
+    def matmul_time(self, flops: float, peak: float = None) -> float:
+        """Seconds for a matmul of ``flops`` on one GPU: its flops at the peak (the
+        tensor cores' unless given) times the measured fraction, and never less than a
+        kernel's launch overhead."""
+        if flops <= 0:
+            return 0.0
+        return max(flops / ((peak or self.matmul_flops_per_s) * self.sustained_fraction(flops)),
+                   self.kernel_overhead_s)
+
     def matmul_efficiency(self, flops: float) -> float:
-        """The share of the dense peak a matmul of ``flops`` (on one device) reaches: its
-        arithmetic at peak over that plus a kernel's fixed overhead."""
-        t = flops / self.matmul_flops_per_s
-        return t / (t + self.kernel_overhead_s) if flops > 0 else 0.0
+        """The share of the dense peak a matmul of ``flops`` (on one device) reaches: the
+        curve by size, non-decreasing and in (0, 1]. Above the launch overhead's floor it
+        is the measured fraction; below, the floor's share."""
+        return flops / self.matmul_flops_per_s / self.matmul_time(flops) if flops > 0 else 0.0
 
 
 @functools.lru_cache(maxsize=16)
@@ -72,19 +112,28 @@ def _gpu(name: str) -> GpuProfile:
     data = json.loads((PROFILES / f"{name}.json").read_text())
     if data.get("schema") != GPU_SCHEMA:
         raise ShardingError(f"profiles/{name}.json is not a GPU profile (schema {data.get('schema')!r})")
-    return GpuProfile(**{k: (float(v) if isinstance(v, (int, float)) and k != "memory_capacity_bytes" else v)
-                         for k, v in data.items() if k != "schema"})
+    fields = {k: (float(v) if isinstance(v, (int, float)) and k != "memory_capacity_bytes" else v)
+              for k, v in data.items() if k not in ("schema", "matmul_efficiency")}
+    points = tuple((float(f), float(e)) for f, e in data.get("matmul_efficiency", ()))
+    return GpuProfile(**fields, matmul_efficiency_points=points)
 
 
 @dataclass(frozen=True)
 class Cluster:
     """``nodes`` machines of ``gpus_per_node`` GPUs each (a built-in GPU name or a
-    ``GpuProfile``). Pass it as ``cost_model=`` to ``parallelize`` or ``sp.plan_step``."""
+    ``GpuProfile``). Pass it as ``cost_model=`` to ``parallelize`` or ``sp.plan_step``.
+    ``collectives``: how a group spanning nodes runs an all_reduce, reduce_scatter or
+    all_gather: ``"hierarchical"`` (in the node, across nodes, in the node:
+    ``hierarchical_time``) or ``"ring"`` (one flat ring over every member, as NCCL runs
+    them without a hierarchical decomposition: ``ring_time``)."""
     nodes: int
     gpus_per_node: int = 8
     gpu: object = "a100-80gb"
+    collectives: str = "hierarchical"
 
     def __post_init__(self):
+        if self.collectives not in SPANNING:
+            raise ShardingError(f"Cluster(collectives={self.collectives!r}): one of {sorted(SPANNING)}")
         if not (isinstance(self.nodes, int) and self.nodes >= 1 and isinstance(self.gpus_per_node, int)
                 and self.gpus_per_node >= 1):
             raise ShardingError(f"Cluster(nodes={self.nodes!r}, gpus_per_node={self.gpus_per_node!r}): both must be "
@@ -118,7 +167,8 @@ class Cluster:
                            notes="published figures (passes/profiles), not measured", cluster=self)
 
     def __str__(self):
-        return f"{self.nodes} nodes x {self.gpus_per_node} {self.gpu.name} ({self.devices} GPUs)"
+        ring = ", flat-ring collectives" if self.collectives == "ring" else ""
+        return f"{self.nodes} nodes x {self.gpus_per_node} {self.gpu.name} ({self.devices} GPUs{ring})"
 
 
 def intra_node_members(group: tuple, gpus_per_node: int) -> int:
@@ -171,11 +221,30 @@ def hierarchical_time(kind: str, wire_bytes: float, n: int, k: int, g: GpuProfil
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
+def ring_time(kind: str, wire_bytes: float, n: int, k: int, g: GpuProfile) -> tuple[float, float]:
+    """(latency, bandwidth time) of one collective over ``n`` devices, ``k`` in each node,
+    run as one flat ring over every member (NCCL's ring, what a collective over a group
+    spanning nodes runs unless the compiler decomposes it): each device sends
+    ``wire_bytes`` (the ring formulas), and every step crosses a node boundary, where the
+    ``k`` members of a node share their ``k`` NICs, so the ring moves at the slower of
+    NVLink and ``k`` NICs. Inside a node, one per node, all_to_all and permute: as
+    ``hierarchical_time``."""
+    m = max(1, n // max(k, 1))
+    if n <= 1 or m == 1 or k == 1 or kind not in ("all_reduce", "reduce_scatter", "all_gather") or wire_bytes <= 0:
+        return hierarchical_time(kind, wire_bytes, n, k, g)
+    return g.nic_latency_s, wire_bytes / min(g.nvlink_bytes_per_s, k * g.nic_bytes_per_s)
+
+
+SPANNING = {"hierarchical": hierarchical_time, "ring": ring_time}
+
+
 @dataclass(frozen=True)
 class ClusterCost(CostModel):
     """A ``CostModel`` for a ``Cluster``: collectives priced by where their groups'
-    members sit (``hierarchical_time``), contractions by the GPU's efficiency curve."""
+    members sit (``hierarchical_time``), ops by the GPU unit that runs them
+    (``compute_time``)."""
     cluster: Cluster = None
+    prices_units = True   # the callers pass ``cost.compute_unit`` of each op
 
     def __hash__(self):
         return hash((CostModel.__hash__(self), self.cluster))
@@ -206,7 +275,8 @@ class ClusterCost(CostModel):
             latency, seconds = lat, wire_bytes / bw
         else:
             n, k = self.split(axes, mesh)
-            latency, seconds = hierarchical_time(kind or "all_reduce", wire_bytes, n, k, self.cluster.gpu)
+            latency, seconds = SPANNING[self.cluster.collectives](kind or "all_reduce", wire_bytes, n, k,
+                                                                  self.cluster.gpu)
         share = self.launch_share if kind in self.combined_kinds else 1.0
         return share * latency + seconds
 
@@ -215,11 +285,21 @@ class ClusterCost(CostModel):
             return 0.0
         return self.collective_time(step.wire_bytes, step.kind, step.param("axes"), mesh)
 
-    def compute_time(self, flops: float, touched_bytes: float, contraction: bool = False) -> float:
-        if contraction and flops > 0:
-            return max(flops / self.flops_per_s + self.cluster.gpu.kernel_overhead_s,
-                       touched_bytes / self.memory_bytes_per_s)
-        return max(flops / self.flops_per_s, touched_bytes / self.memory_bytes_per_s)
+    def compute_time(self, flops: float, touched_bytes: float, contraction: bool = False, unit=None) -> float:
+        """An op's seconds on one GPU: its arithmetic on the unit that does it
+        (``cost.compute_unit``: tensor cores for a 16-bit matmul, at the measured fraction
+        of peak for its size; the float32 matmul peak for a 32-bit one; the CUDA cores'
+        float32 peak for the rest), never less than its bytes at the HBM bandwidth.
+        Without a unit a contraction is taken as a 16-bit matmul."""
+        g = self.cluster.gpu
+        unit = unit or ("matmul" if contraction else "vector")
+        if unit == "matmul":
+            seconds = g.matmul_time(flops)
+        elif unit == "matmul_fp32":
+            seconds = g.matmul_time(flops, g.fp32_matmul_flops_per_s)
+        else:
+            seconds = flops / g.fp32_flops_per_s
+        return max(seconds, touched_bytes / self.memory_bytes_per_s)
 
 
 def as_cost_model(cost_model):

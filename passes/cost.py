@@ -106,6 +106,9 @@ class CostModel:
     # the share of its launch a collective of those kinds pays: 1/n where n ride one launch
     # (``at_step_end(n)``); not a profile's
     launch_share: float = 1.0
+    # whether ``compute_time`` reads each op's ``compute_unit`` (a cluster's GPU model does;
+    # this model prices every op on one roofline)
+    prices_units = False
 
     # A calibrated model has dozens of links and is a cache key on hot paths:
     # hash it once.
@@ -161,9 +164,11 @@ class CostModel:
             return self.latency_s + step.wire_bytes / self.link_bytes_per_s
         return self.collective_time(step.wire_bytes, step.kind, step.param("axes"), mesh)
 
-    def compute_time(self, flops: float, touched_bytes: float, contraction: bool = False) -> float:
+    def compute_time(self, flops: float, touched_bytes: float, contraction: bool = False, unit=None) -> float:
         """Seconds for an op's work on one device: the roofline, or for a contraction in a
-        profile that measured operand streaming, its flops plus its bytes (not overlapped)."""
+        profile that measured operand streaming, its flops plus its bytes (not overlapped).
+        ``unit`` (``compute_unit``) is for models with ``prices_units`` (a cluster's GPUs);
+        this one prices every unit alike."""
         if contraction and self.contraction_bytes_per_s:
             return flops / self.flops_per_s + touched_bytes / self.contraction_bytes_per_s
         return max(flops / self.flops_per_s, touched_bytes / self.memory_bytes_per_s)
@@ -381,6 +386,18 @@ def is_contraction(rule) -> bool:
     return bool(rule.reduction) and rule.flops > 0
 
 
+MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def compute_unit(op) -> str:
+    """Which unit of a GPU does an op's arithmetic: "matmul" (a dot or convolution on
+    16-bit or narrower floats: tensor cores), "matmul_fp32" (one with a 32-bit or wider
+    operand) or "vector" (everything else: the CUDA cores)."""
+    if op.kind in MATMULS:
+        return "matmul_fp32" if any(v.type.itemsize >= 4 for v in op.inputs) else "matmul"
+    return "vector"
+
+
 def strategy_work(flops: float, factors, tensors: tuple, mesh) -> tuple[float, float]:
     """An op's work per device under a strategy (its factors' mesh axes): its flops
     divided over the devices the factors split, and the bytes of each operand and
@@ -403,11 +420,13 @@ class ComputeTimes:
 
     def __init__(self, cost: CostModel, mesh, resident=frozenset(), rules=None):
         self.cost, self.mesh, self.resident, self.rules = cost, mesh, resident, rules
-        self._tensors: dict = {}   # op -> (tensor_factors(op, rule), is_contraction(rule))
+        # op -> (tensor_factors(op, rule), is_contraction(rule), compute_unit(op) or None)
+        self._tensors: dict = {}
         self._memo: dict = {}      # (flops, factors, tensors, contraction) -> seconds: all the time depends on
 
     def tensors(self, op) -> tuple:
-        """What an op's compute reads of it: (tensor_factors, is_contraction)."""
+        """What an op's compute reads of it: (tensor_factors, is_contraction, its
+        ``compute_unit`` where the model prices units, else None)."""
         t = self._tensors.get(op)
         if t is None:
             if self.rules is not None:
@@ -415,7 +434,8 @@ class ComputeTimes:
             else:
                 from .rules import rule_for
                 rule = rule_for(op)
-            t = self._tensors[op] = (tensor_factors(op, rule, self.resident), is_contraction(rule))
+            t = self._tensors[op] = (tensor_factors(op, rule, self.resident), is_contraction(rule),
+                                     compute_unit(op) if self.cost.prices_units else None)
         return t
 
     def work(self, op, flops: float, factors) -> tuple[float, float]:
@@ -428,7 +448,7 @@ class ComputeTimes:
         t = self._memo.get(key)
         if t is None:
             t = self._memo[key] = self.cost.compute_time(*strategy_work(flops, key[1], key[2], self.mesh),
-                                                         contraction=key[3])
+                                                         contraction=key[3], unit=key[4])
         return t
 
 
@@ -559,7 +579,8 @@ def _add_step_time(graph, cost: CostModel, mesh, times: int, compute: bool, out:
         if compute and st is not None:
             out["compute"] += times * cost.compute_time(*strategy_work(st.rule.flops, st.factors,
                                                                        tensor_factors(op, st.rule, resident), mesh),
-                                                        contraction=is_contraction(st.rule))
+                                                        contraction=is_contraction(st.rule),
+                                                        unit=compute_unit(op) if cost.prices_units else None)
         for sub in op.subgraphs:
             n = op.params.get("length", 1) if op.kind == "scan" else 1
             _add_step_time(sub, cost, mesh, times * n, False, out)

@@ -1,6 +1,7 @@
 """Nodes and links (issue 28, milestone 2): sp.Cluster as a cost model; axes inside a
 node on NVLink, across nodes on the NIC, spanning both hierarchical; GPU profiles with
 their sources; the default model untouched."""
+import dataclasses
 import json
 import math
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
@@ -27,14 +29,60 @@ def test_profiles_carry_a_source_for_every_number():
         data = json.loads((PROFILES / f"{name}.json").read_text())
         numbers = [k for k, v in data.items() if isinstance(v, (int, float))]
         assert set(numbers) <= set(data["sources"]), name
+        assert all(isinstance(data["sources"][k], str) and len(data["sources"][k]) > 20 for k in numbers)
+        # every point of the matmul-efficiency curve names its published measurement
+        points, sources = data["matmul_efficiency"], data["sources"]["matmul_efficiency"]
+        assert len(points) >= 1 and len(sources) == len(points), name
+        assert all(isinstance(s, str) and "TFLOPS" in s for s in sources)
         g = GpuProfile.builtin(name)
         assert g.matmul_flops_per_s > 1e14 and g.nvlink_bytes_per_s > g.nic_bytes_per_s
+        assert g.matmul_flops_per_s >= g.fp32_matmul_flops_per_s >= g.fp32_flops_per_s > 0
     assert A100.matmul_flops_per_s == 312e12 and A100.memory_bytes_per_s == 2039e9
 
 
-def test_matmul_efficiency_grows_with_size():
-    small, large = A100.matmul_efficiency(1e9), A100.matmul_efficiency(1e13)
-    assert 0 < small < 0.5 < large < 1
+def test_matmul_efficiency_curve_is_monotone_in_size_and_a_fraction():
+    for name in GPUS:
+        g = GpuProfile.builtin(name)
+        eff = [g.matmul_efficiency(f) for f in np.logspace(3, 15, 121)]
+        assert all(0 < e <= 1 for e in eff), name
+        assert all(a <= b * (1 + 1e-12) for a, b in zip(eff, eff[1:])), name
+        assert eff[0] < 0.01            # a tiny matmul is its launch overhead
+        for flops, fraction in g.matmul_efficiency_points:   # the published points, at their sizes
+            assert g.matmul_efficiency(flops) == pytest.approx(fraction)
+        assert eff[-1] == pytest.approx(g.matmul_efficiency_points[-1][1])
+    with pytest.raises(sp.ShardingError, match="non-decreasing"):
+        dataclasses.replace(A100, matmul_efficiency_points=((1e9, 0.9), (1e10, 0.8)))
+
+
+def test_a_large_gemm_on_a100_takes_its_flops_over_peak_times_the_curve():
+    cost = sp.Cluster(1, 8).cost_model()
+    n = 8192
+    flops, touched = 2.0 * n ** 3, 3 * 2 * n * n          # bf16 operands and result
+    curve = A100.matmul_efficiency(flops)
+    assert curve == pytest.approx(271.2 / 312, abs=1e-4)     # the published A100 point
+    assert cost.compute_time(flops, touched, contraction=True, unit="matmul") == pytest.approx(
+        flops / (A100.matmul_flops_per_s * curve))
+    # a float32 matmul at the float32 matmul peak (TF32), the same curve
+    assert cost.compute_time(flops, 2 * touched, contraction=True, unit="matmul_fp32") == pytest.approx(
+        flops / (156e12 * curve))
+    # elementwise work: its bytes at the HBM bandwidth, or its flops at the CUDA cores' float32 peak
+    elements = 2 ** 28
+    assert cost.compute_time(elements, 28 * elements, unit="vector") == pytest.approx(28 * elements / 2039e9)
+    assert cost.compute_time(1000 * elements, 28 * elements, unit="vector") == pytest.approx(1000 * elements / 19.5e12)
+
+
+def test_matmuls_are_priced_by_their_operands_dtype():
+    from shardprop.passes.cost import compute_unit, modeled_step_time
+    n = 4096
+
+    def compute_s(dtype):
+        fn = lambda a, b: a @ b       # noqa: E731
+        args = [jax.ShapeDtypeStruct((n, n), dtype)] * 2
+        plan = sp.parallelize(fn, mesh=AbstractMesh((1, 8), ("dp", "mp"))).plan(*args)
+        assert {compute_unit(op) for op in plan.graph.ops if op.kind == "dot_general"} == \
+            {"matmul" if dtype == jnp.bfloat16 else "matmul_fp32"}
+        return modeled_step_time(plan.graph, sp.Cluster(1, 8).cost_model())["compute"]
+    assert compute_s(jnp.float32) / compute_s(jnp.bfloat16) == pytest.approx(312 / 156, rel=0.05)
 
 
 def test_axes_map_to_nodes_as_make_mesh_lays_them_out():
@@ -68,6 +116,28 @@ def test_hierarchical_all_reduce_matches_its_formula():
     for kind in ("reduce_scatter", "all_gather", "all_to_all"):
         lat, secs = hierarchical_time(kind, 1e9, 64, 8, A100)
         assert secs > 0 and lat > 0
+
+
+def test_flat_ring_collectives_cross_the_nodes_nics_every_step():
+    m = Mesh(("dp", "mp"), (16, 64))        # mp: 8 GPUs in each of 8 nodes
+    B = 256 * 2 ** 20
+    wire = wire_bytes("all_reduce", B, 64)
+    ring = sp.Cluster(128, 8, collectives="ring").cost_model()
+    got = ring.collective_time(wire, "all_reduce", ("mp",), m)
+    assert got == pytest.approx(A100.nic_latency_s + wire / min(A100.nvlink_bytes_per_s, 8 * A100.nic_bytes_per_s))
+    # the ring pipelines NVLink and NIC hops where the hierarchical form runs them one after
+    # another: with a NIC per GPU it is the faster; with one NIC per node, the slower
+    hier = sp.Cluster(128, 8).cost_model().collective_time(wire, "all_reduce", ("mp",), m)
+    assert got < hier
+    one_nic = dataclasses.replace(A100, nic_bytes_per_s=12.5e9 / 8)
+    assert sp.Cluster(128, 8, one_nic, "ring").cost_model().collective_time(wire, "all_reduce", ("mp",), m) > \
+        sp.Cluster(128, 8, one_nic).cost_model().collective_time(wire, "all_reduce", ("mp",), m)
+    # inside a node and one per node the two agree
+    for axes, mesh in ((("mp",), Mesh(("dp", "mp"), (128, 8))), (("dp",), m)):
+        assert ring.collective_time(wire, "all_reduce", axes, mesh) == pytest.approx(
+            sp.Cluster(128, 8).cost_model().collective_time(wire, "all_reduce", axes, mesh))
+    with pytest.raises(sp.ShardingError, match="collectives="):
+        sp.Cluster(2, 8, collectives="tree")
 
 
 def test_cluster_must_hold_the_mesh_and_parses():
@@ -138,6 +208,12 @@ def test_recomputation_is_counted_in_flops():
 def test_default_cost_model_prices_as_before():
     m = Mesh(("dp", "mp"), (2, 4))
     assert DEFAULT_COST.collective_time(1e6, "all_reduce", ("mp",), m) == pytest.approx(5e-6 + 1e6 / 100e9)
+    # the GPU units are a cluster's: the default and the measured CPU models price every op on their roofline
+    for model in (DEFAULT_COST, sp.CostModel.builtin("cpu")):
+        assert not model.prices_units
+        for unit in ("matmul", "matmul_fp32", "vector"):
+            assert model.compute_time(1e9, 1e7, True, unit=unit) == model.compute_time(1e9, 1e7, True)
+    assert DEFAULT_COST.compute_time(1e9, 1e7, True) == pytest.approx(max(1e9 / 200e12, 1e7 / 2e12))
 
 
 SCRIPT = '''
