@@ -16,10 +16,11 @@ replay binds those copies back as ``stage_boundary`` equations with a ``cut`` pa
 its result on the other, and a copy has one layout in and out: both stages see the same
 layout.
 
-Pins, as ``parallelize`` sets them without a pipeline: the batch leaves split on dim 0
-over ``"dp"`` (when the sub-mesh has it), ZeRO-1 splits the optimizer state over
-``"dp"`` (``shard_optimizer_state``), and every state output is tied to the layout of the
-input it replaces, so the new state comes back in the layout the next step reads.
+Pins: the batch leaves split on dim 0 over ``"dp"`` (when the sub-mesh has it); with
+ZeRO-1 (``shard_optimizer_state``) the optimizer state split on its first dim over
+``"dp"`` (``compiler/state.py`` ``optimizer_state_pins``, as without a pipeline); every
+state output is tied to the layout of the input it replaces, so the new state
+comes back in the layout the next step reads.
 """
 from __future__ import annotations
 
@@ -108,18 +109,23 @@ def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, ar
     """Plan ``closed`` (the step traced at some batch size, calls inlined) on the sub-mesh
     and return its per-rank program. ``arg_leaves``/``args_tree``: the step's arguments
     (abstract), for the pins; ``out_shape``: its outputs' shapes (for the state ties)."""
-    graph = import_jaxpr(marks_as_copies(closed), ir_mesh, names, "pipelined_step")
+    marked = marks_as_copies(closed)
+    args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
+
+    graph = import_jaxpr(marked, ir_mesh, names, "pipelined_step")
     for op in graph.ops:
         mark = _mark_of(op)
         if mark is not None:
             op.pipeline_mark = mark
     graph.count_mesh = False
-    args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
     if "dp" in ir_mesh.axis_names:
         for i, (x, b) in enumerate(zip(arg_leaves, batch_mask)):
             if b:
                 graph.pinned_inputs[i] = ("axes", (("dp",),) + ((),) * (len(x.shape) - 1))
     if zero_axes:
+        # ZeRO-1 as parallelize spells it without a pipeline: the optimizer state split on
+        # its first dim over the dp axes (pinning the parameters to the layouts of a plan
+        # without ZeRO instead made the plan differ between the batch and a micro-batch)
         graph.pinned_inputs.update(optimizer_state_pins(args, optimizer_argnums, ir_mesh, tuple(zero_axes)))
     state = [a for a in range(len(args)) if a not in batch_argnums]
     graph.tied_outputs = state_ties(args, state, out_shape)

@@ -86,6 +86,12 @@ def np_from_f32(flat, shape, dtype) -> np.ndarray:
     return flat.astype(dtype).reshape(shape)
 
 
+def _literal(val):
+    """A literal's value as a plain array: a per-rank program traced inside a shard_map over
+    a sub-mesh keeps typed literals whose aval names that mesh, not the pipeline's."""
+    return np.array(val) if isinstance(val, np.ndarray) and type(val) is not np.ndarray else val
+
+
 def _row(x):
     """A rank's packed state row from its block of the state array (``(1, size)``, or
     ``(1, 1, size)`` over a sub-mesh)."""
@@ -487,7 +493,7 @@ class PipelineProgram:
         j, lo = self.j, self.an.literal_override
         for i in idxs:
             eqn = j.eqns[i]
-            ins = [lo.get((i, q), a.val) if isinstance(a, jcore.Literal) else env[a]
+            ins = [lo.get((i, q), _literal(a.val)) if isinstance(a, jcore.Literal) else env[a]
                    for q, a in enumerate(eqn.invars)]
             params = eqn.primitive.get_bind_params(eqn.params)
             outs = eqn.primitive.bind(*ins, **params)
