@@ -1,15 +1,18 @@
 """Predicted against published TFLOP/s per GPU (docs/results/published_runs.md).
 
 Each row of a published table (tensor and data parallel only: rows with pipeline
-stages wait for pipelines in ``parallelize``) is planned with examples/gpt_plan.py's
+stages wait for pipelines in ``sp.plan_step``) is planned with examples/gpt_plan.py's
 GPT (Megatron's marks, mixed precision, full recomputation per layer) on an abstract
-mesh of its size, priced by ``sp.Cluster`` with the GPU's datasheet profile (and the
-run's own published network where it differs), and its modeled step time turned into
-TFLOP/s per GPU with the same formula the table used:
+mesh of its size, priced by ``sp.Cluster`` with the GPU's profile (datasheet figures
+and published matmul-efficiency measurements; the run's own published network where it
+differs), and its modeled step time turned into TFLOP/s per GPU with the same formula
+the table used:
 
     96 B s L h^2 (1 + s / 6h + V / 16 L h)      (Narayanan et al. 2021, eq. 3)
 
-so predicted / published is published step time / predicted step time.
+so predicted / published is published step time / predicted step time. Collectives over
+groups spanning nodes are priced as the runs' NCCL ran them (one flat ring), and again
+as hierarchical collectives (``sp.Cluster``'s default) for the second column.
 
     python bench/published_runs.py [--only NAME]
 """
@@ -113,36 +116,45 @@ def formula_flops(r: Row) -> float:
     return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
-def predict(r: Row) -> dict:
-    import gpt_plan
+def cluster_for(r: Row, collectives: str) -> sp.Cluster:
     gpu = GpuProfile.builtin(r.gpu)
     if r.nic_bytes_per_s:
         gpu = dataclasses.replace(gpu, nic_bytes_per_s=r.nic_bytes_per_s)
     if r.memory_bytes:
         gpu = dataclasses.replace(gpu, memory_capacity_bytes=r.memory_bytes)
     nodes = max(1, -(-r.gpus // r.gpus_per_node))
-    cluster = sp.Cluster(nodes, min(r.gpus_per_node, r.gpus), gpu)
+    return sp.Cluster(nodes, min(r.gpus_per_node, r.gpus), gpu, collectives)
+
+
+def predict(r: Row) -> dict:
+    """The row planned and priced twice: with collectives over groups spanning nodes run
+    as NCCL runs them (one flat ring: what these PyTorch / Paddle runs' NCCL did; the
+    headline) and as hierarchical collectives (``sp.Cluster``'s default)."""
+    import gpt_plan
     cfg = gpt_plan.GPT(layers=r.layers, hidden=r.hidden, heads=r.heads, seq=r.seq, vocab=r.vocab, batch=r.batch,
                        compute_dtype=r.dtype, remat=True)
     step, args = gpt_plan.train_step_and_args(cfg)
     mesh = AbstractMesh((r.dp, r.mp), ("dp", "mp"))
-    t0 = time.perf_counter()
-    est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster, tokens=r.batch * r.seq)
     flops = formula_flops(r)
-    return dict(row=r, est=est, planning_s=time.perf_counter() - t0,
-                predicted=flops / r.gpus / est.step_s / 1e12, graph_vs_formula=est.flops / flops)
+    t0 = time.perf_counter()
+    est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "ring"), tokens=r.batch * r.seq)
+    planning_s = time.perf_counter() - t0
+    hier = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "hierarchical"), tokens=r.batch * r.seq)
+    return dict(row=r, est=est, planning_s=planning_s, predicted=flops / r.gpus / est.step_s / 1e12,
+                hierarchical=flops / r.gpus / hier.step_s / 1e12, graph_vs_formula=est.flops / flops)
 
 
 def table(results) -> str:
     lines = ["| source | row | heads | hidden | layers | MP | PP | DP | GPUs | batch | published | predicted | "
-             "pred/pub | comm share | graph flops / formula |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "pred/pub | in band | comm share | hierarchical: pred/pub | graph flops / formula |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in results:
         r, est = x["row"], x["est"]
+        ratio = x["predicted"] / r.published
         lines.append(f"| {r.source} | {r.name} | {r.heads} | {r.hidden} | {r.layers} | {r.mp} | {r.pp} | {r.dp} | "
-                     f"{r.gpus} | {r.batch} | {r.published:.2f} | {x['predicted']:.2f} | "
-                     f"{x['predicted'] / r.published:.2f} | {est.communication_s / est.step_s:.0%} | "
-                     f"{x['graph_vs_formula']:.2f} |")
+                     f"{r.gpus} | {r.batch} | {r.published:.2f} | {x['predicted']:.2f} | {ratio:.2f} | "
+                     f"{'yes' if 0.8 <= ratio <= 1.2 else 'no'} | {est.communication_s / est.step_s:.0%} | "
+                     f"{x['hierarchical'] / r.published:.2f} | {x['graph_vs_formula']:.2f} |")
     return "\n".join(lines)
 
 
@@ -157,7 +169,8 @@ def main(argv=None) -> int:
         x = predict(r)
         results.append(x)
         print(f"{r.source:18} {r.name:24} published {r.published:7.2f} predicted {x['predicted']:7.2f} "
-              f"({x['predicted'] / r.published:.2f}x) planned in {x['planning_s']:.1f} s", flush=True)
+              f"({x['predicted'] / r.published:.2f}x; hierarchical {x['hierarchical'] / r.published:.2f}x) "
+              f"planned in {x['planning_s']:.1f} s", flush=True)
     print()
     print(table(results))
     return 0
