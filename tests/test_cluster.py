@@ -159,6 +159,7 @@ def _small_gpt(**kw):
     return cfg, step, args
 
 
+@pytest.mark.slow   # > 1.5 s: plans a 128-device step
 def test_tensor_parallel_inside_nodes_is_priced_faster_than_across():
     from shardprop.passes.cost import modeled_step_time
     cfg, step, args = _small_gpt()
@@ -231,6 +232,7 @@ def not_a_step():
 '''
 
 
+@pytest.mark.slow   # > 1.5 s: plans a 128-device step
 def test_shardprop_plan_command(tmp_path, capsys):
     from shardprop.compiler.cli import main
     script = tmp_path / "model.py"
