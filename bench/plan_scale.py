@@ -3,6 +3,15 @@ Adam, Megatron's marks) planned for an ``AbstractMesh((16, 64), ("dp", "mp"))`` 
 process with 8 CPU devices, from ``jax.ShapeDtypeStruct``s (issue 28).
 
     python bench/plan_scale.py [--layers 12] [--auto] [--dump DIR]
+
+With ``--pipeline`` it plans pipeline stages instead (issues 26 and 28): the step on
+``((8, 8, 16), ("pp", "dp", "mp"))`` priced for ``sp.Cluster(128, 8, "a100-80gb")``
+through ``sp.plan_step`` (``compiler/planning.py``), with Megatron's marks (micro-batches
+and schedule searched for that mesh) or, with ``--auto``, no marks and the mesh shape
+searched too (pp x dp x tp over the 1,024 devices). ``--search-only`` times the
+configuration search alone (``passes/pipeline/search.py``) on the planned stage's layers.
+
+    python bench/plan_scale.py --pipeline [--layers 12|48] [--auto] [--batch 512] [--search-only]
 """
 from __future__ import annotations
 
@@ -59,7 +68,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--auto", action="store_true")
     ap.add_argument("--dump")
+    ap.add_argument("--pipeline", action="store_true", help="plan pipeline stages on (8, 8, 16) pp x dp x mp")
+    ap.add_argument("--batch", type=int, default=512, help="sequences per step (--pipeline)")
+    ap.add_argument("--search-only", action="store_true", help="time the configuration search alone (--pipeline)")
     a = ap.parse_args(argv)
+    if a.pipeline:
+        return pipeline(a)
     step, args = gpt_step(a.layers, marks=not a.auto)
     mesh = AbstractMesh((16, 64), ("dp", "mp"))
     t0 = time.perf_counter()
@@ -72,6 +86,41 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         plan.dump(a.dump)
         print(f"dump: {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def pipeline(a) -> int:
+    step, args = gpt_step(a.layers, batch=a.batch, marks=not a.auto)
+    cluster = sp.Cluster(128, 8, "a100-80gb")
+    mesh = ((8, 8, 16), ("pp", "dp", "mp"))
+    mode = "auto" if a.auto else "sharding_propagation"
+    t0 = time.perf_counter()
+    est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster, mode=mode, tokens=a.batch * 2048)
+    t1 = time.perf_counter()
+    pipe = est.extra["pipeline"]
+    print(f"GPT-{a.layers} (batch {a.batch}) on {dict(zip(mesh[1], mesh[0]))} ({'auto' if a.auto else 'marks'}): "
+          f"planned in {t1 - t0:.1f} s (the configuration search {pipe['search'].seconds:.2f} s)")
+    print(est)
+    print(pipe["search"].table(8))
+    if a.search_only:   # the search alone, on the layers of every tp already planned
+        from shardprop.passes.pipeline.search import search_pipeline
+        from shardprop.passes.cost import resolve_cost_model
+        from shardprop.ir.mesh import Mesh
+        st = est.plan
+        costs = pipe["stage_costs"]
+        cost = resolve_cost_model(cluster, Mesh(mesh[1], mesh[0]))
+        for name, fixed in (("m and schedule for this mesh", dict(pp=8, dp=8, tp=16)),
+                            ("pp x dp x tp x m x schedule", dict(tp=sorted(costs)))):
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                r = search_pipeline(lambda t: costs[t], 1024, a.batch, cost, memory_limit=cost.memory_capacity_bytes,
+                                    **fixed)
+                times.append(time.perf_counter() - t0)
+            times.sort()
+            print(f"search alone, {name}: median {times[1]:.2f} s of 3 ({costs[r.best.tp].layers} layers; best "
+                  f"{r.best.describe()})")
+        del st
     return 0
 
 

@@ -2,7 +2,9 @@
 ``shardprop report DUMP_DIR -o plan.html`` draws a dump's plan as one HTML page;
 ``shardprop calibrate --mesh 8 -o profile.json`` measures this machine's cost model;
 ``shardprop plan script.py:make_step --mesh 16x64:dp,mp --cluster 128x8:a100-80gb``
-plans a step for a cluster that is not here (compiler/planning.py)."""
+plans a step for a cluster that is not here (compiler/planning.py); a ``pp`` axis in
+``--mesh`` plans pipeline stages (``--microbatches``, ``--schedule``; searched when not
+given, and with ``--auto`` the mesh shape too)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +16,9 @@ USAGE = ("usage: shardprop launch [--nproc N | --gpus 0,1,...] [--devices-per-pr
          "       shardprop report DUMP_DIR [-o plan.html] [--explain OP_OR_LINE]\n"
          "       shardprop calibrate [--mesh 8 | --mesh 2x4] [--cpu] [-o profile.json]\n"
          "       shardprop plan script.py:make_step --mesh 16x64:dp,mp --cluster 128x8:a100-80gb [--auto] "
-         "[-o plan.html]\n\n"
+         "[-o plan.html]\n"
+         "       shardprop plan script.py:make_step --mesh 8x8x16:pp,dp,mp --cluster 128x8:a100-80gb "
+         "[--microbatches M] [--schedule 1f1b] [--auto]\n\n"
          "shardprop launch --help, shardprop report --help, shardprop calibrate --help, shardprop plan --help   "
          "for details")
 
@@ -90,7 +94,11 @@ def plan(argv) -> int:
     ap.add_argument("--mesh", required=True, help="axis sizes and names, e.g. 16x64:dp,mp")
     ap.add_argument("--cluster", help="NODESxGPUS_PER_NODE:GPU, e.g. 128x8:a100-80gb (GPUs: v100-32gb, "
                                       "a100-80gb, h100-80gb); default: the default cost model")
-    ap.add_argument("--auto", action="store_true", help="mode='auto': search every strategy (marks kept)")
+    ap.add_argument("--auto", action="store_true", help="mode='auto': search every strategy (marks kept); with a pp "
+                                                         "axis also the mesh shape (pp x dp x tp over its devices)")
+    ap.add_argument("--microbatches", help="with a pp axis: micro-batches per step (default: searched)")
+    ap.add_argument("--schedule", help="with a pp axis: gpipe, 1f1b, interleaved, zero_bubble (default: searched)")
+    ap.add_argument("--virtual-stages", type=int, default=1, help="with a pp axis: chunks per stage (interleaved)")
     ap.add_argument("-o", "--output", default="plan.html", help="the report to write (default: plan.html)")
     ap.add_argument("--json", help="also write the figures as JSON here")
     args = ap.parse_args(argv)
@@ -103,6 +111,13 @@ def plan(argv) -> int:
         cluster = Cluster.parse(args.cluster) if args.cluster else None
         if args.auto:
             options["mode"] = "auto"
+        if args.microbatches or args.schedule or args.virtual_stages > 1:
+            from .stages import Pipeline
+            m = args.microbatches or "auto"
+            options["pipeline"] = Pipeline(microbatches=int(m) if str(m).isdigit() else m,
+                                           schedule=args.schedule or ("interleaved" if args.virtual_stages > 1
+                                                                      else "auto"),
+                                           virtual_stages=args.virtual_stages)
         est = plan_step(fn, step_args, mesh=mesh, cost_model=cluster, report=args.output, **options)
     except ShardingError as e:
         print(f"shardprop plan: {e}", file=sys.stderr)
