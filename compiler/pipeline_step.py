@@ -301,7 +301,7 @@ class PipelineFunction:
             jg = inline_calls(jax.make_jaxpr(flat_fn)(*avals))
             jm = inline_calls(jax.make_jaxpr(flat_fn)(*micro)) if md > 1 else jg
             js = jg if md > 1 else inline_calls(jax.make_jaxpr(flat_fn)(*scaled(2)))
-        sub = None
+        sub, ties = None, self._state_ties(avals, treedef, jg, out_tree[0])   # (global shapes: before planning)
         if self.planned:
             jg, jm, js, sub, mask = self._plan_submesh(jg, jm, js, avals, micro, scaled(2) if md == 1 else None,
                                                        mask, treedef, out_tree[0])
@@ -320,7 +320,8 @@ class PipelineFunction:
         schedule = build_schedule(pl.schedule, p, m, pl.virtual_stages, forward_only=not an.training)
         sim = simulate(schedule, UNIT)
         prog = PipelineProgram(an, schedule, sim, mesh=self.mesh, axis=pl.axis, m=m, batch_mask=mask,
-                               dp_axis="dp" if self.dp > 1 else None, sub=sub)
+                               dp_axis="dp" if self.dp > 1 else None, sub=sub,
+                               ties=ties)
         if sub is not None:
             self._check_planned_outputs(prog)
         c = _Compiled(prog, out_tree[0], m, B, an, schedule)
@@ -378,6 +379,16 @@ class PipelineFunction:
                       tuple([gshape(a) for a in avals] + [tuple(np.shape(c)) for c in pm.consts]),
                       tuple(pm.global_out_shapes))
         return pg.jaxpr, pm.jaxpr, ps.jaxpr, sub, full_mask
+
+    def _state_ties(self, avals, treedef, jg, out_tree) -> dict:
+        """{output leaf: input leaf} of the state the step returns (``compiler/state.py``
+        ``state_ties`` over every argument but the batch): where a new value goes back."""
+        from .state import state_ties
+        args = jax.tree.unflatten(treedef, list(avals))
+        outs = jax.tree.unflatten(out_tree, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                             for v in jg.jaxpr.outvars])
+        batch = self._batch_argnums(treedef)
+        return state_ties(args, [a for a in range(len(args)) if a not in batch], outs)
 
     def _batch_argnums(self, treedef) -> tuple:
         n = len(treedef.children())
@@ -456,8 +467,8 @@ class PipelineFunction:
         if c.sub is not None:
             return self._inputs_sub(c, list(leaves) + list(c.consts))
         prog, p = c.prog, self.p
-        owned = [(i, d) for i, d in enumerate(prog.owner) if isinstance(d, int) and d >= 0]
-        in_place = all(isinstance(leaves[i], PackedLeaf) and leaves[i].rank == d for i, d in owned)
+        owned = [(i, d) for i in range(len(prog.owner)) for d in prog.ranks_of(i)]
+        in_place = all(isinstance(leaves[i], PackedLeaf) and leaves[i].offset_on(d) is not None for i, d in owned)
         invars = prog.j.invars
         if in_place and owned:
             bufs, sources = {}, []
@@ -467,7 +478,7 @@ class PipelineFunction:
                 if id(lf.buffer) not in bufs:
                     bufs[id(lf.buffer)] = len(sources)
                     sources.append(lf.buffer)
-                desc[d][invars[i]] = (bufs[id(lf.buffer)], lf.offset)
+                desc[d][invars[i]] = (bufs[id(lf.buffer)], lf.offset_on(d))
         else:
             rows = np.zeros((p, prog.state_size), np.float32)
             for i, d in owned:
@@ -491,10 +502,10 @@ class PipelineFunction:
         in under their planned layouts."""
         prog, p, sub = c.prog, self.p, c.sub
         ax = self.pipeline.axis
-        owned = [(i, d) for i, d in enumerate(prog.owner) if isinstance(d, int) and d >= 0]
+        owned = [(i, d) for i in range(len(prog.owner)) for d in prog.ranks_of(i)]
         invars = prog.j.invars
-        in_place = all(isinstance(leaves[i], PackedLeaf) and leaves[i].rank == d and leaves[i].sub == sub
-                       and leaves[i].dims == sub.in_dims[i] for i, d in owned)
+        in_place = all(isinstance(leaves[i], PackedLeaf) and leaves[i].offset_on(d) is not None
+                       and leaves[i].sub == sub and leaves[i].dims == sub.in_dims[i] for i, d in owned)
         if in_place and owned:
             bufs, sources = {}, []
             desc = [dict() for _ in range(p)]
@@ -503,7 +514,7 @@ class PipelineFunction:
                 if id(lf.buffer) not in bufs:
                     bufs[id(lf.buffer)] = len(sources)
                     sources.append(lf.buffer)
-                desc[d][invars[i]] = (bufs[id(lf.buffer)], lf.offset)
+                desc[d][invars[i]] = (bufs[id(lf.buffer)], lf.offset_on(d))
         else:
             rows = np.zeros((p, sub.ranks, prog.state_size), np.float32)
             for i, d in owned:
@@ -555,6 +566,14 @@ class PipelineFunction:
                 ri += 1
             elif s[0] == "bcast":
                 outs.append(bvals[bi[v]])
+            elif s[0] == "shared":
+                # a tied weight's new value: on each of its owners' rows
+                d, n = s[1][0], len(outs)
+                others = tuple((e, prog.out_state_pack[e].offset[v]) for e in s[1][1:])
+                shape, dims = ((c.sub.out_shapes[n], c.sub.out_dims[n]) if c.sub is not None
+                               else (tuple(v.aval.shape), None))
+                outs.append(PackedLeaf(packed, d, prog.out_state_pack[d].offset[v], shape, v.aval.dtype, dims,
+                                       c.sub, others))
             elif s[0] == "packed" and c.sub is not None:
                 d, n = prog.rank_of(s[1]), len(outs)
                 outs.append(PackedLeaf(packed, d, prog.out_state_pack[d].offset[v], c.sub.out_shapes[n],
@@ -594,9 +613,10 @@ class PipelineFunction:
             d, ch = sch.placement(k)
             rank_devs = tuple(int(x.id) for x in np.asarray(np.take(devs, d, axis=ax)).reshape(-1))
             st = an.stages[k]
-            owned = [(c.paths[i], tuple(prog.j.invars[i].aval.shape)) for i, o in enumerate(prog.owner)
-                     if o == d and any(prog.j.invars[i] in prog.progs[(kind, k)]["reads"] for kind in prog.kinds)
-                     or (o == d and prog.j.invars[i] in prog.once[k]["reads"])]
+            owned = [(c.paths[i], tuple(prog.j.invars[i].aval.shape)) for i in range(len(prog.owner))
+                     if d in prog.ranks_of(i) and (
+                         any(prog.j.invars[i] in prog.progs[(kind, k)]["reads"] for kind in prog.kinds)
+                         or prog.j.invars[i] in prog.once[k]["reads"] or prog.j.invars[i] in prog.rep_reads)]
             stages.append(StageInfo(k, d, ch, rank_devs, names(st.forward), names(st.backward), names(st.once),
                                     owned))
         info = PipelineInfo(stages, dict(prog.sim.tick_table), float(c.model_sim.bubble), prog.T, c.m,

@@ -178,6 +178,11 @@ class PackedLeaf:
     dtype: object
     dims: tuple = None
     sub: SubMesh = None
+    others: tuple = ()      # (rank, offset) of the other ranks that store it (a tied weight's owners)
+
+    def offset_on(self, rank: int):
+        """Its offset in row ``rank``, or None where that rank does not store it."""
+        return self.offset if rank == self.rank else dict(self.others).get(rank)
 
     def __array__(self, dtype=None, copy=None):
         if self.sub is not None:
@@ -213,12 +218,17 @@ class PackedLeaf:
 class PipelineProgram:
     """Builds and runs the pipelined step for one input signature."""
 
-    def __init__(self, an, schedule, sim, *, mesh, axis, m, batch_mask, dp_axis=None, sub: SubMesh = None):
+    def __init__(self, an, schedule, sim, *, mesh, axis, m, batch_mask, dp_axis=None, sub: SubMesh = None,
+                 ties=None):
         """``batch_mask``: per invar, whether it is a batch argument (split into
         micro-batches). ``self.owner`` per invar: the rank whose programs alone read it
         (packed there), ``-1`` (replicated) or None (unused). ``sub``: the program is a
         planned per-rank program on these other mesh axes (every axis is manual; state,
-        replicated inputs and outputs are blocks under their layouts)."""
+        replicated inputs and outputs are blocks under their layouts). ``ties``: {outvar
+        position: invar index} of the state outputs (the new value of an input): an input
+        that only the replicated once ops and some ranks read is then stored on those ranks
+        only, and its new value comes back there (``_plan_shared``)."""
+        self.ties = ties
         self.an, self.schedule, self.sim = an, schedule, sim
         self.mesh, self.axis, self.m, self.dp_axis, self.sub = mesh, axis, m, dp_axis, sub
         self.p, self.v = schedule.p, schedule.v
@@ -374,12 +384,90 @@ class PipelineProgram:
         for v in self._reads(self.float_idxs):
             if v in self.invar_index:
                 readers[self.invar_index[v]].add(-1)
+        float_read = {self.invar_index[v] for v in self._reads(self.float_idxs) if v in self.invar_index}
         self.owner = []
         for i in range(len(j.invars)):
             r = readers[i]
             self.owner.append(None if not r else "batch" if self.batch_mask[i] else
                               next(iter(r)) if len(r) == 1 and -1 not in r else -1)
+        if self.ties is not None:
+            self._plan_shared(readers, float_read, spec)
         self.out_spec = spec
+
+    def _plan_shared(self, readers, float_read, spec):
+        """Inputs read by the replicated (REP) once ops, stored only where they are needed
+        (a tied weight and its optimizer state: on its owner stages' ranks, as Paddle's
+        SharedLayerDesc keeps it). A REP op's value is **needed** on the ranks whose stage
+        once ops read it, where a later REP op needs it, and on the owners of the input a
+        step output of it replaces; an input is stored on its stage readers' ranks and
+        where a REP op reading it is needed (a fixed point). Every rank runs the REP ops;
+        a rank without the input computes on zeros a value that no rank uses. The REP
+        outputs tied to such an input come back packed on its owners."""
+        j = self.j
+        lit = lambda a: isinstance(a, jcore.Literal)   # noqa: E731
+        rep_ops = list(self.rep_idxs)
+        users = {}
+        for e in rep_ops:
+            for a in j.eqns[e].invars:
+                if not lit(a):
+                    users.setdefault(a, []).append(e)
+        once_readers = {}
+        for k, prog in self.once.items():
+            for v in prog["reads"]:
+                once_readers.setdefault(v, set()).add(self.rank_of(k))
+        outs_at = {}
+        for n, v in enumerate(j.outvars):
+            if not lit(v):
+                outs_at.setdefault(v, []).append(n)
+        everywhere = set(range(self.p))
+        owners = {i: {d for d in readers[i] if d != -1} for i in range(len(j.invars))}
+        needed = {e: set() for e in rep_ops}
+        changed = True
+        while changed:
+            changed = False
+            for e in reversed(rep_ops):
+                want = set()
+                for o in j.eqns[e].outvars:
+                    want |= once_readers.get(o, set())
+                    for u in users.get(o, []):
+                        want |= needed[u]
+                    for n in outs_at.get(o, []):
+                        t = self.ties.get(n)
+                        want |= owners[t] if t is not None else everywhere
+                if not want <= needed[e]:
+                    needed[e] |= want
+                    changed = True
+            for i, v in enumerate(j.invars):
+                for e in users.get(v, []):
+                    if not needed[e] <= owners[i]:
+                        owners[i] |= needed[e]
+                        changed = True
+        for i, v in enumerate(j.invars):
+            if self.owner[i] != -1 or i in float_read or not owners[i] or owners[i] == everywhere:
+                continue
+            self.owner[i] = min(owners[i]) if len(owners[i]) == 1 else tuple(sorted(owners[i]))
+        for n, s_ in enumerate(spec):
+            t = self.ties.get(n)
+            if s_[0] == "rep" and t is not None and self.owner[t] not in (-1, None, "batch"):
+                spec[n] = ("shared", self.ranks_of(t))
+
+    def ranks_of(self, i) -> tuple:
+        """The pipeline ranks that store input ``i`` (one owner, or a tied weight's owners)."""
+        o = self.owner[i]
+        return (o,) if isinstance(o, int) and o >= 0 else o if isinstance(o, tuple) else ()
+
+    def _shared_value(self, v, state_row, d):
+        """Input ``v`` (stored on some ranks' rows) on every rank: zeros where not stored."""
+        owners = self.ranks_of(self.invar_index[v])
+
+        def at(q):
+            def read(row):
+                if q not in owners:
+                    return jnp.zeros(v.aval.shape, v.aval.dtype)
+                o = self.state_pack[q].offset[v]
+                return _from_f32(lax.slice_in_dim(row, o, o + _size(v)), v.aval.shape, v.aval.dtype)
+            return read
+        return lax.switch(d, [at(q) for q in range(self.p)], state_row)
 
     def rank_of(self, k):
         return k % self.p
@@ -473,7 +561,7 @@ class PipelineProgram:
         self.out_pack, osz = self._packs_per_rank("outs_b")
         self.O = max([1] + osz)
         # packed state per rank
-        self.state_pack = [Packing([v for i, v in enumerate(j.invars) if self.owner[i] == d]) for d in range(p)]
+        self.state_pack = [Packing([v for i, v in enumerate(j.invars) if d in self.ranks_of(i)]) for d in range(p)]
         self.state_size = max([1] + [pk.size for pk in self.state_pack])
 
     def _plan_outputs(self, spec):
@@ -485,7 +573,8 @@ class PipelineProgram:
         self.bcast_vars = list(dict.fromkeys(bc))
         self.bcast_stage = {v: s[1] for v, s in zip(self.j.outvars, spec) if s[0] == "bcast"}
         self.out_state_pack = [Packing([v for v, s in zip(self.j.outvars, spec)
-                                        if s[0] == "packed" and self.rank_of(s[1]) == d]) for d in range(p)]
+                                        if (s[0] == "packed" and self.rank_of(s[1]) == d)
+                                        or (s[0] == "shared" and d in s[1])]) for d in range(p)]
         self.out_state_size = max([1] + [pk.size for pk in self.out_state_pack])
 
     # -- evaluation
@@ -514,7 +603,7 @@ class PipelineProgram:
                 i = self.invar_index[v]
                 if self.batch_mask[i]:
                     env[v] = batch_mb[i]
-                elif self.owner[i] == d and v in sp_.offset:
+                elif v in sp_.offset:
                     o = sp_.offset[v]
                     env[v] = _from_f32(lax.slice_in_dim(state_row, o, o + _size(v)), v.aval.shape, v.aval.dtype)
                 else:
@@ -586,13 +675,16 @@ class PipelineProgram:
             return bc, packed, [mine(v, self.bcast_stage[v]) for v in self.bcast_vars]
         return run
 
-    def _run_rep(self, q, env_rep, rep):
+    def _run_rep(self, q, env_rep, rep, state_row=None, d=None):
         """The REP once ops of phase ``q`` (and the floats they need), on every rank."""
         idxs = [i for i in self.rep_idxs if self.op_phase.get(i, 0) == q or (
             self.an.roles[i] == FLOAT and not all(o in env_rep for o in self.j.eqns[i].outvars))]
         if not idxs:
             return
-        env = self._base_env(self._reads(idxs), None, -1, rep, {})
+        reads = self._reads(idxs)
+        stored = [v for v in reads if v in self.invar_index and self.ranks_of(self.invar_index[v])]
+        env = self._base_env([v for v in reads if v not in stored], None, -1, rep, {})
+        env.update({v: self._shared_value(v, state_row, d) for v in stored})
         env.update(env_rep)
         self._run(idxs, env)
         for i in idxs:
@@ -681,7 +773,7 @@ class PipelineProgram:
                 out_buf = out_buf[None]
             env_rep = {}
             for q in range(self.nphases):
-                self._run_rep(q, env_rep, rep)
+                self._run_rep(q, env_rep, rep, state_row, d)
                 keys = list(env_rep)
                 bc, packed, bvals = lax.switch(d, [self._once(r, q, keys) for r in range(p)],
                                                (acc, state_row, rep, [env_rep[k] for k in keys]))

@@ -297,10 +297,17 @@ def test_tied_weights_and_global_norm_clipping_equal_one_device():
 
 @pytest.mark.slow
 def test_tied_embedding_gpt_pp4_equals_one_device():
+    """The tied embedding and its Adam state are stored on the two owner stages only
+    (ranks 0 and 3); its new value comes back on both, and the next step reads it in place."""
     step, params, state, data = gpt_pipeline_case(4, 8, 4, tied=True)
     pstep = sp.parallelize(step, mesh=((4,), ("pp",)), batch_argnums=(2, 3),
                            pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
-    assert_matches_one_device(step, params, state, data, pstep)
+    p2, s2 = assert_matches_one_device(step, params, state, data, pstep)
+    assert isinstance(p2["wte"], PackedLeaf) and (p2["wte"].rank, dict(p2["wte"].others).keys()) == (0, {3})
+    prog = pstep.plan(params, state, *data).program
+    wte = prog.j.invars[[jax.tree_util.keystr(k) for k, _ in
+                         jax.tree_util.tree_flatten_with_path((params, state))[0]].index("[0]['wte']")]
+    assert [wte in pk.offset for pk in prog.state_pack] == [True, False, False, True]
 
 
 @pytest.mark.slow

@@ -1,0 +1,188 @@
+"""Pipeline stages composed with tensor parallelism and ZeRO-1 (issue 26): the step planned
+once on the mesh axes beside ``pp`` (compiler/pipeline_submesh.py), each stage's work run
+tensor parallel, against one device; and the per-rank checks of the compiled program."""
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import shardprop as sp
+from tests.test_pipeline_lowering import assert_matches_one_device
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import gpt_pipeline  # noqa: E402
+
+
+def gpt_case(layers: int, batch: int, stages: int, dp: bool = False, tied: bool = False):
+    """examples/gpt_pipeline.py's step with gpt_megatron's two marks per layer (tiny sizes)."""
+    cfg = gpt_pipeline.Config(layers=layers, batch=batch, vocab=32, seq=8, heads=2, head_dim=4)
+    params = gpt_pipeline.init_pipeline_params(cfg, tied=tied)
+    step, opt = gpt_pipeline.make_train_step(cfg, stages, tp=gpt_pipeline.tensor_parallel(dp=dp))
+    return step, params, opt.init(params), tuple(gpt_pipeline.make_batch(cfg))
+
+
+def tp_mlp(layers: int = 2, width: int = 8, batch: int = 8):
+    """An MLP of column- then row-parallel pairs (Megatron's MLP), one stage per pair."""
+    opt = optax.adam(1e-2)
+
+    def loss_fn(params, x, y):
+        h = x
+        for i, (w1, w2) in enumerate(params):
+            h = jnp.tanh(sp.shard(jnp.matmul, (P(None, None), P(None, "mp")))(h, w1)) @ w2
+            if i < len(params) - 1:
+                h = sp.stage_boundary(h)
+        return jnp.mean((h - y) ** 2)
+
+    def step(params, opt_state, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(params, x, y)
+        up, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, up), opt_state, loss
+
+    rng = np.random.default_rng(0)
+    params = [(rng.standard_normal((width, 2 * width)).astype(np.float32) * 0.3,
+               rng.standard_normal((2 * width, width)).astype(np.float32) * 0.3) for _ in range(layers)]
+    x = rng.standard_normal((batch, width)).astype(np.float32)
+    y = rng.standard_normal((batch, width)).astype(np.float32)
+    return step, params, opt.init(params), (x, y)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_mlp_pp2_mp2_equals_one_device():
+    step, params, opt_state, data = tp_mlp()
+    pstep = sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches=2, schedule="1f1b"))
+    p2, _ = assert_matches_one_device(step, params, opt_state, data, pstep)
+    # each rank holds its stage's column and row halves
+    plan = pstep.plan(params, opt_state, *data)
+    local = {str(plan.program.j.invars[i].aval.shape) for i in range(4)}
+    assert local == {"(8, 8)"}, local
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,v,layers", [("1f1b", 1, 4), ("interleaved", 2, 8), ("zero_bubble", 1, 4)])
+def test_gpt_pp4_mp2_equals_one_device(schedule, v, layers):
+    step, params, opt_state, data = gpt_case(layers, 8, 4 * v)
+    pstep = sp.parallelize(step, mesh=((4, 2), ("pp", "mp")), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches=4, schedule=schedule, virtual_stages=v))
+    assert_matches_one_device(step, params, opt_state, data, pstep)
+
+
+@pytest.mark.slow
+def test_gpt_pp2_dp2_mp2_zero1_equals_one_device():
+    step, params, opt_state, data = gpt_case(2, 8, 2, dp=True)
+    pstep = sp.parallelize(step, mesh=((2, 2, 2), ("pp", "dp", "mp")), batch_argnums=(2, 3),
+                           shard_optimizer_state=True, pipeline=sp.Pipeline(microbatches=2, schedule="1f1b"))
+    assert_matches_one_device(step, params, opt_state, data, pstep)
+    # ZeRO-1: every optimizer-state leaf that splits is split over dp
+    prog = pstep.plan(params, opt_state, *data).program
+    n_params = len(jax.tree.leaves(params))
+    opt_leaves = jax.tree.leaves(opt_state)
+    for i, leaf in enumerate(opt_leaves):
+        dims = prog.sub.in_dims[n_params + i]
+        if np.ndim(leaf) and np.shape(leaf)[0] % 2 == 0:
+            assert "dp" in dims[0], (i, np.shape(leaf), dims)
+
+
+def held_and_stage_params(prog, n_params: int, d: int) -> tuple:
+    """Elements of parameters rank ``d`` holds (local blocks, every device of its sub-mesh
+    alike) and the global elements of the parameters its stages own."""
+    mine = [i for i in range(n_params) if d in prog.ranks_of(i)]
+    return (sum(int(np.prod(prog.j.invars[i].aval.shape)) for i in mine),
+            sum(int(np.prod(prog.sub.in_shapes[i])) for i in mine))
+
+
+@pytest.mark.slow
+def test_tied_embedding_gpt_pp4_mp2_equals_one_device():
+    """The tied embedding (and its Adam state) on its two owner stages only, its two
+    gradients summed between them; bytes per device at most 1.1 x the stage's / tp."""
+    step, params, opt_state, data = gpt_case(4, 8, 4, tied=True)
+    pstep = sp.parallelize(step, mesh=((4, 2), ("pp", "mp")), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
+    p2, _ = assert_matches_one_device(step, params, opt_state, data, pstep)
+    assert p2["wte"].rank == 0 and dict(p2["wte"].others).keys() == {3}
+    prog = pstep.plan(params, opt_state, *data).program
+    paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path((params, opt_state))[0]]
+    for i, path in enumerate(paths):
+        if "wte" in path:
+            assert prog.owner[i] == (0, 3), (path, prog.owner[i])
+    n_params = len(jax.tree.leaves(params))
+    assert all(o != -1 for o in prog.owner[:n_params])
+    for d in range(4):
+        held, stage = held_and_stage_params(prog, n_params, d)
+        assert held <= 1.1 * stage / 2, (d, held, stage)
+
+
+@pytest.mark.slow
+def test_fewer_microbatches_than_stages_equals_one_device():
+    step, params, opt_state, data = gpt_case(4, 8, 4)
+    pstep = sp.parallelize(step, mesh=((4, 2), ("pp", "mp")), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches=2, schedule="1f1b"))
+    assert_matches_one_device(step, params, opt_state, data, pstep)
+
+
+def _replica_groups(text: str) -> list:
+    """The device groups of an HLO ``replica_groups=`` value: explicit ``{{0,1},{2,3}}``
+    or the iota form ``[G,S]<=[dims]T(perm)``."""
+    if text.startswith("{"):
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", text)]
+    m = re.match(r"\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+    g, s = int(m.group(1)), int(m.group(2))
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+        ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return ids.reshape(g, s).tolist()
+
+
+@pytest.mark.slow
+def test_per_rank_checks_pp4_mp2():
+    """Exchanges over pp only between neighbours (same mp rank), no parameter gathered or
+    reduced over pp (only scalars cross it), parameter bytes per device at most 1.1 x the
+    stage's parameters / tp."""
+    step, params, opt_state, data = gpt_case(4, 8, 4)
+    pp, mp = 4, 2
+    pstep = sp.parallelize(step, mesh=((pp, mp), ("pp", "mp")), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
+    hlo = pstep.lower_text(params, opt_state, *data)
+    rank = lambda dev: divmod(dev, mp)   # device id -> (pp rank, mp rank) on the ((4, 2), ("pp", "mp")) mesh
+    pairs = re.findall(r"source_target_pairs=\{([{}0-9,]*)\}", hlo)
+    assert pairs
+    for group in pairs:
+        for a, b in re.findall(r"\{(\d+),(\d+)\}", group):
+            (da, ma), (db, mb) = rank(int(a)), rank(int(b))
+            assert abs(da - db) == 1 and ma == mb, (a, b)
+    smallest = min(np.size(x) for x in jax.tree.leaves(params))
+    for line in hlo.splitlines():
+        op = re.search(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all)(-start)?\(", line)
+        if not op:
+            continue
+        groups = _replica_groups(re.search(r"replica_groups=(\S+?)(?:, [a-z_]+=|$)", line).group(1))
+        spans_pp = any(len({rank(d)[0] for d in g}) > 1 for g in groups)
+        if spans_pp:
+            shape = re.findall(r"\[([0-9,]*)\]", op.group(1))
+            elems = max(int(np.prod([int(x) for x in s.split(",") if x])) for s in shape) if shape else 1
+            assert op.group(2) == "all-reduce" and elems < smallest, line
+    prog = pstep.plan(params, opt_state, *data).program
+    n_params = len(jax.tree.leaves(params))
+    assert all(o != -1 for o in prog.owner[:n_params])   # no parameter replicated over pp
+    for d in range(pp):
+        held, stage = held_and_stage_params(prog, n_params, d)
+        assert held <= 1.1 * stage / mp, (d, held, stage)
+
+
+def test_options_with_a_pipeline():
+    step, params, opt_state, data = tp_mlp()
+    with pytest.raises(sp.ShardingError, match="does not take mode yet"):
+        sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), mode="auto", pipeline=sp.Pipeline(microbatches=2))
+    with pytest.raises(sp.ShardingError, match="ZeRO-1 splits the optimizer state over data-parallel axes"):
+        sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), shard_optimizer_state=True,
+                       pipeline=sp.Pipeline(microbatches=2))
+    pstep = sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), mode="semi_auto", batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches=2))
+    assert pstep.planned and pstep.mode == "semi_auto"
