@@ -102,15 +102,24 @@ def pipeline(a) -> int:
           f"planned in {t1 - t0:.1f} s (the configuration search {pipe['search'].seconds:.2f} s)")
     print(est)
     print(pipe["search"].table(8))
-    if a.search_only:   # the search alone, on the layers of every tp already planned
-        from shardprop.passes.pipeline.search import search_pipeline
-        from shardprop.passes.cost import resolve_cost_model
+    if a.search_only:
+        # the search alone (passes/pipeline/search.py), timed on the planned stages' layers:
+        # for this mesh (m and schedule), and over pp x dp x tp x m x schedule with every tp
+        # of a node planned (with the marks: the shape searched through search_options)
         from shardprop.ir.mesh import Mesh
-        st = est.plan
-        costs = pipe["stage_costs"]
+        from shardprop.passes.cost import resolve_cost_model
+        from shardprop.passes.pipeline.search import search_pipeline
+        costs = dict(pipe["stage_costs"])
+        if not a.auto:
+            t0 = time.perf_counter()
+            shape = sp.plan_step(step, args, mesh=mesh, cost_model=cluster, mode=mode, tokens=a.batch * 2048,
+                                 search_options=dict(pp=None, dp=None, tp=[1, 2, 4, 8, 16]))
+            print(f"with the marks, the shape searched too: planned in {time.perf_counter() - t0:.1f} s; best "
+                  f"{shape.extra['pipeline']['search'].best.describe()}")
+            costs.update(shape.extra["pipeline"]["stage_costs"])
         cost = resolve_cost_model(cluster, Mesh(mesh[1], mesh[0]))
         for name, fixed in (("m and schedule for this mesh", dict(pp=8, dp=8, tp=16)),
-                            ("pp x dp x tp x m x schedule", dict(tp=sorted(costs)))):
+                            (f"pp x dp x tp x m x schedule (tp in {sorted(costs)})", dict(tp=sorted(costs)))):
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
@@ -118,9 +127,9 @@ def pipeline(a) -> int:
                                     **fixed)
                 times.append(time.perf_counter() - t0)
             times.sort()
-            print(f"search alone, {name}: median {times[1]:.2f} s of 3 ({costs[r.best.tp].layers} layers; best "
-                  f"{r.best.describe()})")
-        del st
+            print(f"search alone, {name}: median {times[1]:.2f} s of 3 ({costs[r.best.tp].layers} layers at tp="
+                  f"{r.best.tp}; {len(r.ranked)} ranked, {len(r.rejected)} rejected, {r.pruned} pruned); best "
+                  f"{r.best.describe()}")
     return 0
 
 

@@ -532,7 +532,9 @@ def plan_pipelined(fn, args, *, mesh, pipeline=None, cost_model=None, mode: str 
     ``mode="auto"`` the mesh's shape is searched too (pp x dp x tp over its devices, the
     tensor-parallel degree among the divisors of a node's GPUs and the mesh's own);
     ``Pipeline(microbatches="auto")`` / ``schedule="auto"`` (the default when only the mesh
-    names a pp axis) search those."""
+    names a pp axis) search those. ``search_options``: keywords for ``search_pipeline``
+    that override these (``pp=None, dp=None, tp=[1, 2, 4, 8]`` searches the shape with
+    the marks too; ``finalists``, ``max_microbatches``)."""
     from dataclasses import replace
 
     from jax.sharding import AbstractMesh
@@ -618,7 +620,8 @@ def plan_pipelined(fn, args, *, mesh, pipeline=None, cost_model=None, mode: str 
         ("gpipe", "1f1b", "zero_bubble", "interleaved") if pipeline.schedule == "auto" else (pipeline.schedule,)
     options = dict(microbatches=fixed_m, schedules=schedules,
                    virtual_stages=(pipeline.virtual_stages,) if pipeline.virtual_stages > 1 else (2,),
-                   axis_names=(pp_axis, dp_axis or "dp", tp_axis), **shape, **(search_options or {}))
+                   axis_names=(pp_axis, dp_axis or "dp", tp_axis), **shape)
+    options.update(search_options or {})     # e.g. pp=None, dp=None, tp=[...]: search the shape with marks
 
     def costs(tp):
         return stage(tp).costs
