@@ -13,8 +13,10 @@ MILP, and the plan's modeled step time, bytes moved and peak per device.
     python bench/auto.py --layers 2 --meshes 2x4 --limits 0.8 0.6   # under memory limits, each memory method
 
 With --limits: the plan without a limit, then under each fraction of its modeled
-peak, searched by each memory method in turn ("lagrange": multipliers first, exact
-rows where they leave a gap above 1%; "exact": exact rows only), the median search
+peak, searched by each memory method in turn ("rounded": the default, the rows' LP
+relaxation rounded first, exact rows where its proven gap is above 5%; "lagrange":
+multipliers first, exact rows where they leave a gap above 1%; "exact": exact rows
+only), the median search
 seconds of --repeat, the plan's modeled step and peak, and how the solver ended.
 """
 import argparse
@@ -93,7 +95,11 @@ def under_limits(t, mesh, fractions, methods, repeat) -> None:
             for m in methods:
                 plan_redistribution.cache_clear()
                 t0 = time.perf_counter()
-                _, sol, peak = SearchStrategies(memory_limit=limit, memory_method=m).search(g)
+                # "rounded": the default (the rows' LP rounded first, then exact rows);
+                # "exact": exact rows only; "lagrange": multipliers first
+                how = dict(memory_method="exact", relaxed_gap=None) if m == "exact" else \
+                    dict(memory_method="lagrange", relaxed_gap=None) if m == "lagrange" else {}
+                _, sol, peak = SearchStrategies(memory_limit=limit, **how).search(g)
                 seconds[m].append(time.perf_counter() - t0)
                 found[m] = (sol, peak)
         for m in methods:
@@ -174,7 +180,9 @@ def main():
                     help="with --hand: auto's memory limit, as a fraction of the hand plan's modeled peak")
     ap.add_argument("--limits", type=float, nargs="+", default=None,
                     help="search under memory limits, fractions of the unlimited plan's modeled peak")
-    ap.add_argument("--memory-methods", nargs="+", default=["lagrange", "exact"], choices=["lagrange", "exact"])
+    ap.add_argument("--memory-methods", nargs="+", default=["rounded", "exact"], choices=["rounded", "lagrange", "exact"],
+                    help="rounded: the default search (the memory rows' LP rounded first, exact rows where its gap is "
+                         "above 5%%); exact: exact rows only; lagrange: multipliers first")
     args = ap.parse_args()
     if args.limits:
         print(f"GPT training step (Adam), no marks, under memory limits; heads {args.heads} x {args.head_dim}, batch "

@@ -41,6 +41,7 @@ def test_fixed_axes_keep_their_order():
     assert cands and all(c[0] == ("b", "a") for c in cands)
 
 
+@pytest.mark.slow
 def test_a_plan_in_the_other_axis_order_equals_one_device():
     """The 2048 x 512 SGD step on 2 x 4 takes ('b', 'a') splits for its loss."""
     params, x, y = problem_data(2048, 512, 2)
@@ -139,3 +140,38 @@ def test_one_compile_shares_one_search_budget(monkeypatch):
     status = plan.cost.solver["status"]
     assert "the hand plan" in status and "time budget" in status, status
     assert plan.cost.peak_memory <= limit
+
+
+# -- the memory rows' LP, rounded ----------------------------------------------------------
+
+@pytest.mark.slow
+def test_rounded_lp_plan_fits_and_is_within_its_proven_gap_of_the_exact_rows():
+    """Under a limit the rows' LP relaxation is solved first and rounded: the plan it
+    keeps fits, its bound is at most the exact rows' optimum, and the plan is within
+    RELAXED_GAP of that optimum."""
+    from shardprop.passes.auto import SearchStrategies
+    from shardprop.passes.auto.search import RELAXED_GAP
+    fn, args = adam_case()
+    g = traced_graph(fn, args, Mesh(("dp", "mp"), (2, 4)), tied=(0, 1))
+    _, free, free_peak = SearchStrategies().search(g)
+    for frac in (0.5, 0.7):
+        limit = int(frac * free_peak)
+        how = dict(follow=False, share_layers=False, refine=False, hands=False)   # (one problem, solved as is)
+        _, exact, _ = SearchStrategies(memory_limit=limit, relaxed_gap=None).search(g, **how)
+        _, rounded, peak = SearchStrategies(memory_limit=limit).search(g, **how)
+        assert peak <= limit and rounded.choice
+        assert rounded.bound <= exact.objective * (1 + 1e-9)
+        assert rounded.objective <= exact.objective * (1 + RELAXED_GAP) * (1 + 1e-9), (rounded.status, exact.status)
+
+
+@pytest.mark.slow
+def test_a_rounded_lp_that_fits_no_plan_leaves_the_decision_to_the_exact_rows(monkeypatch):
+    """Where no rounding of the rows' LP fits (simulated: none is offered), the exact
+    rows decide, and their plan fits."""
+    from shardprop.passes.auto import SearchStrategies, search
+    monkeypatch.setattr(search, "_roundings", lambda *a, **k: [])
+    params, x, y = problem_data(512, 256, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,))
+    _, free, free_peak = SearchStrategies().search(g)
+    _, sol, peak = SearchStrategies(memory_limit=int(0.6 * free_peak)).search(g)
+    assert sol is not None and peak <= 0.6 * free_peak and "LP relaxation" not in sol.status

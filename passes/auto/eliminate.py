@@ -30,11 +30,12 @@ class Eliminated:
     toward: list   # [(neighbour, matrix K x neighbour's candidates)]
 
 
-def eliminate(unary: dict, edges: list, edge_type) -> tuple[dict, list, list, float]:
+def eliminate(unary: dict, edges: list, edge_type, keep=frozenset()) -> tuple[dict, list, list, float]:
     """(unary, edges, steps, offset) of the problem left after eliminating every decision
     with at most two neighbours (or one candidate); ``offset``: the cost of what was
     eliminated with nothing left to charge it to. ``edge_type(a, b, rows, cols, cost)``
-    makes an edge. ``unary`` and ``edges`` are not modified."""
+    makes an edge. ``keep``: decisions never eliminated (those a memory row counts: the
+    row needs their variables). ``unary`` and ``edges`` are not modified."""
     unary = {t: u.copy() for t, u in unary.items()}
     live = dict(enumerate(edges))
     at: dict = {t: set() for t in unary}
@@ -46,7 +47,7 @@ def eliminate(unary: dict, edges: list, edge_type) -> tuple[dict, list, list, fl
     queue = list(unary)
     while queue:
         t = queue.pop()
-        if t not in at:
+        if t not in at or t in keep:
             continue
         ids = at[t]
         near = {live[i].b if live[i].a == t else live[i].a for i in ids}

@@ -152,8 +152,12 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
                     continue
                 t = templates[i]
                 node = problem.nodes[t]
+                # a vector (a bias, a norm's scale) may also stay whole: an engineer splits
+                # the matrices and keeps those replicated (splitting them saves next to no
+                # bytes and adds a gather per use)
+                kind_of = (kinds[r], "none") if r != "batch" and g.inputs[i].type.rank <= 1 else (kinds[r],)
                 ok = np.array([k for k, lay in enumerate(node.candidates)
-                               if _fits_role(lay, kinds[r], dp, mp, r == "batch")], dtype=int)
+                               if any(_fits_role(lay, kd, dp, mp, r == "batch") for kd in kind_of)], dtype=int)
                 if not len(ok):
                     if r == "batch":
                         bad = f"{g.input_names[i] if i < len(g.input_names) else i} does not split over {dp}"
@@ -169,6 +173,11 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
             if key in seen:
                 continue
             seen.add(key)
+            floor = _arguments_floor(problem, allowed)
+            if limit is not None and floor > limit:   # (arguments are alive the whole step: no solve can fit it)
+                out.append(HandPlan(name, axes, peak=floor, note=f"over the limit: its arguments alone hold "
+                                                                 f"{floor / 2**20:.2f} MiB per device"))
+                continue
             plan = _solve(problem, name, axes, allowed, peak_of, limit, time_limit)
             same = next((p for p in out if p.choice is not None and p.choice == plan.choice), None)
             if same is not None:   # (tp+FSDP that splits nothing over dp is Megatron)
@@ -176,6 +185,17 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
                 continue
             out.append(plan)
     return out
+
+
+def _arguments_floor(problem, allowed: dict) -> float:
+    """Bytes per device the step's arguments hold in the fewest-bytes layouts ``allowed``
+    leaves them: alive the whole step, they are a floor under the plan's peak."""
+    total = 0.0
+    for v in problem.graph.inputs:
+        if v in problem.values:
+            t, vec = problem.values[v]
+            total += float(vec[allowed[t]].min() if t in allowed else vec.min())
+    return total
 
 
 def _solve(problem, name, axes, allowed, peak_of, limit, time_limit) -> HandPlan:

@@ -74,7 +74,7 @@ def price_rows(red: milp.Reduced, rows: list, lam: np.ndarray) -> milp.Reduced:
         ra, rmap = milp._compact(rows_a[red.kept[a]])
         cb, cmap = milp._compact(cols_b[red.kept[b]])
         edges.append(Edge(a, b, ra, cb, cost[np.ix_(rmap, cmap)]))
-    return milp.Reduced(unary, edges, red.kept, red.memory)
+    return milp.Reduced(unary, edges, red.kept, red.memory, red.tie)
 
 
 def row_bytes(row: milp.MemoryRow, choice: dict) -> float:

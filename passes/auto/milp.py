@@ -36,6 +36,7 @@ class Reduced:
     edges: list                      # Edge (problem.py) over the kept candidates
     kept: dict                       # template -> original indices of the kept candidates
     memory: dict = field(default_factory=dict)   # template -> list of bytes vectors (kept candidates)
+    tie: float = 0.0    # the most the tie-break can add to a plan's objective (a solver's bound less it bounds the time)
 
 
 @dataclass
@@ -73,8 +74,10 @@ def reduce(problem, memory_matters: bool, upper: Optional[float] = None,
     from .problem import Edge
     unary = {t: u.copy() for t, u in problem.unary.items()}
     # ties (a free slice of an argument fed whole) go to the plan that holds fewer bytes
+    tie = 0.0
     for t, vec in problem.values.values():
         unary[t] += vec * TIE_BREAK_S_PER_BYTE
+        tie += float(vec.max(initial=0.0)) * TIE_BREAK_S_PER_BYTE
     edges = []
     for e in problem.edges:
         m = e.cost
@@ -99,7 +102,7 @@ def reduce(problem, memory_matters: bool, upper: Optional[float] = None,
         cols, cmap = _compact(e.cols[kept[e.b]])
         out.append(Edge(e.a, e.b, rows, cols, e.cost[np.ix_(rmap, cmap)]))
     return Reduced({t: unary[t][kept[t]] for t in unary}, out, kept,
-                   {t: [v[kept[t]] for v in vs.values()] for t, vs in memory.items()})
+                   {t: [v[kept[t]] for v in vs.values()] for t, vs in memory.items()}, tie)
 
 
 def _bounded(unary: dict, edges: list, kept: dict, upper: float) -> dict:
@@ -166,9 +169,17 @@ def _undominated(t: int, unary: dict, edges: list, memory: dict, among=None) -> 
 
 
 def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
-          time_limit: Optional[float] = None, rel_gap: float = 1e-9, exact_dp: bool = True) -> Solution:
+          time_limit: Optional[float] = None, rel_gap: float = 1e-9, exact_dp: bool = True,
+          relax: bool = False) -> Solution:
     """Solve the reduced problem; ``memory_rows``: ``MemoryRow``s, each held to ``limit``
     (a copy between two decisions gets pair variables of its own, tied like an edge's).
+    ``relax``: solve the LP relaxation only (``bound``: its optimum, a lower bound on
+    every plan that meets the rows) and round it, each decision to its largest
+    candidate (``choice``, not priced: the caller prices it and checks its peak;
+    ``rounded``: whether the LP was fractional anywhere; ``support``: per decision the
+    LP solved, the candidates it weighs and their weights; ``complete(rounding)``: a
+    whole plan from one candidate per such decision). A decision a memory row
+    counts is never eliminated (the row needs its variables).
     Without memory rows, ``exact_dp`` first eliminates the decisions with at most two
     neighbours (``eliminate.py``) and the LP relaxation is tried first: where its
     optimum is integral it is the MILP's, proven (the usual case here)."""
@@ -181,17 +192,31 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
     t0 = time.perf_counter()
     from .problem import Edge
     unary, edges, steps, offset = red.unary, list(red.edges), [], 0.0
-    if exact_dp and not memory_rows:
-        unary, edges, steps, offset = eliminate(red.unary, red.edges, Edge)
+    if exact_dp:   # (a decision a memory row counts keeps its variables)
+        counted = {t for row in memory_rows for t in row.nodes} | \
+            {t for row in memory_rows for a, b, *_ in row.pairs for t in (a, b)}
+        unary, edges, steps, offset = eliminate(red.unary, red.edges, Edge, keep=counted)
     if unary:
-        sol = _milp(unary, edges, red.kept, memory_rows, limit, time_limit, rel_gap, lp_first=not memory_rows)
+        sol = _milp(unary, edges, red.kept, memory_rows, limit, time_limit, rel_gap, lp_first=not memory_rows,
+                    relax=relax)
     else:   # the DP solved all of it
         sol = Solution({}, 0.0, 0.0, 0.0, "Optimal (solved exactly by elimination)", 0.0, 0, 0)
+    if relax and getattr(sol, "fractions", None) is not None:
+        # what the LP weighs, per decision it solved (the problem's numbering), and a
+        # way back to a whole plan from a rounding of those (the eliminated decisions
+        # take their best answer to it)
+        sol.support = {t: (red.kept[t][w > 1e-7], w[w > 1e-7]) for t, w in sol.fractions.items()}
+        pos = {t: {int(k): i for i, k in enumerate(red.kept[t])} for t in sol.fractions}
+
+        def complete(rounded: dict) -> dict:
+            local = back_substitute(steps, {t: pos[t][k] for t, k in rounded.items()})
+            return {t: int(red.kept[t][k]) for t, k in local.items()}
+        sol.complete = complete
     if sol.choice or not unary:
         local = back_substitute(steps, sol.choice)
         sol.choice = {t: int(red.kept[t][k]) for t, k in local.items()}
         sol.objective += offset
-        sol.bound += offset
+        sol.bound += offset - red.tie   # (the solver's bound counts the tie-break; the plan's time does not)
         if steps:
             sol.status += f"; {len(steps)} of {len(red.unary)} decisions eliminated exactly first"
     sol.seconds = time.perf_counter() - t0
@@ -199,7 +224,7 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
 
 
 def _milp(unary: dict, edges: list, kept: dict, memory_rows, limit, time_limit, rel_gap,
-          lp_first: bool) -> Solution:
+          lp_first: bool, relax: bool = False) -> Solution:
     """The MILP over what is left; the choice in kept numbering ({} if infeasible)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
@@ -288,6 +313,16 @@ def _milp(unary: dict, edges: list, kept: dict, memory_rows, limit, time_limit, 
     constraints = [LinearConstraint(A, lo, hi)]
     bounds = Bounds(np.zeros(n), upper)
     res, how = None, ""
+    if relax:
+        res = milp(c / scale, integrality=np.zeros(n), bounds=bounds, constraints=constraints, options=options)
+        if res.x is None:
+            return Solution({}, float("inf"), float("inf"), float("inf"), res.message, time.perf_counter() - t0, n, nx)
+        choice = {t: int(np.argmax(res.x[xoff[t]:xoff[t] + len(unary[t])])) for t in temps}
+        out = Solution(choice, float(res.fun) * scale, float(res.fun) * scale, 0.0,
+                       "LP relaxation with the memory rows, rounded", time.perf_counter() - t0, n, nx)
+        out.rounded = bool(np.abs(res.x[:nx] - np.round(res.x[:nx])).max(initial=0.0) >= 1e-7)
+        out.fractions = {t: res.x[xoff[t]:xoff[t] + len(unary[t])] for t in temps}
+        return out
     if lp_first:
         lp = milp(c / scale, integrality=np.zeros(n), bounds=bounds, constraints=constraints, options=options)
         if lp.x is not None and np.abs(lp.x[:nx] - np.round(lp.x[:nx])).max(initial=0.0) < 1e-7:

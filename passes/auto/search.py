@@ -10,7 +10,8 @@ propagation with their boundary pinned to the loop op's searched layouts.
 How: build the problem (``problem.py``), reduce it and solve it (``milp.py``);
 under a memory limit, solve, find the program point where the plan's modeled
 live bytes peak, and if that is over the limit add that point's constraint and
-solve again (the constraint is exact; only the points that bind are ever added).
+solve again (the constraint is exact; only the points that bind are ever added);
+the constraints' LP relaxation first, rounded, kept where proven near its bound.
 On a device-count mesh with nothing pinned, every arrangement of the devices into
 one or two axes is searched and the cheapest plan kept.
 """
@@ -46,6 +47,11 @@ EXACT_OPS = 150
 # memory round); when they run out it returns the best plan found that fits (a hand
 # plan where the rounds found none) with its proven gap
 TIME_BUDGET = 20.0
+# under a limit, the memory rows' LP relaxation is solved first and rounded; a rounded plan
+# that fits and is proven within this fraction of the LP's bound is kept (the exact MILP
+# with the rows took 7-20 s on the 2-layer GPT step where its LP takes about 1.5 s and its
+# rounding was 0.3% above the MILP's optimum)
+RELAXED_GAP = 0.05
 
 
 @dataclass
@@ -120,9 +126,13 @@ class SearchStrategies:
     def __init__(self, cost: CostModel = DEFAULT_COST, memory_limit: Optional[int] = None,
                  time_limit: Optional[float] = 60.0, allow_reduce_scatter: bool = True,
                  memory_method: str = "exact", memory_tolerance: float = 0.01, exact_ops: int = EXACT_OPS,
-                 time_budget: Optional[float] = TIME_BUDGET, deadline: Optional[float] = None):
+                 time_budget: Optional[float] = TIME_BUDGET, deadline: Optional[float] = None,
+                 relaxed_gap: Optional[float] = RELAXED_GAP):
         """``deadline``: when the budget ends (``time.perf_counter()``), where the searches of
-        one compile share it; None: ``time_budget`` seconds from each call."""
+        one compile share it; None: ``time_budget`` seconds from each call. ``relaxed_gap``:
+        under a limit, a rounded LP plan proven within this of the best is kept without
+        the exact rows (None: the exact rows always)."""
+        self.relaxed_gap = relaxed_gap
         self.cost = cost
         self.time_budget = time_budget
         self.deadline = deadline
@@ -221,7 +231,11 @@ class SearchStrategies:
             sol = milp.solve(red, time_limit=self.time_limit)
             sol.rounds = 1
         else:
-            sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest, start)
+            # the rows where the hand plans over the limit peak: the LP rounds start from
+            # them (the unlimited optimum, like DP, peaks where the arguments and the
+            # activations meet), rather than from the unlimited solve
+            over = [memory.peak(h.choice)[1] for h in plans if h.choice is not None and not h.fits]
+            sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest, start, seed=over)
             if sol is None and start is None:
                 return problem, None, smallest
         small = follow and share_layers and len(graph.ops) <= self.exact_ops
@@ -270,8 +284,11 @@ class SearchStrategies:
         return left if self.time_limit is None else min(self.time_limit, left)
 
     def _solve_under_limit(self, red, problem: Problem, memory: "_Liveness", limit: float, smallest: tuple,
-                           start=None):
-        """(solution that fits or None, the smallest-peak plan met). The exact rows: solve,
+                           start=None, seed=()):
+        """(solution that fits or None, the smallest-peak plan met). First, from the rows
+        ``seed`` gives (where the hand plans over the limit peak), the rows' LP
+        relaxation, rounded (``_relaxed_round``): a rounded plan that fits within
+        ``relaxed_gap`` of the LP's bound is kept. Then the exact rows: solve,
         add the row where the plan peaks over the limit, solve again. With
         ``memory_method="lagrange"`` the multipliers (``lagrange.py``) go first, and their
         plan is kept where it is proven within ``memory_tolerance`` of the best; either
@@ -301,14 +318,33 @@ class SearchStrategies:
         rows = list(lag.rows) if lag is not None else []
         exact_seconds = 0.0
         self._bound = 0.0
+        relaxed = self.relaxed_gap is not None   # (LP rounds first, while they make progress)
+        points: set = set()
+        if relaxed:
+            for at in seed:
+                if at not in points:
+                    rows.append(memory.row(at))
+                    points.add(at)
+        found = None   # the cheapest rounded LP plan that fits: (time, Solution)
         for k in range(MAX_MEMORY_ROUNDS):
             left = self._left()
-            if left is not None and left <= 0.05 and start is not None:
-                break   # (the budget is spent: the hand plan, with the bound so far)
+            if left is not None and left <= 0.05 and (start is not None or found is not None):
+                break   # (the budget is spent: the best plan so far, with the bound so far)
+            if relaxed and rows:
+                step = self._relaxed_round(red, problem, memory, rows, points, limit, left)
+                exact_seconds += step[2]
+                if step[0] is not None and (found is None or step[0][0] < found[0]):
+                    found = step[0]
+                if found is not None and (found[1].gap <= self.relaxed_gap or step[1] == "optimal"):
+                    found[1].seconds, found[1].rounds = exact_seconds, k + 1
+                    return found[1], smallest
+                if step[1] == "more":
+                    continue   # (a new row; solve the relaxation again)
+                relaxed = False   # (the exact rows from here; the rounded plan is their fallback)
             try:
                 sol = milp.solve(red, rows, limit, None if left is None else max(left, 0.5))
             except ShardingError:   # the time limit, before any plan
-                if start is not None:
+                if start is not None or found is not None:
                     break
                 lag = lag or multipliers()
                 if lag.choice is None:
@@ -320,6 +356,9 @@ class SearchStrategies:
             if np.isfinite(sol.bound):   # (each round's problem relaxes the next, and the limit's)
                 self._bound = max(self._bound, sol.bound)
             peak, at = memory.peak(sol.choice)
+            if found is not None and peak <= limit and problem.objective(sol.choice) >= found[0]:
+                sol.choice = found[1].choice   # (the exact solve stopped at its time limit above the rounded plan)
+                sol.status += f"; the rounded LP plan kept ({found[1].status})"
             if peak <= limit:
                 if lag is not None and lag.choice is not None and lag.objective < problem.objective(sol.choice):
                     sol.choice = lag.choice   # (the exact solve hit its time limit above the multipliers' plan)
@@ -331,8 +370,13 @@ class SearchStrategies:
                     sol.bound = max(sol.bound, lag.bound)
                 return sol, smallest
             rows.append(memory.row(at))
+            points.add(at)
             if peak < smallest[0]:
                 smallest = (peak, sol.choice)
+        if found is not None:   # (the exact rows ran out of time; the rounded LP plan that fits)
+            found[1].seconds, found[1].rounds = exact_seconds, k + 1
+            found[1].status += "; the exact rows found none cheaper within the time budget"
+            return found[1], smallest
         if lag is not None and lag.choice is not None:   # (only where an exact solve ran out of time)
             sol = milp.Solution(lag.choice, lag.objective, lag.bound, lag.gap,
                                 f"Lagrange multipliers ({lag.iterations} solves), within {lag.gap:.2%} of the lower "
@@ -341,6 +385,44 @@ class SearchStrategies:
             sol.rounds = lag.iterations + k
             return sol, smallest
         return None, smallest
+
+    def _relaxed_round(self, red, problem: Problem, memory: "_Liveness", rows: list, points: set, limit: float,
+                       left: Optional[float]) -> tuple:
+        """One LP round under the memory rows: the LP relaxation (its optimum is a lower
+        bound on every plan that fits), rounded two ways (each decision to its heaviest
+        candidate; to the one holding the fewest bytes in the rows). ((time, Solution)
+        of the cheaper rounding that fits, or None; what next: "optimal" (the LP was
+        integral and its plan fits), "more" (no rounding fits, and a new row was added at
+        a point where one peaks), "exact" (the exact rows must go on); seconds)."""
+        try:
+            lp = milp.solve(red, rows, limit, None if left is None else max(left, 0.5), relax=True)
+        except ShardingError:   # (its time limit: the exact rows decide, or the fallbacks)
+            return None, "exact", 0.0
+        if not lp.choice:
+            return None, "exact", lp.seconds
+        if np.isfinite(lp.bound):   # (a relaxation of the problem under the limit)
+            self._bound = max(self._bound, lp.bound)
+        best, new_points = None, []
+        for choice in _roundings(lp, rows, memory, limit):
+            peak, at = memory.peak(choice)
+            if peak <= limit:
+                t = problem.objective(choice)
+                if best is None or t < best[0]:
+                    best = (t, choice)
+            elif at not in points and at not in new_points:
+                new_points.append(at)
+        if best is not None:
+            t, choice = best
+            gap = max(0.0, (t - self._bound) / t) if t else 0.0
+            how = "its optimum is integral" if not lp.rounded else f"rounded, within {gap:.2%} of its bound"
+            sol = milp.Solution(choice, t, self._bound, gap if lp.rounded else 0.0,
+                                f"LP relaxation under {len(rows)} memory rows ({how})", lp.seconds, lp.variables,
+                                lp.binaries)
+            return (t, sol), "exact" if lp.rounded else "optimal", lp.seconds
+        for at in new_points[:1]:
+            rows.append(memory.row(at))
+            points.add(at)
+        return None, "more" if new_points else "exact", lp.seconds
 
     def _settle(self, graph: Graph, problem: Problem, sol) -> float:
         """The solved plan, priced (its objective without the solver's tie-break); its peak."""
@@ -482,6 +564,42 @@ def _words(st, op, mesh) -> str:
     ins = tuple(st.operand_layout(m, v.type.rank, mesh).splits(mesh) for m, v in enumerate(op.inputs))
     axes = ", ".join("{" + ",".join(a) + "}" for a in st.factors)
     return f"{ins} factors [{axes}]"
+
+
+def _roundings(lp, rows: list, memory: "_Liveness", limit: float, tries: int = 3) -> list:
+    """Plans from a fractional LP under memory rows: each decision to its heaviest
+    candidate, then, where that is over the limit, more and more of the fractional
+    decisions to the candidate the LP weighs that holds the fewest bytes in the rows,
+    the most weighted first; the first prefix that fits (bisected: the bytes fall as it
+    grows) and the ``tries`` - 1 after it."""
+    heavy, switch = {}, []
+    for t, (cands, w) in lp.support.items():
+        h = int(cands[int(np.argmax(w))])
+        heavy[t] = h
+        held = sum((row.nodes[t][cands] for row in rows if t in row.nodes), np.zeros(len(cands)))
+        lean = int(np.argmin(held - 1e-9 * w))   # (ties: the heavier)
+        if int(cands[lean]) != h and held[lean] < held[int(np.argmax(w))]:
+            switch.append((-float(w[lean]), t, int(cands[lean])))
+    switch.sort()
+
+    def plan(j: int) -> dict:
+        choice = dict(heavy)
+        for _, t, k in switch[:j]:
+            choice[t] = k
+        return lp.complete(choice)
+    out = [plan(0)]
+    if not switch or memory.peak(out[0])[0] <= limit:
+        return out
+    lo, hi = 0, len(switch)   # plan(lo) is over; find the first j that fits
+    if memory.peak(plan(hi))[0] > limit:
+        return out + [plan(hi)]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if memory.peak(plan(mid))[0] <= limit:
+            hi = mid
+        else:
+            lo = mid
+    return out + [plan(j) for j in range(hi, min(hi + tries, len(switch) + 1))]
 
 
 class _Liveness:
