@@ -432,7 +432,9 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
     pipeline: ``sp.Pipeline(microbatches=..., schedule=...)`` pipelines the step over the
         mesh's ``pp`` axis (``compiler/pipeline_step.py``; docs/guide/pipeline.md): the
         ``batch_argnums`` are split into micro-batches, the stages are cut at
-        ``sp.stage_boundary`` marks; returns a ``PipelineFunction``.
+        ``sp.stage_boundary`` marks; returns a ``PipelineFunction``. Other mesh axes run
+        each stage's work: ``mode`` ("sharding_propagation" or "semi_auto") plans the
+        ``sp.shard`` marks on them, ``shard_optimizer_state`` is ZeRO-1 over ``dp``.
     """
     if pipeline is not None:
         # what a pipelined step does not take yet is refused by name, never dropped

@@ -52,6 +52,7 @@ from .jaxpr_import import INLINE
 from .source_lines import source_of
 
 PARTIAL_PRODUCERS = ("reduce_sum", "dot_general", "conv_general_dilated")
+LAYOUT_MOVE = "sp_layout_move"   # compiler/pipeline_submesh.py's scope of a plan's collectives
 # ops linear in each operand a cotangent flows through (the backward of a step is built of these)
 LINEAR = {"mul", "add", "add_any", "sub", "neg", "dot_general", "transpose", "reshape", "broadcast_in_dim",
           "reduce_sum", "convert_element_type", "select_n", "concatenate", "pad", "slice", "dynamic_slice",
@@ -260,7 +261,6 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
                 continue
             first.add(i)
             stack += [b for b in jaxpr.eqns[i].invars if not isinstance(b, jcore.Literal)]
-    rd = lambda a: None if isinstance(a, jcore.Literal) else a
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [a for a in eqn.invars if not isinstance(a, jcore.Literal)]
         kinds = [kind[a] for a in ins]
@@ -332,12 +332,13 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
             for o in eqn.outvars:
                 kind[o], vstage[o], vphase[o] = ("acc" if batched_in else MB), st, ph
         # slicing / concatenating along the batch dim changes which rows a micro-batch holds
+        # (a planned program's own local slice to this rank's block of the rows is a layout move)
         if eqn.primitive.name in ("slice", "pad", "concatenate", "dynamic_slice", "gather", "rev", "sort",
-                                  "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp") and m > 1:
+                                  "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp") and m > 1 \
+                and LAYOUT_MOVE not in str(eqn.source_info.name_stack):
             o = eqn.outvars[0]
             for a in ins:
                 if bdim.get(a) is not None and bdim.get(o) is not None:
-                    ja = j_global.jaxpr
                     gsz = None
                     if eqn.primitive.name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort",
                                               "rev"):

@@ -11,6 +11,12 @@ and optimizer state) come back as ``PackedLeaf`` objects in the user's pytree; e
 indexes a ``(p, size)`` array split over the pipeline axis, so a stage's parameters stay
 on its rank between steps. Pass them back to the step as they are (read in place);
 ``sp.to_numpy(leaf)`` / ``np.asarray(leaf)`` or :func:`unpack` give values.
+
+Other mesh axes: ``"dp"`` alone splits each micro-batch over its devices. Tensor-parallel
+axes (or ZeRO-1, ``shard_optimizer_state``) have the step planned once on the axes beside
+the pipeline's by the non-pipeline passes (``compiler/pipeline_submesh.py``); the
+analysis and the lowering then work on that per-rank program, and the state is packed
+per (pipeline rank, sub-mesh rank) as local blocks.
 """
 from __future__ import annotations
 
@@ -347,13 +353,7 @@ class PipelineFunction:
         from .trace import input_names
         spec = _resolve((self.sub_sizes, self.sub_axes))
         jmesh = spec.jax_mesh()
-        names = [f"arg{i}" for i in range(len(avals))]
-        try:
-            import inspect
-            args_abs = jax.tree.unflatten(treedef, list(avals))
-            names = input_names(self.fn, args_abs, {}) if not isinstance(args_abs, dict) else names
-        except Exception:   # names are for messages only
-            pass
+        names = input_names(self.fn, tuple(jax.tree.unflatten(treedef, list(avals))), {})
         batch_argnums = self._batch_argnums(treedef)
 
         def planned(closed, leaves):
@@ -404,7 +404,6 @@ class PipelineFunction:
                                     f"{v.aval.shape} array per micro-batch): not yet supported beside a planned "
                                     "sub-mesh; return a reduced value (a loss), or pipeline over 'pp' (and 'dp') only")
             if s_[0] == "float":
-                i = prog.an.producer.get(v)
                 reads = prog._reads(prog.float_idxs)
                 split = [r for r in reads if r in prog.invar_index and any(prog.sub.in_dims[prog.invar_index[r]])]
                 if split:

@@ -24,6 +24,7 @@ comes back in the layout the next step reads.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from jax._src.lax.lax import copy_p
 from jax.extend import core as jcore
 
 from ..ir.errors import ShardingError
+from ..ir.graph import is_collective
 from ..runtime.lower import partition_spec, run_op
 from .jaxpr_import import import_jaxpr
 from .pipeline import Options, run_pipeline
@@ -40,6 +42,9 @@ from .stages import stage_boundary_p
 from .state import optimizer_state_pins, state_ties
 
 TAG = "sp_stage_boundary"
+# the scope of the equations of the plan's own collectives and local slices: a slice of a
+# micro-batch's rows to this rank's block is a layout move, not a batch-mixing op
+LAYOUT_MOVE = "sp_layout_move"
 _TAG_RE = re.compile(TAG + r"\.(forward|backward)\.(\d+)")
 
 
@@ -141,7 +146,8 @@ def per_rank_jaxpr(graph, jax_mesh):
     """The localized graph replayed on local blocks inside a ``shard_map`` over the
     sub-mesh and traced: the body's jaxpr (local shapes, the plan's collectives, the
     stage marks back as ``stage_boundary`` equations with their ``cut``). Each op's
-    equations carry the user's source line, for the pipeline analysis' errors."""
+    equations carry the user's source line, for the pipeline analysis' errors; the
+    collectives' equations are in the ``sp_layout_move`` scope."""
     axes = graph.mesh.axis_names
 
     def read(env, v):
@@ -154,7 +160,8 @@ def per_rank_jaxpr(graph, jax_mesh):
             src = op.__dict__.get("_source")
             tb = getattr(getattr(src, "info", None), "traceback", None)
             mark = getattr(op, "pipeline_mark", None)
-            with source_info_util.user_context(tb):
+            with source_info_util.user_context(tb), \
+                    (jax.named_scope(LAYOUT_MOVE) if is_collective(op) else contextlib.nullcontext()):
                 if mark is not None:
                     outs = stage_boundary_p.bind(*ins, direction=mark[0], cut=mark[1])
                 else:

@@ -29,6 +29,11 @@ only its own stage's parameters. Outputs computed by a rank's ``once`` ops come 
 packed the same way (``PackedLeaf`` objects that index the array; passing them back to
 the step reads them in place).
 
+With a sub-mesh (``SubMesh``: the program is a per-rank program planned on the mesh axes
+beside the pipeline's, ``compiler/pipeline_submesh.py``) every mesh axis is manual: the
+state is a ``(p, ranks, size)`` array of each rank's local blocks, and replicated inputs,
+the batch and replicated outputs go in and out under their planned layouts.
+
 Nothing here imports ``compiler/``: the analysis is duck-typed.
 """
 from __future__ import annotations
@@ -582,7 +587,7 @@ class PipelineProgram:
         j, lo = self.j, self.an.literal_override
         for i in idxs:
             eqn = j.eqns[i]
-            ins = [lo.get((i, q), _literal(a.val)) if isinstance(a, jcore.Literal) else env[a]
+            ins = [_literal(lo.get((i, q), a.val)) if isinstance(a, jcore.Literal) else env[a]
                    for q, a in enumerate(eqn.invars)]
             params = eqn.primitive.get_bind_params(eqn.params)
             outs = eqn.primitive.bind(*ins, **params)
