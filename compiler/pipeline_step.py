@@ -349,20 +349,23 @@ class PipelineFunction:
         inputs after the user's leaves). One plan must serve every batch size."""
         from ..runtime.mesh import resolve_mesh as _resolve
         from ..runtime.pipeline_lower import SubMesh
-        from .pipeline_submesh import plan_submesh
+        from .pipeline_submesh import plan_submesh, zero_pins
         from .trace import input_names
         spec = _resolve((self.sub_sizes, self.sub_axes))
         jmesh = spec.jax_mesh()
         names = input_names(self.fn, tuple(jax.tree.unflatten(treedef, list(avals))), {})
         batch_argnums = self._batch_argnums(treedef)
 
+        pins = zero_pins(jm, names, ir_mesh=spec.ir_mesh, batch_mask=mask, arg_leaves=list(micro),
+                         args_tree=treedef, mode=self.mode, zero_axes=self.zero_axes,
+                         optimizer_argnums=self.optimizer_argnums) if self.zero_axes else {}
+
         def planned(closed, leaves):
             outs = jax.tree.unflatten(out_tree, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
                                                  for v in closed.jaxpr.outvars])
             return plan_submesh(closed, names, ir_mesh=spec.ir_mesh, jax_mesh=jmesh, batch_mask=mask,
                                 arg_leaves=list(leaves), args_tree=treedef, out_shape=outs, mode=self.mode,
-                                zero_axes=self.zero_axes, optimizer_argnums=self.optimizer_argnums,
-                                batch_argnums=batch_argnums)
+                                pins=pins, batch_argnums=batch_argnums)
         pg = planned(jg, avals)
         pm = planned(jm, micro) if jm is not jg else pg
         ps = pg if js is jg else planned(js, doubled)

@@ -17,9 +17,8 @@ its result on the other, and a copy has one layout in and out: both stages see t
 layout.
 
 Pins: the batch leaves split on dim 0 over ``"dp"`` (when the sub-mesh has it); with
-ZeRO-1 (``shard_optimizer_state``) the optimizer state split on its first dim over
-``"dp"`` (``compiler/state.py`` ``optimizer_state_pins``, as without a pipeline); every
-state output is tied to the layout of the input it replaces, so the new state
+ZeRO-1 (``shard_optimizer_state``) the optimizer state in its parameter's planned layout
+with ``"dp"`` added (:func:`zero_pins`); every state output is tied to the layout of the input it replaces, so the new state
 comes back in the layout the next step reads.
 """
 from __future__ import annotations
@@ -39,7 +38,8 @@ from ..runtime.lower import partition_spec, run_op
 from .jaxpr_import import import_jaxpr
 from .pipeline import Options, run_pipeline
 from .stages import stage_boundary_p
-from .state import optimizer_state_pins, state_ties
+from .fsdp import planned_input_layouts, storage_layout
+from .state import leaf_indices, optimizer_state_pins, state_ties
 
 TAG = "sp_stage_boundary"
 # the scope of the equations of the plan's own collectives and local slices: a slice of a
@@ -108,16 +108,9 @@ class SubmeshProgram:
     graph: object
 
 
-def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, args_tree, out_shape,
-                 mode: str = "sharding_propagation", zero_axes=(), optimizer_argnums=(1,),
-                 batch_argnums=()) -> SubmeshProgram:
-    """Plan ``closed`` (the step traced at some batch size, calls inlined) on the sub-mesh
-    and return its per-rank program. ``arg_leaves``/``args_tree``: the step's arguments
-    (abstract), for the pins; ``out_shape``: its outputs' shapes (for the state ties)."""
-    marked = marks_as_copies(closed)
-    args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
-
-    graph = import_jaxpr(marked, ir_mesh, names, "pipelined_step")
+def _imported(closed, names, ir_mesh, batch_mask, arg_leaves):
+    """The step as a Graph on the sub-mesh: marks as tagged copies, batch pinned over dp."""
+    graph = import_jaxpr(marks_as_copies(closed), ir_mesh, names, "pipelined_step")
     for op in graph.ops:
         mark = _mark_of(op)
         if mark is not None:
@@ -127,11 +120,42 @@ def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, ar
         for i, (x, b) in enumerate(zip(arg_leaves, batch_mask)):
             if b:
                 graph.pinned_inputs[i] = ("axes", (("dp",),) + ((),) * (len(x.shape) - 1))
-    if zero_axes:
-        # ZeRO-1 as parallelize spells it without a pipeline: the optimizer state split on
-        # its first dim over the dp axes (pinning the parameters to the layouts of a plan
-        # without ZeRO instead made the plan differ between the batch and a micro-batch)
-        graph.pinned_inputs.update(optimizer_state_pins(args, optimizer_argnums, ir_mesh, tuple(zero_axes)))
+    return graph
+
+
+def zero_pins(closed, names, *, ir_mesh, batch_mask, arg_leaves, args_tree, mode: str, zero_axes,
+              optimizer_argnums=(1,), param_argnums=(0,)) -> dict:
+    """ZeRO-1 beside tensor parallelism: input index -> the layout of each optimizer-state
+    leaf. A leaf that mirrors a parameter (its path inside the optimizer state ends with
+    the parameter's path, same shape: Adam's mu and nu) takes the layout the plan without
+    ZeRO gives that parameter (the marks' mp splits) with the ``zero_axes`` added on a free
+    dim (``compiler/fsdp.py`` ``storage_layout``), so it is split over dp x mp; any other
+    leaf is split on its first dim over dp where that divides (``optimizer_state_pins``).
+    One set of pins for every batch size's plan."""
+    args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
+    planned = planned_input_layouts(_imported(closed, names, ir_mesh, batch_mask, arg_leaves), Options(mode=mode))
+    flat = jax.tree_util.tree_flatten_with_path(tuple(args))[0]
+    inner = [jax.tree_util.keystr(kp[1:]) for kp, _ in flat]
+    params = leaf_indices(args, param_argnums)
+    pins = optimizer_state_pins(args, optimizer_argnums, ir_mesh, tuple(zero_axes))
+    for i in leaf_indices(args, optimizer_argnums):
+        shape = tuple(arg_leaves[i].shape)
+        mirrors = [q for q in params if inner[i].endswith(inner[q]) and tuple(arg_leaves[q].shape) == shape]
+        if mirrors and shape:
+            q = max(mirrors, key=lambda q: len(inner[q]))
+            pins[i] = storage_layout(planned[q].without_partial(), shape, ir_mesh, tuple(zero_axes))
+    return pins
+
+
+def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, args_tree, out_shape,
+                 mode: str = "sharding_propagation", pins=None, batch_argnums=()) -> SubmeshProgram:
+    """Plan ``closed`` (the step traced at some batch size, calls inlined) on the sub-mesh
+    and return its per-rank program. ``arg_leaves``/``args_tree``: the step's arguments
+    (abstract), for the pins; ``out_shape``: its outputs' shapes (for the state ties);
+    ``pins``: more input layouts (ZeRO-1's, :func:`zero_pins`)."""
+    args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
+    graph = _imported(closed, names, ir_mesh, batch_mask, arg_leaves)
+    graph.pinned_inputs.update(pins or {})
     state = [a for a in range(len(args)) if a not in batch_argnums]
     graph.tied_outputs = state_ties(args, state, out_shape)
     graph = run_pipeline(graph, Options(mode=mode)).graph

@@ -81,14 +81,17 @@ def test_gpt_pp2_dp2_mp2_zero1_equals_one_device():
     pstep = sp.parallelize(step, mesh=((2, 2, 2), ("pp", "dp", "mp")), batch_argnums=(2, 3),
                            shard_optimizer_state=True, pipeline=sp.Pipeline(microbatches=2, schedule="1f1b"))
     assert_matches_one_device(step, params, opt_state, data, pstep)
-    # ZeRO-1: every optimizer-state leaf that splits is split over dp
+    # ZeRO-1: every optimizer-state leaf that splits is split over dp, on top of its
+    # parameter's mp split (Adam's mu and nu of an mp-split weight: over dp x mp)
     prog = pstep.plan(params, opt_state, *data).program
+    paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path((params, opt_state))[0]]
     n_params = len(jax.tree.leaves(params))
-    opt_leaves = jax.tree.leaves(opt_state)
-    for i, leaf in enumerate(opt_leaves):
-        dims = prog.sub.in_dims[n_params + i]
-        if np.ndim(leaf) and np.shape(leaf)[0] % 2 == 0:
-            assert "dp" in dims[0], (i, np.shape(leaf), dims)
+    for i, leaf in enumerate(jax.tree.leaves(opt_state)):
+        axes = sum(prog.sub.in_dims[n_params + i], ())
+        if np.ndim(leaf):
+            assert "dp" in axes, (paths[n_params + i], axes)
+        if paths[n_params + i].endswith("['w1']"):
+            assert set(axes) == {"dp", "mp"}, (paths[n_params + i], axes)
 
 
 def held_and_stage_params(prog, n_params: int, d: int) -> tuple:
