@@ -356,13 +356,16 @@ class PipelineFunction:
         names = input_names(self.fn, tuple(jax.tree.unflatten(treedef, list(avals))), {})
         batch_argnums = self._batch_argnums(treedef)
 
+        def outs_of(closed):
+            return jax.tree.unflatten(out_tree, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                                 for v in closed.jaxpr.outvars])
         pins = zero_pins(jm, names, ir_mesh=spec.ir_mesh, batch_mask=mask, arg_leaves=list(micro),
-                         args_tree=treedef, mode=self.mode, zero_axes=self.zero_axes,
-                         optimizer_argnums=self.optimizer_argnums) if self.zero_axes else {}
+                         args_tree=treedef, out_shape=outs_of(jm), mode=self.mode, zero_axes=self.zero_axes,
+                         optimizer_argnums=self.optimizer_argnums, batch_argnums=batch_argnums) \
+            if self.zero_axes else {}
 
         def planned(closed, leaves):
-            outs = jax.tree.unflatten(out_tree, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                                                 for v in closed.jaxpr.outvars])
+            outs = outs_of(closed)
             return plan_submesh(closed, names, ir_mesh=spec.ir_mesh, jax_mesh=jmesh, batch_mask=mask,
                                 arg_leaves=list(leaves), args_tree=treedef, out_shape=outs, mode=self.mode,
                                 pins=pins, batch_argnums=batch_argnums)

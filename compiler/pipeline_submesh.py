@@ -38,7 +38,7 @@ from ..runtime.lower import partition_spec, run_op
 from .jaxpr_import import import_jaxpr
 from .pipeline import Options, run_pipeline
 from .stages import stage_boundary_p
-from .fsdp import planned_input_layouts, storage_layout
+from .fsdp import storage_layout
 from .state import leaf_indices, optimizer_state_pins, state_ties
 
 TAG = "sp_stage_boundary"
@@ -123,21 +123,25 @@ def _imported(closed, names, ir_mesh, batch_mask, arg_leaves):
     return graph
 
 
-def zero_pins(closed, names, *, ir_mesh, batch_mask, arg_leaves, args_tree, mode: str, zero_axes,
-              optimizer_argnums=(1,), param_argnums=(0,)) -> dict:
-    """ZeRO-1 beside tensor parallelism: input index -> the layout of each optimizer-state
-    leaf. A leaf that mirrors a parameter (its path inside the optimizer state ends with
-    the parameter's path, same shape: Adam's mu and nu) takes the layout the plan without
-    ZeRO gives that parameter (the marks' mp splits) with the ``zero_axes`` added on a free
-    dim (``compiler/fsdp.py`` ``storage_layout``), so it is split over dp x mp; any other
-    leaf is split on its first dim over dp where that divides (``optimizer_state_pins``).
-    One set of pins for every batch size's plan."""
+def zero_pins(closed, names, *, ir_mesh, batch_mask, arg_leaves, args_tree, out_shape, mode: str, zero_axes,
+              optimizer_argnums=(1,), param_argnums=(0,), batch_argnums=()) -> dict:
+    """ZeRO-1 beside tensor parallelism: input index -> layout, for the parameters and the
+    optimizer state. The plan without ZeRO gives each parameter its layout (the marks' mp
+    splits); the parameters keep it (not split over dp: ZeRO-1, not 3), and an
+    optimizer-state leaf that mirrors a parameter (its path inside the optimizer state
+    ends with the parameter's path, same shape: Adam's mu and nu) takes it with the
+    ``zero_axes`` added on a free dim (``compiler/fsdp.py`` ``storage_layout``), so it is
+    split over dp x mp; any other leaf is split on its first dim over dp where that
+    divides (``optimizer_state_pins``). One set of pins for every batch size's plan."""
     args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
-    planned = planned_input_layouts(_imported(closed, names, ir_mesh, batch_mask, arg_leaves), Options(mode=mode))
+    plain = plan_submesh(closed, names, ir_mesh=ir_mesh, jax_mesh=None, batch_mask=batch_mask, arg_leaves=arg_leaves,
+                         args_tree=args_tree, out_shape=out_shape, mode=mode, batch_argnums=batch_argnums).graph
+    planned = {i: v.layout for i, v in enumerate(plain.inputs)}
     flat = jax.tree_util.tree_flatten_with_path(tuple(args))[0]
     inner = [jax.tree_util.keystr(kp[1:]) for kp, _ in flat]
     params = leaf_indices(args, param_argnums)
-    pins = optimizer_state_pins(args, optimizer_argnums, ir_mesh, tuple(zero_axes))
+    pins = {q: planned[q].without_partial() for q in params}
+    pins.update(optimizer_state_pins(args, optimizer_argnums, ir_mesh, tuple(zero_axes)))
     for i in leaf_indices(args, optimizer_argnums):
         shape = tuple(arg_leaves[i].shape)
         mirrors = [q for q in params if inner[i].endswith(inner[q]) and tuple(arg_leaves[q].shape) == shape]
@@ -159,6 +163,8 @@ def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, ar
     state = [a for a in range(len(args)) if a not in batch_argnums]
     graph.tied_outputs = state_ties(args, state, out_shape)
     graph = run_pipeline(graph, Options(mode=mode)).graph
+    if jax_mesh is None:   # the plan only
+        return SubmeshProgram(None, [], [], [], [], [], [], graph)
     return SubmeshProgram(per_rank_jaxpr(graph, jax_mesh), [partition_spec(v.layout) for v in graph.inputs],
                           [partition_spec(v.layout) for v in graph.outputs],
                           [tuple(v.layout.dims) for v in graph.inputs], [tuple(v.layout.dims) for v in graph.outputs],

@@ -92,6 +92,13 @@ def test_gpt_pp2_dp2_mp2_zero1_equals_one_device():
             assert "dp" in axes, (paths[n_params + i], axes)
         if paths[n_params + i].endswith("['w1']"):
             assert set(axes) == {"dp", "mp"}, (paths[n_params + i], axes)
+    # every exchange over dp (the gradients' reduce-scatter, the parameters' gather, the
+    # loss) runs once per step, after the last micro-batch; none per micro-batch
+    over_dp = [(e.primitive.name, prog.an.roles[k]) for k, e in enumerate(prog.j.eqns)
+               if e.primitive.name in ("psum", "reduce_scatter", "all_gather", "all_to_all", "ppermute")
+               and "dp" in np.atleast_1d(e.params.get("axes", e.params.get("axis_name")))]
+    assert {n for n, _ in over_dp} >= {"reduce_scatter", "all_gather"}
+    assert all(role == "once" for _, role in over_dp), over_dp
 
 
 def held_and_stage_params(prog, n_params: int, d: int) -> tuple:
