@@ -373,10 +373,7 @@ class PipelineFunction:
         pm = planned(jm, micro) if jm is not jg else pg
         ps = pg if js is jg else planned(js, doubled)
         for other in (pg, ps):
-            if other.in_specs != pm.in_specs or other.out_specs != pm.out_specs:
-                raise ShardingError("the plan of the pipelined step on the mesh axes beside the pipeline's differs "
-                                    "between the batch and a micro-batch (the inputs' or outputs' layouts change); "
-                                    "pin them with sp.shard marks, or use another micro-batch count")
+            self._same_plan(pm, other)
         self._consts = pm.consts
         n_user = len(avals)
         full_mask = tuple(mask) + (False,) * (len(pm.jaxpr.jaxpr.invars) - n_user)
@@ -385,6 +382,28 @@ class PipelineFunction:
                       tuple([gshape(a) for a in avals] + [tuple(np.shape(c)) for c in pm.consts]),
                       tuple(pm.global_out_shapes))
         return pg.jaxpr, pm.jaxpr, ps.jaxpr, sub, full_mask
+
+    @staticmethod
+    def _same_plan(pm, other) -> None:
+        """The analysis reads one program at two batch sizes: the sub-mesh plans of both must
+        agree (propagation prices moves by bytes, so a choice can flip with the rows)."""
+        from .source_lines import source_of
+        if other is pm:
+            return
+        a, b = pm.jaxpr.jaxpr.eqns, other.jaxpr.jaxpr.eqns
+        diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x.primitive != y.primitive),
+                    None if len(a) == len(b) else min(len(a), len(b)))
+        if diff is None and other.in_specs == pm.in_specs and other.out_specs == pm.out_specs:
+            return
+        where = ""
+        if diff is not None and diff < len(a):
+            e = a[diff]
+            other_op = b[diff].primitive.name if diff < len(b) else "nothing"
+            where = f" (first difference: {e.primitive.name} against {other_op} at {source_of(e.source_info)})"
+        raise ShardingError("the plan of the pipelined step on the mesh axes beside the pipeline's differs between "
+                            f"a micro-batch and the whole batch{where}: propagation chose differently at the two "
+                            "sizes, and a pipeline needs one per-rank program for both. Fix the layouts there with "
+                            "sp.shard marks, or use another micro-batch count")
 
     def _state_ties(self, avals, treedef, jg, out_tree) -> dict:
         """{output leaf: input leaf} of the state the step returns (``compiler/state.py``
