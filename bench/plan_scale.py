@@ -128,7 +128,7 @@ def pipeline(a) -> int:
                 times.append(time.perf_counter() - t0)
             times.sort()
             print(f"search alone, {name}: median {times[1]:.2f} s of 3 ({costs[r.best.tp].layers} layers at tp="
-                  f"{r.best.tp}; {len(r.ranked)} ranked, {len(r.rejected)} rejected, {r.pruned} pruned); best "
+                  f"{r.best.tp}; {len(r.ranked)} ranked, {len(r.rejected)} rejected and {r.pruned} pruned); best "
                   f"{r.best.describe()}")
     return 0
 

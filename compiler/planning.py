@@ -118,7 +118,9 @@ class PlanEstimate:
                  f"  gradients        {gib(self.grad_bytes)}",
                  f"  optimizer state  {gib(self.optimizer_bytes)}",
                  f"  other inputs     {gib(self.other_input_bytes)}",
-                 f"  activations      {gib(self.activation_bytes)}   (and temporaries, at the peak)",
+                 f"  activations      {gib(self.activation_bytes)}   " + (
+                     "(of the micro-batches in flight)" if "pipeline" in self.extra else
+                     "(and temporaries, at the peak)"),
                  f"  peak             {gib(self.peak_bytes)}" + (
                      f"   of {self.capacity_bytes / GiB:.0f} GiB: "
                      f"{'fits' if self.peak_bytes <= self.capacity_bytes else 'DOES NOT FIT'}"
@@ -315,6 +317,7 @@ class StageLayers:
     forward_ops: int
     layer_of: dict = field(default_factory=dict, repr=False)   # op -> its layer
     once_ops: frozenset = frozenset()                          # the update's ops
+    layer_link_bytes: tuple = ()  # per layer, {link class: bytes each device sends}, per micro-batch
 
 
 def _op_seconds(op, cost, mesh, resident) -> tuple:
@@ -481,9 +484,13 @@ def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: 
     fwd_fix, bwd_fix = [0.0] * L, [0.0] * L
     act = [0.0] * L
     counted_act = set()
+    sent = [dict() for _ in range(L)]
     for op in graph.ops:
         t, fixed = seconds[op]
         u = unit[op]
+        if is_collective(op) and op.kind != "slice":
+            k = _link_class(cost, tuple(op.params.get("axes") or mesh.axis_names), mesh)
+            sent[u][k] = sent[u].get(k, 0.0) + float(op.params.get("wire_bytes", 0))
         if op in pos:
             fwd_s[u] += t
             fwd_fix[u] += fixed
@@ -511,7 +518,7 @@ def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: 
                        activation_bytes=act, exchange_bytes=[crossing[n] for n in cuts], grad_bytes=grads,
                        update_s=upd_s, forward_fixed_s=fwd_fix, backward_fixed_s=bwd_fix, rows=rows)
     return StageLayers(costs, tuple(param_b), tuple(opt_b), others, graph_flops(graph), link_bytes(graph, cost), plan,
-                       F, unit, frozenset(once))
+                       F, unit, frozenset(once), tuple(sent))
 
 
 def _pipeline_axes(names, sizes, axis: str):
@@ -667,13 +674,15 @@ def _pipeline_estimate(st: StageLayers, best, found, mesh, cost, batch: int, tok
             k = _link_class(cost, axes, mesh)
             links[k] = links.get(k, 0.0) + nbytes
     pp_axis, dp_axis, tp_axis = mesh.axis_names
-    if p > 1:   # a stage sends each micro-batch's activations on and its input's gradient back
-        add((pp_axis,), m * max((ex[a - 1] if a > 0 else 0.0) + (ex[b - 1] if b < len(fwd) else 0.0)
-                                for a, b in cuts.bounds))
+    if p > 1:   # its stages send each micro-batch's activations on and their input's gradient back
+        add((pp_axis,), m * sum((ex[a - 1] if a > 0 else 0.0) + (ex[b - 1] if b < len(fwd) else 0.0)
+                                for a, b in fullest["layers"]))
     from ..passes.cost import wire_bytes
     add((dp_axis,), wire_bytes("all_reduce", fullest["gradients"], best.dp))
-    for k, v in st.link_bytes.items():       # tp's collectives, per micro-batch, scaled to its rows
-        links[k] = links.get(k, 0.0) + v * m * rows / st.costs.rows
+    for a, b in fullest["layers"]:         # tp's collectives of its layers, per micro-batch, scaled to its rows
+        for i in range(a, b):
+            for k, v in st.layer_link_bytes[i].items():
+                links[k] = links.get(k, 0.0) + v * m * rows / st.costs.rows
     busy = sum(cuts.stage_times) * m / best.virtual_stages
     bubble = max(0.0, 1.0 - busy / (p * best.pipeline_s)) if p > 1 and best.pipeline_s else 0.0
     compute = m * max(sum(fwd[i] + bwd[i] for a, b in r["layers"] for i in range(a, b)) for r in ranks)
