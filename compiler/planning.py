@@ -373,7 +373,8 @@ def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: 
       (``_cut_points``) bound the layers;
     - an op reading the optimizer state (or made from one that does) is the **update**
       (once per step); every other op is the **backward** (once per micro-batch). A
-      backward op belongs to the layer of the latest forward value it reads, else to the
+      backward op belongs to the layer of the latest forward value made from the
+      parameters it reads (a one-hot of the targets or a mask locates nothing), else to the
       earliest layer of the values it reads (a gradient flowing down); a forward value's
       layer is its first forward reader's (a recomputed layer's backward reads its input
       and runs with the layer); an update op runs on the layer of the parameter it
@@ -457,6 +458,13 @@ def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: 
     # from constants alone, such as a cotangent's seed, says nothing; an update op reading no
     # parameter waits); then what is left from its readers, in reverse (an optimizer's
     # moments take the layer of the parameter their update writes)
+    # values made from the parameters (the activations' chain); a value made from the batch and
+    # constants alone (a one-hot of the targets, a mask) says nothing of where its readers run
+    params_in = {graph.inputs[i] for i in param_inputs}
+    from_params = set(params_in)
+    for op in graph.ops:
+        if any(v in from_params for v in op.inputs):
+            from_params.update(op.outputs)
     unit, once = {}, set()
     home = {}     # a forward value's layer: its first forward reader's (where the forward used it)
     for op in fops:
@@ -472,7 +480,7 @@ def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: 
             par = [first_reader[v] for v in op.inputs if v in first_reader and inputs.get(v) in param_inputs]
             unit[op] = min(par) if par else None
             continue
-        fwd_in = [home.get(v, unit[producer[v]]) for v in op.inputs if producer.get(v) in pos]
+        fwd_in = [home.get(v, unit[producer[v]]) for v in op.inputs if producer.get(v) in pos and v in from_params]
         rest = [unit[producer[v]] for v in op.inputs if producer.get(v) in unit and unit[producer[v]] is not None]
         par = [first_reader[v] for v in op.inputs if v in first_reader]
         unit[op] = max(fwd_in) if fwd_in else min(rest) if rest else min(par) if par else None
