@@ -1,12 +1,12 @@
 """Predicted against published TFLOP/s per GPU (docs/results/published_runs.md).
 
-Each row of a published table (tensor and data parallel only: rows with pipeline
-stages wait for pipelines in ``sp.plan_step``) is planned with examples/gpt_plan.py's
-GPT (Megatron's marks, mixed precision, full recomputation per layer) on an abstract
-mesh of its size, priced by ``sp.Cluster`` with the GPU's profile (datasheet figures
-and published matmul-efficiency measurements; the run's own published network where it
-differs), and its modeled step time turned into TFLOP/s per GPU with the same formula
-the table used:
+Each row of a published table is planned with examples/gpt_plan.py's GPT (Megatron's
+marks, mixed precision, full recomputation per layer) on an abstract mesh of its size
+(pp x dp x mp where the run had pipeline stages: ``sp.plan_step``'s pipeline search
+picks the cuts and the micro-batch count, the schedule is 1F1B), priced by
+``sp.Cluster`` with the GPU's profile (datasheet figures and published matmul-efficiency
+measurements; the run's own published network where it differs), and its modeled step
+time turned into TFLOP/s per GPU with the same formula the table used:
 
     96 B s L h^2 (1 + s / 6h + V / 16 L h)      (Narayanan et al. 2021, eq. 3)
 
@@ -100,13 +100,38 @@ ROWS = [
         published=135, gpu="a100-80gb", dtype="bfloat16"),
 ]
 
-PENDING = [   # rows that need pipeline stages (PP > 1)
-    ("PaddleNLP GPT-3", "16.31B: 16 heads, hidden 6144, 36 layers, MP 8, PP 2, DP 2, 32 GPUs, batch 512", 60.84),
-    ("PaddleNLP GPT-3", "91B: 32 heads, hidden 8192, 112 layers, MP 8, PP 16, DP 1, 128 GPUs, batch 512", 62.05),
-    ("PaddleNLP GPT-3", "146B: 32 heads, hidden 11264, 96 layers, MP 32, PP 8, DP 2, 512 GPUs, batch 2048", 60.82),
-    ("DLPerf Megatron-LM", "DP_PP_8x1x4_512_1536x16, MP_PP_1x8x4_512_2304x24, 2D_PP_2x4x4_512_2304x24, "
-                           "2D_PP_2x8x2_512_2304x24", None),
-    ("Megatron-LM 2021", "39.1B (PP 2) to 1T (PP 64): Table 1's rows with pipeline stages", None),
+# rows with pipeline stages, planned by sp.plan_step on a pp x dp x mp mesh (pp outermost, as the runs
+# laid ranks out: tensor parallel inside a node); the runs' micro-batch counts are not in the tables,
+# so the pipeline search picks them; the schedule is 1F1B, which every one of these runs had
+ROWS += [
+    Row(name="DP_PP_8x1x4_512_1536x16", heads=16, hidden=1536, layers=16, mp=1, pp=4, dp=8, batch=512,
+        published=32.82, **_dl),
+    Row(name="MP_PP_1x8x4_512_2304x24", heads=24, hidden=2304, layers=24, mp=8, pp=4, dp=1, batch=512,
+        published=21.80, **_dl),
+    Row(name="2D_PP_2x4x4_512_2304x24", heads=24, hidden=2304, layers=24, mp=4, pp=4, dp=2, batch=512,
+        published=31.53, **_dl),
+    Row(name="2D_PP_2x8x2_512_2304x24", heads=24, hidden=2304, layers=24, mp=8, pp=2, dp=2, batch=512,
+        published=29.69, **_dl),
+    # PaddleNLP rows 2-4 (the issue's table)
+    Row(source="PaddleNLP GPT-3", name="16.31B", heads=16, hidden=6144, layers=36, mp=8, pp=2, dp=2, batch=512,
+        published=60.84, gpu="v100-32gb", seq=1024, vocab=50304),
+    Row(source="PaddleNLP GPT-3", name="91B", heads=32, hidden=8192, layers=112, mp=8, pp=16, dp=1, batch=512,
+        published=62.05, gpu="v100-32gb", seq=1024, vocab=50304),
+    Row(source="PaddleNLP GPT-3", name="146B", heads=32, hidden=11264, layers=96, mp=32, pp=8, dp=2, batch=2048,
+        published=60.82, gpu="v100-32gb", seq=1024, vocab=50304),
+    # Megatron-LM 2021 Table 1, the rows with pipeline stages (DP = GPUs / (TP x PP))
+    Row(source="Megatron-LM 2021", name="39.1B", heads=64, hidden=8192, layers=48, mp=8, pp=2, dp=32, batch=1536,
+        published=138, gpu="a100-80gb", dtype="bfloat16"),
+    Row(source="Megatron-LM 2021", name="76.1B", heads=80, hidden=10240, layers=60, mp=8, pp=4, dp=32, batch=1792,
+        published=140, gpu="a100-80gb", dtype="bfloat16"),
+    Row(source="Megatron-LM 2021", name="145.6B", heads=96, hidden=12288, layers=80, mp=8, pp=8, dp=24, batch=2304,
+        published=148, gpu="a100-80gb", dtype="bfloat16"),
+    Row(source="Megatron-LM 2021", name="310.1B", heads=128, hidden=16384, layers=96, mp=8, pp=16, dp=15,
+        batch=2160, published=155, gpu="a100-80gb", dtype="bfloat16"),
+    Row(source="Megatron-LM 2021", name="529.6B", heads=128, hidden=20480, layers=105, mp=8, pp=35, dp=9,
+        batch=2520, published=163, gpu="a100-80gb", dtype="bfloat16"),
+    Row(source="Megatron-LM 2021", name="1008.0B", heads=160, hidden=25600, layers=128, mp=8, pp=64, dp=6,
+        batch=3072, published=163, gpu="a100-80gb", dtype="bfloat16"),
 ]
 
 
@@ -134,26 +159,38 @@ def predict(r: Row) -> dict:
     cfg = gpt_plan.GPT(layers=r.layers, hidden=r.hidden, heads=r.heads, seq=r.seq, vocab=r.vocab, batch=r.batch,
                        compute_dtype=r.dtype, remat=True)
     step, args = gpt_plan.train_step_and_args(cfg)
-    mesh = AbstractMesh((r.dp, r.mp), ("dp", "mp"))
+    if r.pp > 1:
+        mesh = AbstractMesh((r.pp, r.dp, r.mp), ("pp", "dp", "mp"))
+        # any micro-batch count that divides a replica's batch (the search's default stops at 64)
+        kw = dict(pipeline=sp.Pipeline(microbatches="auto", schedule="1f1b"),
+                  search_options=dict(max_microbatches=r.batch // r.dp))
+    else:
+        mesh, kw = AbstractMesh((r.dp, r.mp), ("dp", "mp")), {}
     flops = formula_flops(r)
     t0 = time.perf_counter()
-    est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "ring"), tokens=r.batch * r.seq)
+    est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "ring"), tokens=r.batch * r.seq, **kw)
     planning_s = time.perf_counter() - t0
-    hier = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "hierarchical"), tokens=r.batch * r.seq)
+    hier = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "hierarchical"), tokens=r.batch * r.seq,
+                        **kw)
     return dict(row=r, est=est, planning_s=planning_s, predicted=flops / r.gpus / est.step_s / 1e12,
                 hierarchical=flops / r.gpus / hier.step_s / 1e12, graph_vs_formula=est.flops / flops)
 
 
 def table(results) -> str:
     lines = ["| source | row | heads | hidden | layers | MP | PP | DP | GPUs | batch | published | predicted | "
-             "pred/pub | in band | comm share | hierarchical: pred/pub | graph flops / formula |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "pred/pub | in band | comm share | pipeline | hierarchical: pred/pub | graph flops / formula |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in results:
         r, est = x["row"], x["est"]
         ratio = x["predicted"] / r.published
+        pipe = est.extra.get("pipeline")
+        # a pipelined step's communication is inside its stages' times: show the schedule instead
+        comm = "" if pipe else f"{est.communication_s / est.step_s:.0%}"
+        sched = (f"{pipe['microbatches']} x {pipe['rows_per_microbatch']} rows, bubble {pipe['bubble']:.0%}"
+                 + ("" if pipe["fits"] else ", does not fit")) if pipe else ""
         lines.append(f"| {r.source} | {r.name} | {r.heads} | {r.hidden} | {r.layers} | {r.mp} | {r.pp} | {r.dp} | "
                      f"{r.gpus} | {r.batch} | {r.published:.2f} | {x['predicted']:.2f} | {ratio:.2f} | "
-                     f"{'yes' if 0.8 <= ratio <= 1.2 else 'no'} | {est.communication_s / est.step_s:.0%} | "
+                     f"{'yes' if 0.8 <= ratio <= 1.2 else 'no'} | {comm} | {sched} | "
                      f"{x['hierarchical'] / r.published:.2f} | {x['graph_vs_formula']:.2f} |")
     return "\n".join(lines)
 
