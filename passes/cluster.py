@@ -225,10 +225,10 @@ def ring_time(kind: str, wire_bytes: float, n: int, k: int, g: GpuProfile) -> tu
     """(latency, bandwidth time) of one collective over ``n`` devices, ``k`` in each node,
     run as one flat ring over every member (NCCL's ring, what a collective over a group
     spanning nodes runs unless the compiler decomposes it): each device sends
-    ``wire_bytes`` (the ring formulas), and every step crosses a node boundary, where the
-    ``k`` members of a node share their ``k`` NICs, so the ring moves at the slower of
-    NVLink and ``k`` NICs. Inside a node, one per node, all_to_all and permute: as
-    ``hierarchical_time``."""
+    ``wire_bytes`` (the ring formulas), and at every step the ring's traffic also enters
+    and leaves each node, through the ``k`` NICs of the group's ``k`` members there (one
+    ring channel per NIC), so it moves at the slower of NVLink and ``k`` NICs. Inside a
+    node, one per node, all_to_all and permute: as ``hierarchical_time``."""
     m = max(1, n // max(k, 1))
     if n <= 1 or m == 1 or k == 1 or kind not in ("all_reduce", "reduce_scatter", "all_gather") or wire_bytes <= 0:
         return hierarchical_time(kind, wire_bytes, n, k, g)
