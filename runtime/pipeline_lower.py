@@ -190,8 +190,37 @@ class PipelineProgram:
                     reads.append(a)
         return list(dict.fromkeys(reads))
 
+    def _plan_sunk(self):
+        """Once ops that only transpose a stage's accumulated partial sum (a weight
+        gradient in the layout dot_general's transpose rule leaves) commute with the sum
+        over micro-batches, so they run per micro-batch in the program that computes the
+        partial sum, where XLA folds them into the dot, and the accumulator holds the
+        gradient in its final layout. Left after the loop, the transpose is a strided
+        read fused into every optimizer expression that reads the gradient (measured:
+        most of the pipelined step at width 1024, docs/results/pipeline.md).
+        Returns ``{acc var: transpose eqn index}``."""
+        an, j = self.an, self.j
+        readers = {}
+        for i, e in enumerate(j.eqns):
+            for a in e.invars:
+                if not isinstance(a, jcore.Literal):
+                    readers.setdefault(a, []).append(i)
+        outs = {v for v in j.outvars if not isinstance(v, jcore.Literal)}
+        sunk = {}
+        for k in range(self.S):
+            for i in an.stages[k].once:
+                e = j.eqns[i]
+                a = e.invars[0]
+                if (e.primitive.name == "transpose" and not isinstance(a, jcore.Literal)
+                        and an.kind.get(a) == "acc" and an.var_stage.get(a) == k
+                        and readers.get(a) == [i] and a not in outs):
+                    sunk[a] = i
+        return sunk
+
     def _plan_programs(self):
         an, j = self.an, self.j
+        self.sunk = self._plan_sunk()
+        sunk_eqns = set(self.sunk.values())
         # what crosses each cut (mark operands and results, or automatic cuts' crossing sets)
         self.fwd_out, self.fwd_in = an.fwd_send, an.fwd_recv
         self.bwd_out, self.bwd_in = an.bwd_send, an.bwd_recv
@@ -212,6 +241,10 @@ class PipelineProgram:
                 idxs = self._with_floats(sorted(set(idxs) | set(extra)))
                 produced = {o for i in idxs for o in j.eqns[i].outvars}
                 accs = [o for i in idxs if an.roles[i] == MB for o in j.eqns[i].outvars if an.kind.get(o) == "acc"]
+                # a sunk transpose runs here, and its result is what accumulates
+                idxs = sorted(set(idxs) | {self.sunk[o] for o in accs if o in self.sunk})
+                accs = [j.eqns[self.sunk[o]].outvars[0] if o in self.sunk else o for o in accs]
+                produced = {o for i in idxs for o in j.eqns[i].outvars}
                 outs_b = [o for o in produced if o in outvars and an.kind.get(o) == MB]
                 self.progs[(kind, k)] = dict(idxs=idxs, reads=self._reads(idxs) + [a for a in sends
                                              if not isinstance(a, jcore.Literal) and a not in produced],
@@ -226,7 +259,7 @@ class PipelineProgram:
             self.resid[k] = Packing(r)
         self.once = {}
         for k in range(self.S):
-            idxs = self._with_floats(an.stages[k].once)
+            idxs = self._with_floats([i for i in an.stages[k].once if i not in sunk_eqns])
             self.once[k] = dict(idxs=idxs, reads=self._reads(idxs))
         self._plan_phases()
 
@@ -244,7 +277,9 @@ class PipelineProgram:
                 home[o], phase[o] = k, 0
         rep_set = set(an.rep_once)
         self.op_phase = {}
-        once_ops = sorted(set(an.rep_once) | {i for k in range(self.S) for i in an.stages[k].once})
+        sunk_eqns = set(self.sunk.values())
+        once_ops = sorted(set(an.rep_once) | {i for k in range(self.S) for i in an.stages[k].once
+                                               if i not in sunk_eqns})
         self.bcast_at = {}   # phase -> stage vars broadcast at its end
         for i in once_ops:
             eqn = j.eqns[i]
