@@ -414,8 +414,11 @@ class PipelineProgram:
             remap[i] = n
         for n, i in enumerate(self.plain_keys):
             remap[i] = n
+        # per tick, whether any rank receives (an exchange no rank reads is skipped)
+        any_f = np.repeat((recv_f >= 0).any(axis=1, keepdims=True), p, axis=1).astype(np.int32)
+        any_b = np.repeat((recv_b >= 0).any(axis=1, keepdims=True), p, axis=1).astype(np.int32)
         self.tables = dict(act=remap[act], acc=np.asarray(has_acc, np.int32)[act], mb=mb, slot=slot,
-                           recv_f=recv_f, recv_b=recv_b)
+                           recv_f=recv_f, recv_b=recv_b, any_f=any_f, any_b=any_b)
 
     def _packs_per_rank(self, field: str) -> tuple[dict, list]:
         """Per model stage, (its offset on its rank, a Packing of the ``field`` values of its
@@ -515,6 +518,8 @@ class PipelineProgram:
             elif prog["sends"]:
                 send_b = Packing(prog["sends"]).pack(env, self.G)
             # this action's partial sums, at their offsets in the stage's accumulator piece
+            # (returned and added outside the switch: updated in place inside a branch, the
+            # accumulator is copied whole on every action, docs/results/pipeline.md)
             base, pk = self.acc_pack[k]
             piece = [jnp.zeros((_size(v),), jnp.float32) if v not in prog["accs"] else _to_f32(env[v])
                      for v in pk.vars]
@@ -607,8 +612,8 @@ class PipelineProgram:
                      jnp.zeros((m, self.O), jnp.float32))
 
             def tick(carry, row):
-                a, has_acc, mbi, slot, rf, rb = (row[n][d] for n in ("act", "acc", "mb", "slot", "recv_f",
-                                                                      "recv_b"))
+                a, has_acc, mbi, slot, rf, rb, any_f, any_b = (row[n][d] for n in (
+                    "act", "acc", "mb", "slot", "recv_f", "recv_b", "any_f", "any_b"))
                 act_in, resid, ct_in, acc, out_buf = carry
                 rows = (act_in[slot], resid[slot], ct_in[slot], out_buf[mbi])
                 ops = (rows, mbi, state_row, rep, batch)
@@ -631,8 +636,10 @@ class PipelineProgram:
                 resid = resid.at[slot].set(resid_row)
                 out_buf = out_buf.at[mbi].set(out_row)
                 if p > 1:
-                    got_f = lax.ppermute(send_f, ax, fwd_perm)
-                    got_b = lax.ppermute(send_b, ax, bwd_perm)
+                    # an exchange runs only on the ticks where some rank receives (the same
+                    # static flag on every rank, so every rank takes the same branch)
+                    got_f = lax.cond(any_f > 0, lambda x: lax.ppermute(x, ax, fwd_perm), lambda x: x, send_f)
+                    got_b = lax.cond(any_b > 0, lambda x: lax.ppermute(x, ax, bwd_perm), lambda x: x, send_b)
                     sf = jnp.maximum(rf, 0)
                     act_in = act_in.at[sf].set(jnp.where(rf >= 0, got_f, act_in[sf]))
                     sb = jnp.maximum(rb, 0)
