@@ -174,7 +174,7 @@ def pipelined(width, layers, batch, p, m, name, v=1):
 
 def ablations(a, fns):
     """Where the gap goes (``--breakdown``), each variant of the 1F1B step timed beside
-    the others: the lowering's two overhead fixes undone, the exchanges removed (wrong
+    the others: the lowering's three overhead fixes undone, the exchanges removed (wrong
     results, timing only), and the same programs on a model too small to compute anything
     (width 16) at m and 4m micro-batches, whose difference is the cost of a tick."""
     from jax import lax
@@ -204,12 +204,53 @@ def ablations(a, fns):
     build("as built")
     build("transposes after the loop (undo 1)", patch={(pipeline_lower.PipelineProgram, "_plan_sunk"): lambda self: {}})
     build("every tick exchanges (undo 2)", tables={"any_f": 1, "any_b": 1})
+
+    def no_hoist(self):
+        self.hoist, self.hoist_sig = [{} for _ in range(self.p)], []
+    build("weights sliced at every action (undo 3)", patch={(pipeline_lower.PipelineProgram, "_plan_hoist"): no_hoist})
     build("no exchanges (timing only)", patch={(lax, "ppermute"): lambda x, axis, perm: x})
     build("width 16, m", width=16)
     build("width 16, 4m", width=16, mm=4 * m)
     build("width 16, 4m, no exchanges", width=16, mm=4 * m, patch={(lax, "ppermute"): lambda x, axis, perm: x})
     build("width 16, m, no exchanges", width=16, patch={(lax, "ppermute"): lambda x, axis, perm: x})
     return out
+
+
+class Branch:
+    """One action of the tick loop as the lowering builds it (``_branch``: the stage's
+    program plus unpacking its inputs from the packed state row, slot rows and batch,
+    and packing what it sends, keeps and accumulates), jitted alone on one device and
+    run ``times`` times a call, on zeros."""
+
+    def __init__(self, prog, key, rep, batch, times):
+        run = prog._branch(key)
+        rows = tuple(jnp.zeros((n,), jnp.float32) for n in (prog.A, prog.R, prog.G, prog.O))
+        state_row = jnp.zeros((prog.state_size,), jnp.float32)
+        hoisted = jax.jit(lambda s: prog.unpack_hoisted(s, prog.rank_of(key[1])))(state_row)
+        self.args = (rows, state_row, rep, batch, hoisted)
+        accumulates = bool(prog.progs[key]["accs"])
+
+        def one(rows, state_row, rep, batch, hoisted):
+            out = run((rows, jnp.int32(0), state_row, rep, batch, hoisted))
+            # what the loop keeps of it: the accumulator piece only where it accumulates
+            return out if accumulates else (out[0], out[2], out[3])
+        self.fn = jax.jit(one)
+        self.times = times
+
+    def __call__(self):
+        for _ in range(self.times):
+            out = self.fn(*self.args)
+        jax.block_until_ready(out)
+
+
+def branches(a, fns):
+    """The 1F1B step's tick-loop branches, each alone (``--breakdown``)."""
+    pstep, args = pipelined(a.width, a.layers, a.batch, a.pp, a.microbatches, "1f1b")
+    c, leaves, _ = pstep._compile(args)
+    _, _, rep, batch = pstep._inputs(c, leaves)
+    for key in c.prog.branch_keys[1:]:
+        fns[("branch", key)] = Branch(c.prog, key, rep, batch, a.microbatches)
+    return c.prog
 
 
 def threading(fns, width, batch, p):
@@ -270,6 +311,7 @@ def main(argv=None):
     ticks = ablations(a, fns) if a.breakdown else {}
     if a.breakdown:
         threading(fns, a.width, a.batch, p)
+        bprog = branches(a, fns)
     load = os.getloadavg()[0]
     med = interleaved(fns, a.reps)
     t1 = med["one device"]
@@ -341,6 +383,14 @@ def main(argv=None):
         lines.append(f"   a tick's cost (width 16, from m to 4m micro-batches): {per_tick * 1e6:.0f} us, of which "
                      f"{(per_tick - per_tick_local) * 1e6:.0f} us the exchanges and {per_tick_local * 1e6:.0f} us "
                      "the scan, switch and slot updates")
+        if "1f1b" in runs:
+            r = runs["1f1b"]
+            alone = sum(med[("branch", key)] for key in bprog.branch_keys[1:])
+            fb = sum(med[("work", r["wkey"], (kind, k))] for k in range(bprog.S) for kind in bprog.kinds)
+            lines.append(f"   1f1b's tick-loop branches alone, m times each (the stage programs with their unpacking "
+                         f"from the packed state row and slots, and packing of sends, kept values and gradients): "
+                         f"{alone * 1e3:.1f} ms, against {fb * 1e3:.1f} ms for the stage programs alone "
+                         f"({alone / fb:.2f} x) and {med['1f1b'] * 1e3:.1f} ms for the step ({med['1f1b'] / alone:.2f} x)")
         lines.append(f"   threading: a matmul program on one device {med[('threads', 1)] * 1e3:.2f} ms, the same on "
                      f"{p} devices at once {med[('threads', p)] * 1e3:.2f} ms ({med[('threads', p)] / med[('threads', 1)]:.2f}"
                      f" x; {p:.2f} x would be one core for all, 1.00 x one core each)")

@@ -446,6 +446,62 @@ class PipelineProgram:
         # packed state per rank
         self.state_pack = [Packing([v for i, v in enumerate(j.invars) if self.owner[i] == d]) for d in range(p)]
         self.state_size = max([1] + [pk.size for pk in self.state_pack])
+        self._plan_hoist()
+
+    def _plan_hoist(self):
+        """State the tick loop reads, unpacked once before the loop instead of at every
+        action: sliced out of the packed row inside a branch, each weight is copied
+        whole every time its stage runs (as many bytes as a micro-batch's matmul reads).
+        Values leave the loop's switch only in one type for every rank, so ranks pair
+        their values by shape and dtype: the n-th value of a signature on every rank
+        shares hoisted position n, for as many as the rank with the fewest has (stages
+        of equal layers hoist everything; an embedding only rank 0 holds stays sliced).
+        ``self.hoist[d]``: var -> position; ``self.hoist_sig``: per position, its aval."""
+        j, p = self.j, self.p
+        per_rank = []
+        for d in range(p):
+            seen = []
+            for k in range(self.S):
+                if self.rank_of(k) != d:
+                    continue
+                for kind in self.kinds:
+                    for v in self.progs[(kind, k)]["reads"]:
+                        i = self.invar_index.get(v)
+                        if i is not None and self.owner[i] == d and v not in seen:
+                            seen.append(v)
+            per_rank.append(seen)
+        sig = lambda v: (tuple(v.aval.shape), np.dtype(v.aval.dtype).name)
+        count = {}
+        for seen in per_rank:
+            for g in {sig(v) for v in seen}:
+                count[g] = min(count.get(g, len(j.invars)), sum(sig(v) == g for v in seen))
+        for g in list(count):
+            if any(not any(sig(v) == g for v in seen) for seen in per_rank):
+                count[g] = 0
+        order = sorted((g for g in count if count[g]), key=str)
+        base, pos = {}, 0
+        for g in order:
+            base[g], pos = pos, pos + count[g]
+        self.hoist_sig = [None] * pos
+        self.hoist = []
+        for seen in per_rank:
+            used, slot = {}, {}
+            for v in seen:
+                g = sig(v)
+                n = used.get(g, 0)
+                if n < count.get(g, 0):
+                    slot[v] = base[g] + n
+                    self.hoist_sig[base[g] + n] = v.aval
+                    used[g] = n + 1
+            self.hoist.append(slot)
+
+    def unpack_hoisted(self, state_row, d):
+        """Rank ``d``'s hoisted state, in hoist position order (see ``_plan_hoist``)."""
+        pk, out = self.state_pack[d], [None] * len(self.hoist_sig)
+        for v, n in self.hoist[d].items():
+            o = pk.offset[v]
+            out[n] = _from_f32(lax.slice_in_dim(state_row, o, o + _size(v)), v.aval.shape, v.aval.dtype)
+        return tuple(out)
 
     def _plan_outputs(self, spec):
         """``spec`` per outvar: ("literal", val) / ("input", idx) / ("float",) / ("bcast", k) /
@@ -473,7 +529,7 @@ class PipelineProgram:
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
 
-    def _base_env(self, reads, state_row, d, rep, batch_mb):
+    def _base_env(self, reads, state_row, d, rep, batch_mb, hoisted=None):
         env = {}
         for cv, val in zip(self.j.constvars, self.consts):
             env[cv] = val
@@ -485,6 +541,8 @@ class PipelineProgram:
                 i = self.invar_index[v]
                 if self.batch_mask[i]:
                     env[v] = batch_mb[i]
+                elif hoisted is not None and v in self.hoist[d]:
+                    env[v] = hoisted[self.hoist[d][v]]
                 elif self.owner[i] == d and v in sp_.offset:
                     o = sp_.offset[v]
                     env[v] = _from_f32(lax.slice_in_dim(state_row, o, o + _size(v)), v.aval.shape, v.aval.dtype)
@@ -498,9 +556,9 @@ class PipelineProgram:
         prog = self.progs[key]
 
         def run(ops):
-            (act_row, resid_row, ct_row, out_row), mbi, state_row, rep, batch = ops
+            (act_row, resid_row, ct_row, out_row), mbi, state_row, rep, batch, hoisted = ops
             batch_mb = {i: lax.dynamic_index_in_dim(x, mbi, 0, keepdims=False) for i, x in batch.items()}
-            env = self._base_env(prog["reads"], state_row, d, rep, batch_mb)
+            env = self._base_env(prog["reads"], state_row, d, rep, batch_mb, hoisted)
             if k > 0:
                 Packing(self.fwd_in[k]).unpack(act_row, env)
             if kind != F_:
@@ -607,6 +665,9 @@ class PipelineProgram:
                     state_row = jnp.pad(state_row, (0, self.state_size - state_row.shape[0]))
             else:
                 state_row = lax.switch(d, [lambda s, q=q: gather_state(s, q) for q in range(p)], sources)
+            # the state the loop reads, unpacked once (_plan_hoist)
+            hoisted = (lax.switch(d, [lambda s, q=q: self.unpack_hoisted(s, q) for q in range(p)], state_row)
+                       if self.hoist_sig else ())
             carry = (jnp.zeros((self.nslots, self.A), jnp.float32), jnp.zeros((self.nslots, self.R), jnp.float32),
                      jnp.zeros((self.nslots, self.G), jnp.float32), jnp.zeros((self.ACC,), jnp.float32),
                      jnp.zeros((m, self.O), jnp.float32))
@@ -616,7 +677,7 @@ class PipelineProgram:
                     "act", "acc", "mb", "slot", "recv_f", "recv_b", "any_f", "any_b"))
                 act_in, resid, ct_in, acc, out_buf = carry
                 rows = (act_in[slot], resid[slot], ct_in[slot], out_buf[mbi])
-                ops = (rows, mbi, state_row, rep, batch)
+                ops = (rows, mbi, state_row, rep, batch, hoisted)
 
                 def accumulating(acc):
                     (resid_row, out_row), (piece, base), send_f, send_b = lax.switch(a, acc_branches, ops)
