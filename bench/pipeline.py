@@ -184,6 +184,8 @@ def ablations(a, fns):
     out = {}
 
     def build(label, width=a.width, mm=m, patch=None, tables=None):
+        if a.only and label != "as built" and not any(o in label for o in a.only):
+            return
         pstep, args = pipelined(width, a.layers, a.batch, p, mm, "1f1b")
         saved = {}
         for (obj, attr), val in (patch or {}).items():
@@ -277,9 +279,11 @@ def main(argv=None):
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
+    ap.add_argument("--schedules", nargs="*", default=["gpipe", "1f1b"])
     ap.add_argument("--cost-model", default="cpu", help='built-in profile ("cpu", "h100") or a profile JSON path')
     ap.add_argument("--breakdown", action="store_true", help="also time the ablations of the gap (slower)")
+    ap.add_argument("--only", nargs="+", help="with --breakdown: only the ablations whose label holds one of these "
+                    "(e.g. 'undo 3'), beside the step as built, without the threading and branch timings")
     ap.add_argument("--out", help="also write the report to this file")
     a = ap.parse_args(argv)
     cost = CostModel.builtin(a.cost_model) if not a.cost_model.endswith(".json") else CostModel.load(a.cost_model)
@@ -309,7 +313,7 @@ def main(argv=None):
                           temp=compiled.memory_analysis().temp_size_in_bytes)
         fns[name] = Stepper(pstep, *args)
     ticks = ablations(a, fns) if a.breakdown else {}
-    if a.breakdown:
+    if a.breakdown and not a.only:
         threading(fns, a.width, a.batch, p)
         bprog = branches(a, fns)
     load = os.getloadavg()[0]
@@ -376,6 +380,7 @@ def main(argv=None):
         for label in ticks:
             t = med[("ablation", label)]
             lines.append(f"   {label:<40} {t * 1e3:8.2f} ms  ({t / base:5.2f} x as built; {ticks[label]} ticks)")
+    if a.breakdown and not a.only:
         small = lambda lab: med[("ablation", lab)]
         dt = ticks["width 16, 4m"] - ticks["width 16, m"]
         per_tick = (small("width 16, 4m") - small("width 16, m")) / dt
@@ -393,7 +398,7 @@ def main(argv=None):
                          f"({alone / fb:.2f} x) and {med['1f1b'] * 1e3:.1f} ms for the step ({med['1f1b'] / alone:.2f} x)")
         lines.append(f"   threading: a matmul program on one device {med[('threads', 1)] * 1e3:.2f} ms, the same on "
                      f"{p} devices at once {med[('threads', p)] * 1e3:.2f} ms ({med[('threads', p)] / med[('threads', 1)]:.2f}"
-                     f" x; {p:.2f} x would be one core for all, 1.00 x one core each)")
+                     f" x: 1.00 x would be side by side, {p:.2f} x taking turns)")
     text = "\n".join(lines)
     print(text)
     if a.out:
