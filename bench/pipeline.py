@@ -245,13 +245,34 @@ class Branch:
         jax.block_until_ready(out)
 
 
+class AccumulatorAdd:
+    """The tick loop's accumulation alone: a backward action's flat gradient piece added
+    into the accumulator (in place: the accumulator is donated), ``times`` times a call."""
+
+    def __init__(self, prog, times):
+        from jax import lax
+        n = prog.ACCK
+        self.acc = jnp.zeros((prog.ACC,), jnp.float32)
+        self.piece = jnp.ones((n,), jnp.float32)
+        self.fn = jax.jit(lambda acc, piece: lax.dynamic_update_slice_in_dim(
+            acc, lax.dynamic_slice_in_dim(acc, 0, n) + piece, 0, 0), donate_argnums=0)
+        self.times = times
+
+    def __call__(self):
+        for _ in range(self.times):
+            self.acc = self.fn(self.acc, self.piece)
+        jax.block_until_ready(self.acc)
+
+
 def branches(a, fns):
-    """The 1F1B step's tick-loop branches, each alone (``--breakdown``)."""
+    """The 1F1B step's tick-loop branches, each alone, and its accumulations (``--breakdown``)."""
     pstep, args = pipelined(a.width, a.layers, a.batch, a.pp, a.microbatches, "1f1b")
     c, leaves, _ = pstep._compile(args)
     _, _, rep, batch = pstep._inputs(c, leaves)
     for key in c.prog.branch_keys[1:]:
         fns[("branch", key)] = Branch(c.prog, key, rep, batch, a.microbatches)
+    accumulating = sum(1 for key in c.prog.branch_keys[1:] if c.prog.progs[key]["accs"]) * a.microbatches
+    fns[("accumulate",)] = AccumulatorAdd(c.prog, accumulating)
     return c.prog
 
 
@@ -396,6 +417,10 @@ def main(argv=None):
                          f"from the packed state row and slots, and packing of sends, kept values and gradients): "
                          f"{alone * 1e3:.1f} ms, against {fb * 1e3:.1f} ms for the stage programs alone "
                          f"({alone / fb:.2f} x) and {med['1f1b'] * 1e3:.1f} ms for the step ({med['1f1b'] / alone:.2f} x)")
+            nacc = sum(1 for key in bprog.branch_keys[1:] if bprog.progs[key]["accs"]) * m
+            lines.append(f"   its accumulations alone ({nacc} adds of a {bprog.ACCK * 4 / 2**20:.1f} MiB gradient piece "
+                         f"into the accumulator, in place): {med[('accumulate',)] * 1e3:.1f} ms, "
+                         f"{med[('accumulate',)] / med['1f1b']:.2f} of the step")
         lines.append(f"   threading: a matmul program on one device {med[('threads', 1)] * 1e3:.2f} ms, the same on "
                      f"{p} devices at once {med[('threads', p)] * 1e3:.2f} ms ({med[('threads', p)] / med[('threads', 1)]:.2f}"
                      f" x: 1.00 x would be side by side, {p:.2f} x taking turns)")
