@@ -1,22 +1,33 @@
-"""Pipeline parallelism on 8 forced CPU devices: step time, compiled memory, bubbles.
+"""Pipeline parallelism on 8 forced CPU devices: issue 26's four criteria, measured.
 
 An MLP training step (Adam) with a ``stage_boundary`` after every ``layers / (pp*v)``
-layers, run on one device and pipelined on ``pp`` ranks with each schedule. Per
-schedule it prints:
+layers, run on one device and pipelined on ``pp`` ranks. The forced CPU devices share
+this machine's cores, so a rank that idles frees a core for the others: wall-clock idle
+time is not the bubble. What the CPU can show, each figure next to its target:
 
-- the measured step time (median of ``--steps``) and its ratio to the one-device step
-  (the sum of the stages' work: forced CPU devices share this machine's cores, so a rank
-  that idles frees a core and wall-clock idle time is not the bubble);
-- the modeled step time on this machine: the lowering's tick table with F = 1, B = 2
-  units (I = W = 1), a unit being the one-device step over ``3 * m * S`` (S model
-  stages), each tick costing its slowest action times ``max(1, busy ranks / cores)``;
-- the compiled program's temp bytes (``memory_analysis()``: activation stashes) and its
-  activation slots per rank (GPipe keeps ``m``, 1F1B about ``p``);
-- the unit-cost bubble (simulator, F = 1, B = 2) and whether a bubble tick computes
-  nothing (the no-op branch of the compiled tick loop only moves buffers).
+1. **work on bubble ticks**: the no-op branch of the compiled tick loop only moves
+   buffers (``runtime/pipeline_lower.py`` ``bubble_computes_nothing``), per schedule;
+2. **step time against the sum of the stages' work**: the pipelined step against
+   ``m`` times each stage's forward and backward programs plus its once ops (the
+   optimizer), each program jitted alone on one device of this process, its own
+   equations only (no packing, no exchange). Same process, same XLA CPU threading as the
+   one-device step of the same model, which is printed beside it (on this machine a
+   jitted program runs on one thread whether or not other devices are busy: see
+   docs/results/pipeline.md). Target: at most 1.10;
+3. **1F1B's compiled peak below GPipe's**, activations near ``p/m`` of GPipe's: the
+   compiled programs' temp bytes (``memory_analysis()``) and the activation slot buffers
+   (slots x the stage input, the kept forward values and the cotangent);
+4. **step time against the cost model's**: the plan's simulated step (``_modeled_times``
+   with the cost model given, default the calibrated ``"cpu"`` profile) plus the once
+   ops' modeled time on the slowest rank. Target: within 20%.
 
-    python bench/pipeline.py                        # width 512, 8 layers, batch 64, pp 4, m 8
-    python bench/pipeline.py --pp 8 --microbatches 16 --out bench/results/pipeline.txt
+Every time is a median over ``--reps`` repetitions, taken round-robin over every
+program (one-device step, each schedule, each stage program), so that the machine's load
+drifts over all of them alike.
+
+    python bench/pipeline.py                                   # width 1024, 8 layers, batch 256, pp 4, m 8
+    python bench/pipeline.py --out bench/results/pipeline.txt
+    python bench/pipeline.py --breakdown                       # also: where the gap goes (docs/results/pipeline.md)
 """
 import argparse
 import os
@@ -31,9 +42,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.extend import core as jcore  # noqa: E402
 
 import shardprop as sp  # noqa: E402
-from shardprop.runtime.pipeline_lower import bubble_computes_nothing  # noqa: E402
+from shardprop.compiler.pipeline_step import _eqn_time, _modeled_times  # noqa: E402
+from shardprop.passes.cost import CostModel  # noqa: E402
+from shardprop.passes.pipeline import simulate  # noqa: E402
+from shardprop.runtime.pipeline_lower import bubble_computes_nothing, noop_branch_opcodes  # noqa: E402
 
 
 def make(width, layers, batch, stages):
@@ -60,68 +75,355 @@ def make(width, layers, batch, stages):
     return step, params, opt.init(params), x, y
 
 
-def timed(fn, args, steps):
-    p, s, x, y = args
-    p, s, loss = fn(p, s, x, y)          # compile and warm up
-    jax.block_until_ready(loss)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        p, s, loss = fn(p, s, x, y)
+class Stepper:
+    """One training step per call, fed its own outputs (a pipelined step reads its
+    packed state in place, as in training)."""
+
+    def __init__(self, fn, params, state, x, y):
+        self.fn, self.args = fn, (params, state, x, y)
+
+    def __call__(self):
+        p, s, loss = self.fn(*self.args)
+        self.args = (p, s) + self.args[2:]
         jax.block_until_ready(loss)
-        jax.block_until_ready(jax.tree.leaves(p)[0].buffer if hasattr(jax.tree.leaves(p)[0], "buffer")
-                              else jax.tree.leaves(p)[0])
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        jax.block_until_ready([getattr(leaf, "buffer", leaf) for leaf in jax.tree.leaves(p)])
 
 
-def modeled(sim, t_single, m, S, cores):
-    unit = t_single / (3 * m * S)
-    dur = {"forward": 1, "backward": 2, "backward_input": 1, "backward_weight": 1}
-    per_tick = {}
-    for (t, d), a in sim.tick_table.items():
-        per_tick.setdefault(t, []).append(dur[a.kind])
-    return sum(max(v) * max(1.0, len(v) / cores) for v in per_tick.values()) * unit
+class Program:
+    """Equations ``idxs`` of the pipeline's micro-batch jaxpr, jitted alone on one device:
+    inputs are what they read (zeros of the right shapes), outputs ``outs``. A call runs
+    it ``times`` times back to back (a stage's ``m`` micro-batches), so that a sample is
+    long enough to time on a loaded machine."""
+
+    def __init__(self, prog, idxs, outs, times=1):
+        self.times = times
+        j = prog.j
+        self.prog, self.idxs = prog, list(idxs)
+        reads = [v for v in prog._reads(self.idxs) if v not in set(j.constvars)]
+        produced = {o for i in self.idxs for o in j.eqns[i].outvars}
+        self.outs = [v for v in dict.fromkeys(outs) if v in produced]
+        self.reads = reads
+        self.args = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in reads]
+
+        def run(*vals):
+            env = dict(zip(j.constvars, prog.consts))
+            env.update(zip(reads, vals))
+            prog._run(self.idxs, env)
+            return [env[v] for v in self.outs]
+        self.fn = jax.jit(run)
+
+    def __call__(self):
+        for _ in range(self.times):
+            out = self.fn(*self.args)
+        jax.block_until_ready(out)
+
+    def modeled(self, cost) -> float:
+        return sum(_eqn_time(self.prog.j.eqns[i], cost) for i in self.idxs)
+
+
+def stage_programs(prog, m):
+    """Per model stage: its forward and backward programs (what they send, keep for the
+    backward, accumulate and output), each run ``m`` times a call, and its once ops (the
+    new state), run once."""
+    out = {}
+    outvars = [v for v in prog.j.outvars if not isinstance(v, jcore.Literal)]
+    for k in range(prog.S):
+        for kind in prog.kinds:
+            pr = prog.progs[(kind, k)]
+            keep = list(prog.resid[k].vars) if kind == "forward" else []
+            out[(kind, k)] = Program(prog, pr["idxs"], list(pr["sends"]) + pr["accs"] + pr["outs_b"] + keep, m)
+        out[("once", k)] = Program(prog, prog.once[k]["idxs"], outvars)
+    return out
+
+
+def interleaved(fns: dict, reps: int) -> dict:
+    """Median seconds per callable, timed round-robin ``reps`` times after one warm-up."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def modeled_step(prog, durations, latency, once):
+    """The simulated tick loop of ``prog``'s schedule with these stage times (seconds
+    per kind and model stage) plus ``once``."""
+    return float(simulate(prog.schedule, durations, latency=latency).makespan) + once
+
+
+def cost_model_step(prog, cost, once_programs):
+    """The plan's modeled step priced by ``cost`` (``_modeled_times``: each stage
+    program's roofline, each boundary's exchange), plus the slowest rank's once ops."""
+    times, latency = _modeled_times(prog, cost)
+    durations = {kind: [times[k][kind] for k in range(prog.S)] for kind in prog.kinds}
+    once = max(sum(once_programs[k].modeled(cost) for k in range(prog.S) if prog.rank_of(k) == d)
+               for d in range(prog.p))
+    return modeled_step(prog, durations, latency, once), once
+
+
+def pipelined(width, layers, batch, p, m, name, v=1):
+    step, params, state, x, y = make(width, layers, batch, p * v)
+    pstep = sp.parallelize(step, mesh=((p,), ("pp",)), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches=m, schedule=name, virtual_stages=v))
+    return pstep, (params, state, x, y)
+
+
+def ablations(a, fns):
+    """Where the gap goes (``--breakdown``), each variant of the 1F1B step timed beside
+    the others: the lowering's three overhead fixes undone, the exchanges removed (wrong
+    results, timing only), and the same programs on a model too small to compute anything
+    (width 16) at m and 4m micro-batches, whose difference is the cost of a tick."""
+    from jax import lax
+
+    from shardprop.runtime import pipeline_lower
+    p, m = a.pp, a.microbatches
+    out = {}
+
+    def build(label, width=a.width, mm=m, patch=None, tables=None):
+        if a.only and label != "as built" and not any(o in label for o in a.only):
+            return
+        pstep, args = pipelined(width, a.layers, a.batch, p, mm, "1f1b")
+        saved = {}
+        for (obj, attr), val in (patch or {}).items():
+            saved[(obj, attr)] = getattr(obj, attr)
+            setattr(obj, attr, val)
+        try:
+            c, _, _ = pstep._compile(args)
+            for key, val in (tables or {}).items():
+                c.prog.tables[key] = np.full_like(c.prog.tables[key], val)
+            stepper = Stepper(pstep, *args)
+            stepper()                      # builds and compiles under the patch
+        finally:
+            for (obj, attr), val in saved.items():
+                setattr(obj, attr, val)
+        fns[("ablation", label)] = stepper
+        out[label] = c.prog.T
+
+    build("as built")
+    build("transposes after the loop (undo 1)", patch={(pipeline_lower.PipelineProgram, "_plan_sunk"): lambda self: {}})
+    build("every tick exchanges (undo 2)", tables={"any_f": 1, "any_b": 1})
+
+    def no_hoist(self):
+        self.hoist, self.hoist_sig = [{} for _ in range(self.p)], []
+    build("weights sliced at every action (undo 3)", patch={(pipeline_lower.PipelineProgram, "_plan_hoist"): no_hoist})
+    build("no exchanges (timing only)", patch={(lax, "ppermute"): lambda x, axis, perm: x})
+    build("width 16, m", width=16)
+    build("width 16, 4m", width=16, mm=4 * m)
+    build("width 16, 4m, no exchanges", width=16, mm=4 * m, patch={(lax, "ppermute"): lambda x, axis, perm: x})
+    build("width 16, m, no exchanges", width=16, patch={(lax, "ppermute"): lambda x, axis, perm: x})
+    return out
+
+
+class Branch:
+    """One action of the tick loop as the lowering builds it (``_branch``: the stage's
+    program plus unpacking its inputs from the packed state row, slot rows and batch,
+    and packing what it sends, keeps and accumulates), jitted alone on one device and
+    run ``times`` times a call, on zeros."""
+
+    def __init__(self, prog, key, rep, batch, times):
+        run = prog._branch(key)
+        rows = tuple(jnp.zeros((n,), jnp.float32) for n in (prog.A, prog.R, prog.G, prog.O))
+        state_row = jnp.zeros((prog.state_size,), jnp.float32)
+        hoisted = jax.jit(lambda s: prog.unpack_hoisted(s, prog.rank_of(key[1])))(state_row)
+        self.args = (rows, state_row, rep, batch, hoisted)
+        accumulates = bool(prog.progs[key]["accs"])
+
+        def one(rows, state_row, rep, batch, hoisted):
+            out = run((rows, jnp.int32(0), state_row, rep, batch, hoisted))
+            # what the loop keeps of it: the accumulator piece only where it accumulates
+            return out if accumulates else (out[0], out[2], out[3])
+        self.fn = jax.jit(one)
+        self.times = times
+
+    def __call__(self):
+        for _ in range(self.times):
+            out = self.fn(*self.args)
+        jax.block_until_ready(out)
+
+
+class AccumulatorAdd:
+    """The tick loop's accumulation alone: a backward action's flat gradient piece added
+    into the accumulator (in place: the accumulator is donated), ``times`` times a call."""
+
+    def __init__(self, prog, times):
+        from jax import lax
+        n = prog.ACCK
+        self.acc = jnp.zeros((prog.ACC,), jnp.float32)
+        self.piece = jnp.ones((n,), jnp.float32)
+        self.fn = jax.jit(lambda acc, piece: lax.dynamic_update_slice_in_dim(
+            acc, lax.dynamic_slice_in_dim(acc, 0, n) + piece, 0, 0), donate_argnums=0)
+        self.times = times
+
+    def __call__(self):
+        for _ in range(self.times):
+            self.acc = self.fn(self.acc, self.piece)
+        jax.block_until_ready(self.acc)
+
+
+def branches(a, fns):
+    """The 1F1B step's tick-loop branches, each alone, and its accumulations (``--breakdown``)."""
+    pstep, args = pipelined(a.width, a.layers, a.batch, a.pp, a.microbatches, "1f1b")
+    c, leaves, _ = pstep._compile(args)
+    _, _, rep, batch = pstep._inputs(c, leaves)
+    for key in c.prog.branch_keys[1:]:
+        fns[("branch", key)] = Branch(c.prog, key, rep, batch, a.microbatches)
+    accumulating = sum(1 for key in c.prog.branch_keys[1:] if c.prog.progs[key]["accs"]) * a.microbatches
+    fns[("accumulate",)] = AccumulatorAdd(c.prog, accumulating)
+    return c.prog
+
+
+def threading(fns, width, batch, p):
+    """One matmul program on one device, and the same program on ``p`` devices at once
+    (one shard_map): whether the forced devices run side by side on this machine."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    w = jnp.ones((width, width), jnp.float32)
+    x = jnp.ones((batch, width), jnp.float32)
+    one = jax.jit(lambda x, w: jnp.tanh(x @ w) @ w)
+    mesh = jax.make_mesh((p,), ("pp",), devices=jax.devices()[:p])
+    many = jax.jit(jax.shard_map(lambda x, w: jnp.tanh(x[0] @ w[0]) @ w[0], mesh=mesh,
+                                 in_specs=(P("pp"), P("pp")), out_specs=P("pp")))
+    xs = jax.device_put(jnp.stack([x] * p), NamedSharding(mesh, P("pp")))
+    ws = jax.device_put(jnp.stack([w] * p), NamedSharding(mesh, P("pp")))
+    fns[("threads", 1)] = lambda: jax.block_until_ready(one(x, w))
+    fns[("threads", p)] = lambda: jax.block_until_ready(many(xs, ws))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "zero_bubble", "interleaved"])
-    ap.add_argument("--out", help="also write the table to this file")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--schedules", nargs="*", default=["gpipe", "1f1b"])
+    ap.add_argument("--cost-model", default="cpu", help='built-in profile ("cpu", "h100") or a profile JSON path')
+    ap.add_argument("--breakdown", action="store_true", help="also time the ablations of the gap (slower)")
+    ap.add_argument("--only", nargs="+", help="with --breakdown: only the ablations whose label holds one of these "
+                    "(e.g. 'undo 3'), beside the step as built, without the threading and branch timings")
+    ap.add_argument("--out", help="also write the report to this file")
     a = ap.parse_args(argv)
-    cores = os.cpu_count() or 1
-    lines = [f"pipeline bench: MLP width {a.width}, {a.layers} layers, batch {a.batch}, pp={a.pp}, "
-             f"m={a.microbatches}, {a.steps} steps (median), {cores} cores, jax {jax.__version__}"]
+    cost = CostModel.builtin(a.cost_model) if not a.cost_model.endswith(".json") else CostModel.load(a.cost_model)
+    p, m = a.pp, a.microbatches
+    lines = [f"pipeline bench: MLP width {a.width}, {a.layers} layers, batch {a.batch}, pp={p}, m={m}, "
+             f"Adam; medians of {a.reps} interleaved repetitions; {os.cpu_count()} cores; jax {jax.__version__}; "
+             f"cost model {cost.name}"]
+    fns, runs, works = {}, {}, {}
     step, params, state, x, y = make(a.width, a.layers, a.batch, 1)
-    t_single = timed(jax.jit(step), (params, state, x, y), a.steps)
-    lines.append(f"one device: {t_single * 1e3:.1f} ms")
-    lines.append(f"{'schedule':<14}{'ms':>8}{'/1dev':>7}{'model ms':>10}{'meas/model':>11}{'temp KiB':>10}"
-                 f"{'slots':>6}{'ticks':>6}{'bubble':>8}  bubble-computes-nothing")
+    fns["one device"] = Stepper(jax.jit(step), params, state, x, y)
     for name in a.schedules:
         v = 2 if name == "interleaved" else 1
-        S = a.pp * v
-        if a.layers % S:
-            lines.append(f"{name:<14} skipped: {a.layers} layers do not split into {S} model stages")
+        if a.layers % (p * v):
+            lines.append(f"{name}: skipped, {a.layers} layers do not split into {p * v} model stages")
             continue
-        step, params, state, x, y = make(a.width, a.layers, a.batch, S)
-        pstep = sp.parallelize(step, mesh=((a.pp,), ("pp",)), batch_argnums=(2, 3),
-                               pipeline=sp.Pipeline(microbatches=a.microbatches, schedule=name, virtual_stages=v))
-        plan = pstep.plan(params, state, x, y)
-        compiled = pstep.compiled(params, state, x, y)
-        mem = compiled.memory_analysis()
-        empty = bubble_computes_nothing(compiled.as_text())
-        t = timed(pstep, (params, state, x, y), a.steps)
-        model = modeled(plan.pipeline.sim, t_single, a.microbatches, S, cores)
-        lines.append(f"{name:<14}{t * 1e3:8.1f}{t / t_single:7.2f}{model * 1e3:10.1f}{t / model:11.2f}"
-                     f"{mem.temp_size_in_bytes / 1024:10.0f}{plan.pipeline.slots:6d}{plan.pipeline.ticks:6d}"
-                     f"{plan.pipeline.unit_bubble:8.3f}  {empty}")
-        print(lines[-1], flush=True)
+        pstep, args = pipelined(a.width, a.layers, a.batch, p, m, name, v)
+        plan = pstep.plan(*args)
+        compiled = pstep.compiled(*args)
+        prog = plan.program
+        # the stages' programs: the same for schedules with the same stages and action kinds
+        wkey = (prog.S, tuple(prog.kinds))
+        if wkey not in works:
+            works[wkey] = stage_programs(prog, m)
+            for key, pr in works[wkey].items():
+                fns[("work", wkey, key)] = pr
+        runs[name] = dict(plan=plan, prog=prog, wkey=wkey, hlo=compiled.as_text(),
+                          temp=compiled.memory_analysis().temp_size_in_bytes)
+        fns[name] = Stepper(pstep, *args)
+    ticks = ablations(a, fns) if a.breakdown else {}
+    if a.breakdown and not a.only:
+        threading(fns, a.width, a.batch, p)
+        bprog = branches(a, fns)
+    load = os.getloadavg()[0]
+    med = interleaved(fns, a.reps)
+    t1 = med["one device"]
+    lines.append(f"load average (1 min) {load:.1f} before the timings, {os.getloadavg()[0]:.1f} after; "
+                 f"one-device step: {t1 * 1e3:.1f} ms")
+
+    lines.append("")
+    lines.append("1. work on bubble ticks (target: none; the no-op branch of the compiled tick loop only moves buffers)")
+    for name, r in runs.items():
+        ops = sorted(set(noop_branch_opcodes(r["hlo"])))
+        lines.append(f"   {name:<12} computes nothing: {bubble_computes_nothing(r['hlo'])}   (no-op branch: "
+                     f"{', '.join(ops)})")
+
+    lines.append("")
+    lines.append("2. step time / the stages' work (target: <= 1.10); the stages' work: each stage's F and B programs "
+                 "run m times alone on one device, plus its once ops")
+    for name, r in runs.items():
+        prog, t = r["prog"], med[name]
+        fb = sum(med[("work", r["wkey"], (kind, k))] for k in range(prog.S) for kind in prog.kinds)
+        once = sum(med[("work", r["wkey"], ("once", k))] for k in range(prog.S))
+        r["work"] = fb + once
+        lines.append(f"   {name:<12} step {t * 1e3:7.1f} ms, stages' work {r['work'] * 1e3:7.1f} ms (F+B x m "
+                     f"{fb * 1e3:.1f} + once {once * 1e3:.1f}): {t / r['work']:5.2f}   [no-pipeline step "
+                     f"{t1 * 1e3:.1f} ms: step / no-pipeline {t / t1:.2f}, stages' work / no-pipeline "
+                     f"{r['work'] / t1:.2f}]")
+
+    lines.append("")
+    lines.append("3. compiled memory (target: 1F1B's peak below GPipe's, its activations near p/m of GPipe's)")
+    for name, r in runs.items():
+        prog = r["prog"]
+        r["act"] = prog.nslots * (prog.A + prog.R + prog.G) * 4
+        lines.append(f"   {name:<12} compiled temp {r['temp'] / 2**20:7.2f} MiB; activation slots {prog.nslots} x "
+                     f"{(prog.A + prog.R + prog.G) * 4 / 2**10:.0f} KiB = {r['act'] / 2**20:.2f} MiB")
+    if "gpipe" in runs and "1f1b" in runs:
+        g, o = runs["gpipe"], runs["1f1b"]
+        lines.append(f"   1f1b / gpipe: compiled peak {o['temp'] / g['temp']:.2f} (target < 1), activations "
+                     f"{o['act'] / g['act']:.2f} (target p/m = {p / m:.2f})")
+
+    lines.append("")
+    lines.append(f"4. step time / the cost model's (target: 0.80 to 1.20); model: the plan's simulated tick loop with "
+                 f"{cost.name}'s stage times and exchanges, plus the slowest rank's once ops")
+    for name, r in runs.items():
+        prog, works_ = r["prog"], works[r["wkey"]]
+        model, once = cost_model_step(prog, cost, {k: works_[("once", k)] for k in range(prog.S)})
+        # the same simulation on the stage times measured above (one device, alone)
+        measured = {kind: [med[("work", r["wkey"], (kind, k))] / m for k in range(prog.S)] for kind in prog.kinds}
+        once_meas = max(sum(med[("work", r["wkey"], ("once", k))] for k in range(prog.S) if prog.rank_of(k) == d)
+                        for d in range(p))
+        sim_meas = modeled_step(prog, measured, 0.0, once_meas)
+        modeled_fb = sum(works_[(kind, k)].modeled(cost) for k in range(prog.S) for kind in prog.kinds) * m
+        meas_fb = sum(med[("work", r["wkey"], (kind, k))] for k in range(prog.S) for kind in prog.kinds)
+        lines.append(f"   {name:<12} step {med[name] * 1e3:7.1f} ms, modeled {model * 1e3:7.1f} ms: "
+                     f"{med[name] / model:5.2f}   [{cost.name}'s F+B x m {modeled_fb * 1e3:.1f} ms against "
+                     f"{meas_fb * 1e3:.1f} measured; the simulator on the measured stage times "
+                     f"{sim_meas * 1e3:.1f} ms, step / that {med[name] / sim_meas:.2f}; the default model's "
+                     f"plan.pipeline.step_time {r['plan'].pipeline.step_time * 1e3:.2f} ms]")
+
+    if a.breakdown:
+        lines.append("")
+        lines.append("where the gap goes (1f1b; each line timed beside the others):")
+        base = med[("ablation", "as built")]
+        for label in ticks:
+            t = med[("ablation", label)]
+            lines.append(f"   {label:<40} {t * 1e3:8.2f} ms  ({t / base:5.2f} x as built; {ticks[label]} ticks)")
+    if a.breakdown and not a.only:
+        small = lambda lab: med[("ablation", lab)]
+        dt = ticks["width 16, 4m"] - ticks["width 16, m"]
+        per_tick = (small("width 16, 4m") - small("width 16, m")) / dt
+        per_tick_local = (small("width 16, 4m, no exchanges") - small("width 16, m, no exchanges")) / dt
+        lines.append(f"   a tick's cost (width 16, from m to 4m micro-batches): {per_tick * 1e6:.0f} us, of which "
+                     f"{(per_tick - per_tick_local) * 1e6:.0f} us the exchanges and {per_tick_local * 1e6:.0f} us "
+                     "the scan, switch and slot updates")
+        if "1f1b" in runs:
+            r = runs["1f1b"]
+            alone = sum(med[("branch", key)] for key in bprog.branch_keys[1:])
+            fb = sum(med[("work", r["wkey"], (kind, k))] for k in range(bprog.S) for kind in bprog.kinds)
+            lines.append(f"   1f1b's tick-loop branches alone, m times each (the stage programs with their unpacking "
+                         f"from the packed state row and slots, and packing of sends, kept values and gradients): "
+                         f"{alone * 1e3:.1f} ms, against {fb * 1e3:.1f} ms for the stage programs alone "
+                         f"({alone / fb:.2f} x) and {med['1f1b'] * 1e3:.1f} ms for the step ({med['1f1b'] / alone:.2f} x)")
+            nacc = sum(1 for key in bprog.branch_keys[1:] if bprog.progs[key]["accs"]) * m
+            lines.append(f"   its accumulations alone ({nacc} adds of a {bprog.ACCK * 4 / 2**20:.1f} MiB gradient piece "
+                         f"into the accumulator, in place): {med[('accumulate',)] * 1e3:.1f} ms, "
+                         f"{med[('accumulate',)] / med['1f1b']:.2f} of the step")
+        lines.append(f"   threading: a matmul program on one device {med[('threads', 1)] * 1e3:.2f} ms, the same on "
+                     f"{p} devices at once {med[('threads', p)] * 1e3:.2f} ms ({med[('threads', p)] / med[('threads', 1)]:.2f}"
+                     f" x: 1.00 x would be side by side, {p:.2f} x taking turns)")
     text = "\n".join(lines)
     print(text)
     if a.out:

@@ -110,38 +110,31 @@ class PipelineInfo:
         lines.append("  ticks: " + " ".join(row))
         return "\n".join(lines)
 
+    def to_data(self) -> dict:
+        """The plan as JSON-ready data: what its report page draws."""
+        ranks = sorted({s.rank for s in self.stages})
+        timeline = [[None if (t, d) not in self.schedule else
+                     {"kind": self.schedule[(t, d)].kind, "microbatch": self.schedule[(t, d)].microbatch,
+                      "chunk": self.schedule[(t, d)].chunk, "label": str(self.schedule[(t, d)])}
+                     for t in range(self.ticks)] for d in ranks]
+        stages = [{"index": s.index, "rank": s.rank, "chunk": s.chunk, "devices": list(s.devices),
+                   "forward_ops": s.forward_ops, "backward_ops": s.backward_ops, "once_ops": s.once_ops,
+                   "params": [[path, list(shape)] for path, shape in s.params]} for s in self.stages]
+        return {"kind": "pipeline", "schedule": self.schedule_name, "microbatches": self.microbatches,
+                "ticks": self.ticks, "ranks": ranks, "bubble": self.bubble, "unit_bubble": self.unit_bubble,
+                "step_time": self.step_time, "slots": self.slots, "memory": self.memory, "stages": stages,
+                "timeline": timeline, "rank_texts": [self.rank_text(d) for d in ranks],
+                "search": [list(r) for r in self.search] if self.search else None}
+
     def to_html(self, path: Optional[str] = None) -> str:
-        """The schedule as a timeline: one row per rank, one cell per tick, coloured by
-        kind (F, B, I, W) and labelled with the micro-batch (and chunk); empty cells are
-        bubbles. Written to ``path`` when given; returns the HTML."""
-        import html
-        colour = {"forward": "#8ecae6", "backward": "#ffb703", "backward_input": "#fb8500",
-                  "backward_weight": "#90be6d"}
-        head = "".join(f"<th>{t}</th>" for t in range(self.ticks))
-        rows = []
-        for d in sorted({s.rank for s in self.stages}):
-            cells = []
-            for t in range(self.ticks):
-                a = self.schedule.get((t, d))
-                if a is None:
-                    cells.append('<td class="bubble"></td>')
-                else:
-                    cells.append(f'<td style="background:{colour[a.kind]}" title="{html.escape(a.kind)} '
-                                 f'micro-batch {a.microbatch} chunk {a.chunk}">{html.escape(str(a))}</td>')
-            rows.append(f"<tr><th>rank {d}</th>{''.join(cells)}</tr>")
-        stages = "".join(f"<li>stage {s.index}: rank {s.rank}, chunk {s.chunk}, devices {list(s.devices)}, "
-                         f"{len(s.forward_ops)} forward / {len(s.backward_ops)} backward / {len(s.once_ops)} once "
-                         "ops</li>" for s in self.stages)
-        page = (f"<!doctype html><html><head><meta charset='utf-8'><title>pipeline</title><style>"
-                "table{border-collapse:collapse;font:12px monospace}td,th{border:1px solid #ccc;padding:2px 4px;"
-                "text-align:center}td.bubble{background:#f4f4f4}</style></head><body>"
-                f"<h1>{html.escape(self.schedule_name)}: {len(self.stages)} model stages, {self.microbatches} "
-                f"micro-batches</h1><p>{self.ticks} ticks; modeled bubble {self.bubble:.3f} (unit costs "
-                f"{self.unit_bubble:.3f}); modeled step {self.step_time * 1e6:.1f} us; {self.slots} activation "
-                f"slots per rank</p><table><tr><th></th>{head}</tr>{''.join(rows)}</table><ul>{stages}</ul>"
-                "</body></html>")
+        """The report page (compiler/report.py ``render_pipeline_html``): the schedule as a
+        timeline (ranks x ticks, each action with its micro-batch, bubbles blank), the
+        stages (rank, devices, ops, state) and each rank's program. Written to ``path``
+        when given; returns the HTML."""
+        from .report import render_pipeline_html
+        page = render_pipeline_html(self.to_data())
         if path:
-            with open(path, "w") as f:
+            with open(path, "w", encoding="utf-8") as f:
                 f.write(page)
         return page
 
@@ -157,6 +150,12 @@ class PipelinePlan:
 
     def text(self) -> str:
         return self.pipeline.text()
+
+    def to_html(self, path=None) -> str:
+        """Write the plan's report page (see ``PipelineInfo.to_html``) to ``path`` and
+        return the path, as ``Plan.to_html`` does; without a path, return the page."""
+        page = self.pipeline.to_html(str(path) if path is not None else None)
+        return page if path is None else str(path)
 
 
 def _eqn_time(eqn, cost) -> float:
@@ -176,11 +175,13 @@ def _eqn_time(eqn, cost) -> float:
     return cost.compute_time(float(out), touched)
 
 
-def _modeled_times(prog):
+def _modeled_times(prog, cost=None):
     """Per model stage, the modeled seconds of each action kind on one micro-batch (the
-    default cost model's roofline over its programs' equations), and per boundary the
-    exchange time of the activations (alpha-beta over the default link)."""
-    from ..passes.cost import DEFAULT_COST as cost
+    roofline of ``cost``, default the default cost model, over its programs' equations),
+    and per boundary the exchange time of the activations (alpha-beta over its default
+    link)."""
+    if cost is None:
+        from ..passes.cost import DEFAULT_COST as cost
     j = prog.j
     times = []
     for k in range(prog.S):

@@ -272,8 +272,37 @@ class PipelineProgram:
                     reads.append(a)
         return list(dict.fromkeys(reads))
 
+    def _plan_sunk(self):
+        """Once ops that only transpose a stage's accumulated partial sum (a weight
+        gradient in the layout dot_general's transpose rule leaves) commute with the sum
+        over micro-batches, so they run per micro-batch in the program that computes the
+        partial sum, where XLA folds them into the dot, and the accumulator holds the
+        gradient in its final layout. Left after the loop, the transpose is a strided
+        read fused into every optimizer expression that reads the gradient (measured:
+        most of the pipelined step at width 1024, docs/results/pipeline.md).
+        Returns ``{acc var: transpose eqn index}``."""
+        an, j = self.an, self.j
+        readers = {}
+        for i, e in enumerate(j.eqns):
+            for a in e.invars:
+                if not isinstance(a, jcore.Literal):
+                    readers.setdefault(a, []).append(i)
+        outs = {v for v in j.outvars if not isinstance(v, jcore.Literal)}
+        sunk = {}
+        for k in range(self.S):
+            for i in an.stages[k].once:
+                e = j.eqns[i]
+                a = e.invars[0]
+                if (e.primitive.name == "transpose" and not isinstance(a, jcore.Literal)
+                        and an.kind.get(a) == "acc" and an.var_stage.get(a) == k
+                        and readers.get(a) == [i] and a not in outs):
+                    sunk[a] = i
+        return sunk
+
     def _plan_programs(self):
         an, j = self.an, self.j
+        self.sunk = self._plan_sunk()
+        sunk_eqns = set(self.sunk.values())
         # what crosses each cut (mark operands and results, or automatic cuts' crossing sets)
         self.fwd_out, self.fwd_in = an.fwd_send, an.fwd_recv
         self.bwd_out, self.bwd_in = an.bwd_send, an.bwd_recv
@@ -294,6 +323,10 @@ class PipelineProgram:
                 idxs = self._with_floats(sorted(set(idxs) | set(extra)))
                 produced = {o for i in idxs for o in j.eqns[i].outvars}
                 accs = [o for i in idxs if an.roles[i] == MB for o in j.eqns[i].outvars if an.kind.get(o) == "acc"]
+                # a sunk transpose runs here, and its result is what accumulates
+                idxs = sorted(set(idxs) | {self.sunk[o] for o in accs if o in self.sunk})
+                accs = [j.eqns[self.sunk[o]].outvars[0] if o in self.sunk else o for o in accs]
+                produced = {o for i in idxs for o in j.eqns[i].outvars}
                 outs_b = [o for o in produced if o in outvars and an.kind.get(o) == MB]
                 self.progs[(kind, k)] = dict(idxs=idxs, reads=self._reads(idxs) + [a for a in sends
                                              if not isinstance(a, jcore.Literal) and a not in produced],
@@ -308,7 +341,7 @@ class PipelineProgram:
             self.resid[k] = Packing(r)
         self.once = {}
         for k in range(self.S):
-            idxs = self._with_floats(an.stages[k].once)
+            idxs = self._with_floats([i for i in an.stages[k].once if i not in sunk_eqns])
             self.once[k] = dict(idxs=idxs, reads=self._reads(idxs))
         self._plan_phases()
 
@@ -326,7 +359,9 @@ class PipelineProgram:
                 home[o], phase[o] = k, 0
         rep_set = set(an.rep_once)
         self.op_phase = {}
-        once_ops = sorted(set(an.rep_once) | {i for k in range(self.S) for i in an.stages[k].once})
+        sunk_eqns = set(self.sunk.values())
+        once_ops = sorted(set(an.rep_once) | {i for k in range(self.S) for i in an.stages[k].once
+                                               if i not in sunk_eqns})
         self.bcast_at = {}   # phase -> stage vars broadcast at its end
         for i in once_ops:
             eqn = j.eqns[i]
@@ -539,8 +574,11 @@ class PipelineProgram:
             remap[i] = n
         for n, i in enumerate(self.plain_keys):
             remap[i] = n
+        # per tick, whether any rank receives (an exchange no rank reads is skipped)
+        any_f = np.repeat((recv_f >= 0).any(axis=1, keepdims=True), p, axis=1).astype(np.int32)
+        any_b = np.repeat((recv_b >= 0).any(axis=1, keepdims=True), p, axis=1).astype(np.int32)
         self.tables = dict(act=remap[act], acc=np.asarray(has_acc, np.int32)[act], mb=mb, slot=slot,
-                           recv_f=recv_f, recv_b=recv_b)
+                           recv_f=recv_f, recv_b=recv_b, any_f=any_f, any_b=any_b)
 
     def _packs_per_rank(self, field: str) -> tuple[dict, list]:
         """Per model stage, (its offset on its rank, a Packing of the ``field`` values of its
@@ -568,6 +606,62 @@ class PipelineProgram:
         # packed state per rank
         self.state_pack = [Packing([v for i, v in enumerate(j.invars) if d in self.ranks_of(i)]) for d in range(p)]
         self.state_size = max([1] + [pk.size for pk in self.state_pack])
+        self._plan_hoist()
+
+    def _plan_hoist(self):
+        """State the tick loop reads, unpacked once before the loop instead of at every
+        action: sliced out of the packed row inside a branch, each weight is copied
+        whole every time its stage runs (as many bytes as a micro-batch's matmul reads).
+        Values leave the loop's switch only in one type for every rank, so ranks pair
+        their values by shape and dtype: the n-th value of a signature on every rank
+        shares hoisted position n, for as many as the rank with the fewest has (stages
+        of equal layers hoist everything; an embedding only rank 0 holds stays sliced).
+        ``self.hoist[d]``: var -> position; ``self.hoist_sig``: per position, its aval."""
+        j, p = self.j, self.p
+        per_rank = []
+        for d in range(p):
+            seen = []
+            for k in range(self.S):
+                if self.rank_of(k) != d:
+                    continue
+                for kind in self.kinds:
+                    for v in self.progs[(kind, k)]["reads"]:
+                        i = self.invar_index.get(v)
+                        if i is not None and d in self.ranks_of(i) and v not in seen:
+                            seen.append(v)
+            per_rank.append(seen)
+        sig = lambda v: (tuple(v.aval.shape), np.dtype(v.aval.dtype).name)
+        count = {}
+        for seen in per_rank:
+            for g in {sig(v) for v in seen}:
+                count[g] = min(count.get(g, len(j.invars)), sum(sig(v) == g for v in seen))
+        for g in list(count):
+            if any(not any(sig(v) == g for v in seen) for seen in per_rank):
+                count[g] = 0
+        order = sorted((g for g in count if count[g]), key=str)
+        base, pos = {}, 0
+        for g in order:
+            base[g], pos = pos, pos + count[g]
+        self.hoist_sig = [None] * pos
+        self.hoist = []
+        for seen in per_rank:
+            used, slot = {}, {}
+            for v in seen:
+                g = sig(v)
+                n = used.get(g, 0)
+                if n < count.get(g, 0):
+                    slot[v] = base[g] + n
+                    self.hoist_sig[base[g] + n] = v.aval
+                    used[g] = n + 1
+            self.hoist.append(slot)
+
+    def unpack_hoisted(self, state_row, d):
+        """Rank ``d``'s hoisted state, in hoist position order (see ``_plan_hoist``)."""
+        pk, out = self.state_pack[d], [None] * len(self.hoist_sig)
+        for v, n in self.hoist[d].items():
+            o = pk.offset[v]
+            out[n] = _from_f32(lax.slice_in_dim(state_row, o, o + _size(v)), v.aval.shape, v.aval.dtype)
+        return tuple(out)
 
     def _plan_outputs(self, spec):
         """``spec`` per outvar: ("literal", val) / ("input", idx) / ("float",) / ("bcast", k) /
@@ -596,7 +690,7 @@ class PipelineProgram:
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
 
-    def _base_env(self, reads, state_row, d, rep, batch_mb):
+    def _base_env(self, reads, state_row, d, rep, batch_mb, hoisted=None):
         env = {}
         for cv, val in zip(self.j.constvars, self.consts):
             env[cv] = val
@@ -608,6 +702,8 @@ class PipelineProgram:
                 i = self.invar_index[v]
                 if self.batch_mask[i]:
                     env[v] = batch_mb[i]
+                elif hoisted is not None and v in self.hoist[d]:
+                    env[v] = hoisted[self.hoist[d][v]]
                 elif v in sp_.offset:
                     o = sp_.offset[v]
                     env[v] = _from_f32(lax.slice_in_dim(state_row, o, o + _size(v)), v.aval.shape, v.aval.dtype)
@@ -621,9 +717,9 @@ class PipelineProgram:
         prog = self.progs[key]
 
         def run(ops):
-            (act_row, resid_row, ct_row, out_row), mbi, state_row, rep, batch = ops
+            (act_row, resid_row, ct_row, out_row), mbi, state_row, rep, batch, hoisted = ops
             batch_mb = {i: lax.dynamic_index_in_dim(x, mbi, 0, keepdims=False) for i, x in batch.items()}
-            env = self._base_env(prog["reads"], state_row, d, rep, batch_mb)
+            env = self._base_env(prog["reads"], state_row, d, rep, batch_mb, hoisted)
             if k > 0:
                 Packing(self.fwd_in[k]).unpack(act_row, env)
             if kind != F_:
@@ -641,6 +737,8 @@ class PipelineProgram:
             elif prog["sends"]:
                 send_b = Packing(prog["sends"]).pack(env, self.G)
             # this action's partial sums, at their offsets in the stage's accumulator piece
+            # (returned and added outside the switch: updated in place inside a branch, the
+            # accumulator is copied whole on every action, docs/results/pipeline.md)
             base, pk = self.acc_pack[k]
             piece = [jnp.zeros((_size(v),), jnp.float32) if v not in prog["accs"] else _to_f32(env[v])
                      for v in pk.vars]
@@ -731,16 +829,19 @@ class PipelineProgram:
                     state_row = jnp.pad(state_row, (0, self.state_size - state_row.shape[0]))
             else:
                 state_row = lax.switch(d, [lambda s, q=q: gather_state(s, q) for q in range(p)], sources)
+            # the state the loop reads, unpacked once (_plan_hoist)
+            hoisted = (lax.switch(d, [lambda s, q=q: self.unpack_hoisted(s, q) for q in range(p)], state_row)
+                       if self.hoist_sig else ())
             carry = (jnp.zeros((self.nslots, self.A), jnp.float32), jnp.zeros((self.nslots, self.R), jnp.float32),
                      jnp.zeros((self.nslots, self.G), jnp.float32), jnp.zeros((self.ACC,), jnp.float32),
                      jnp.zeros((m, self.O), jnp.float32))
 
             def tick(carry, row):
-                a, has_acc, mbi, slot, rf, rb = (row[n][d] for n in ("act", "acc", "mb", "slot", "recv_f",
-                                                                      "recv_b"))
+                a, has_acc, mbi, slot, rf, rb, any_f, any_b = (row[n][d] for n in (
+                    "act", "acc", "mb", "slot", "recv_f", "recv_b", "any_f", "any_b"))
                 act_in, resid, ct_in, acc, out_buf = carry
                 rows = (act_in[slot], resid[slot], ct_in[slot], out_buf[mbi])
-                ops = (rows, mbi, state_row, rep, batch)
+                ops = (rows, mbi, state_row, rep, batch, hoisted)
 
                 def accumulating(acc):
                     (resid_row, out_row), (piece, base), send_f, send_b = lax.switch(a, acc_branches, ops)
@@ -760,8 +861,10 @@ class PipelineProgram:
                 resid = resid.at[slot].set(resid_row)
                 out_buf = out_buf.at[mbi].set(out_row)
                 if p > 1:
-                    got_f = lax.ppermute(send_f, ax, fwd_perm)
-                    got_b = lax.ppermute(send_b, ax, bwd_perm)
+                    # an exchange runs only on the ticks where some rank receives (the same
+                    # static flag on every rank, so every rank takes the same branch)
+                    got_f = lax.cond(any_f > 0, lambda x: lax.ppermute(x, ax, fwd_perm), lambda x: x, send_f)
+                    got_b = lax.cond(any_b > 0, lambda x: lax.ppermute(x, ax, bwd_perm), lambda x: x, send_b)
                     sf = jnp.maximum(rf, 0)
                     act_in = act_in.at[sf].set(jnp.where(rf >= 0, got_f, act_in[sf]))
                     sb = jnp.maximum(rb, 0)

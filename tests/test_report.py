@@ -1,6 +1,7 @@
 """The plan report: plan.json in dumps, plan.to_html / ``shardprop report`` (one page
 from one data), plan.explain, repeated layers, and the page itself in a headless
 Chromium (skipped, with the reason, where no browser is found)."""
+import json
 import re
 import sys
 from pathlib import Path
@@ -226,3 +227,67 @@ def test_gpt_report_in_browser(gpt_plan, browser, tmp_path):
     assert f"{plan.count('all_reduce')}" in page.locator("#summary-view table").first.inner_text()
     page.screenshot(path=str(tmp_path / "gpt_report.png"))
     assert opened.errors == []
+
+
+# -- a pipeline plan's report -------------------------------------------------------
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2)])
+def test_pipeline_report_draws_the_stages_and_the_schedule_as_a_timeline(schedule, v, tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    p, m, opt = 2, 4, optax.sgd(0.1)
+
+    def loss_fn(params, batch):
+        h = batch[0]
+        for i, w in enumerate(params):
+            h = jnp.tanh(h @ w["w"] + w["b"])
+            if i + 1 < len(params):
+                h = sp.stage_boundary(h)     # p * v stages of one layer each
+        return jnp.mean((h - batch[1]) ** 2)
+
+    def step(params, opt_state, batch):
+        loss, g = jax.value_and_grad(loss_fn)(params, batch)
+        up, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, up), opt_state, loss
+
+    rng = np.random.default_rng(0)
+    params = [{"w": rng.standard_normal((8, 8)).astype(np.float32), "b": np.zeros(8, np.float32)}
+              for _ in range(p * v)]
+    batch = tuple(rng.standard_normal((8, 8)).astype(np.float32) for _ in range(2))
+    opt_state = opt.init(params)
+    dump = tmp_path / "dump"
+    pstep = sp.parallelize(step, mesh=((p,), ("pp",)), dump_dir=str(dump),
+                           pipeline=sp.Pipeline(microbatches=m, schedule=schedule, virtual_stages=v))
+    plan = pstep.plan(params, opt_state, batch)
+    page = plan.to_html()
+    assert (dump / "pipeline.html").read_text() == page == Path(plan.to_html(tmp_path / "p.html")).read_text()
+    assert not re.search(r"<script[^>]+src=|<link[^>]+stylesheet|@import|url\(|https?://", page)
+    info = plan.pipeline
+    # the timeline: one row per rank, one cell per tick; an action's cell holds its
+    # micro-batch (and chunk), a bubble's cell is blank
+    timeline = re.search(r'<table class="timeline".*?</table>', page, re.S).group(0)
+    rows = re.findall(r'<tr><th>rank (\d+)</th>(.*?)</tr>', timeline)
+    assert [int(d) for d, _ in rows] == list(range(p))
+    for d, cells in rows:
+        cells = re.findall(r'<td class="([\w-]+)"[^>]*>([^<]*)</td>', cells)
+        assert len(cells) == info.ticks
+        for t, (cls, label) in enumerate(cells):
+            a = info.schedule.get((t, int(d)))
+            assert (cls, label) == (("bubble", "") if a is None else (f"act-{a.kind}", str(a)))
+        labels = [label for _, label in cells if label]
+        assert len(labels) == len(set(labels)) == 2 * m * v       # F and B of every micro-batch, each chunk, once
+        assert {f"F{i}" for i in range(m)} <= set(labels)
+    blanks = sum(label == "" for _, cells in rows for label in re.findall(r"<td[^>]*>([^<]*)</td>", cells))
+    assert blanks == p * info.ticks - 2 * m * v * p
+    # the stages: rank, chunk, devices, ops and the state each owns
+    stages = re.findall(r"<tr><td class='num'>(\d+)</td><td class='num'>(\d+)</td><td class='num'>(\d+)</td>"
+                        r"<td>(\[[\d, ]*\])</td><td>([^<]*)</td>", page)
+    assert [(int(k), int(d), int(c)) for k, d, c, _, _ in stages] == [(s.index, s.rank, s.chunk) for s in info.stages]
+    assert all("dot_general" in fwd and "tanh" in fwd for *_, fwd in stages)
+    assert all(path in page for s in info.stages for path, _ in s.params)
+    # the data under the page is the plan's
+    data = json.loads(re.search(r'<script id="pipeline-data" type="application/json">(.*?)</script>', page,
+                                re.S).group(1).replace("<\\/", "</"))
+    assert data == json.loads(to_json(info.to_data()))
