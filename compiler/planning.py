@@ -301,6 +301,7 @@ def parse_mesh(text: str):
 
 STAGE_ROWS = 2     # rows per replica the stage is planned at (costs scale linearly from there)
 CUT_WINDOWS = 96   # at most this many layers: per 1/CUT_WINDOWS of the forward's time, its cheapest cut point
+STAGE_WINDOWS = 4  # ... and at least this many per stage of a given pp (pp=64: 256 windows)
 
 
 @dataclass
@@ -345,17 +346,17 @@ def _op_seconds(op, cost, mesh, resident) -> tuple:
     return total, fixed
 
 
-def _cut_points(crossing, op_seconds) -> list:
-    """The cheap cut points: the forward's time split into ``CUT_WINDOWS`` equal windows,
+def _cut_points(crossing, op_seconds, windows: int = CUT_WINDOWS) -> list:
+    """The cheap cut points: the forward's time split into ``windows`` equal windows,
     in each the point after which the fewest bytes cross (a transformer's residual stream
-    between blocks, the loss's scalars at its tail), so there are at most ``CUT_WINDOWS``
+    between blocks, the loss's scalars at its tail), so there are at most ``windows``
     and the search can balance stages to about a window's time."""
     import numpy as np
     if not crossing:
         return []
     T = np.cumsum(op_seconds)[:len(crossing)]
     total = float(np.sum(op_seconds)) or 1.0
-    window = np.minimum((T / total * CUT_WINDOWS).astype(int), CUT_WINDOWS - 1)
+    window = np.minimum((T / total * windows).astype(int), windows - 1)
     best: dict = {}
     for n, (w, c) in enumerate(zip(window.tolist(), crossing)):
         if w not in best or c < crossing[best[w]]:
@@ -363,7 +364,8 @@ def _cut_points(crossing, op_seconds) -> list:
     return sorted(best.values())
 
 
-def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: int) -> StageLayers:
+def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: int,
+                 windows: int = CUT_WINDOWS) -> StageLayers:
     """Cut one replica's planned step into layers and price each (see above):
 
     - the **forward** is every op the loss (each float scalar output) is computed from,
@@ -441,7 +443,7 @@ def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: 
     for op in riders:
         t, fixed = seconds[op]
         seconds[op] = (t - fixed, 0.0)
-    cuts = _cut_points(crossing, [seconds[op][0] for op in fops])
+    cuts = _cut_points(crossing, [seconds[op][0] for op in fops], windows)
     starts = [0] + [n + 1 for n in cuts]
     unit_of_pos = []
     for u, (a, b) in enumerate(zip(starts, starts[1:] + [F])):
@@ -603,6 +605,10 @@ def plan_pipelined(fn, args, *, mesh, pipeline=None, cost_model=None, mode: str 
     if not search_auto_shape and fixed_m and batch % (fixed_m * size.get(dp_axis, 1)) == 0:
         rows = max(rows, batch // (fixed_m * size.get(dp_axis, 1)))
     donate = tuple(sorted(set(param_argnums) | set(optimizer_argnums)))
+    # a given pp gets at least STAGE_WINDOWS cut windows per stage x chunk, so that many stages
+    # can still be balanced to a fraction of a stage's time
+    windows = CUT_WINDOWS if search_auto_shape else max(CUT_WINDOWS, STAGE_WINDOWS * size[pp_axis] *
+                                                        pipeline.virtual_stages)
     memo: dict = {}
 
     def stage(tp: int) -> StageLayers:
@@ -620,7 +626,7 @@ def plan_pipelined(fn, args, *, mesh, pipeline=None, cost_model=None, mode: str 
             pstep.options = replace(pstep.options, memory_limit=None)
             plan = pstep.plan(*at_rows(rows))
             memo[tp] = stage_layers(plan, uncapped, param_inputs=leaves(param_argnums),
-                                    optimizer_inputs=leaves(optimizer_argnums), rows=rows)
+                                    optimizer_inputs=leaves(optimizer_argnums), rows=rows, windows=windows)
         return memo[tp]
 
     if search_auto_shape:
