@@ -441,7 +441,7 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         # mode (of the marks' propagation on the axes beside the pipeline's) and ZeRO-1 are taken
         given = {"mode": mode not in ("sharding_propagation", "semi_auto"), "in_strategy": in_strategy is not None,
                  "out_strategy": out_strategy is not None, "fuse_reduce_scatter": not fuse_reduce_scatter,
-                 "cost_model": cost_model is not None, "donate_argnums": bool(donate_argnums), "verify": verify,
+                 "donate_argnums": bool(donate_argnums), "verify": verify,
                  "shard_params": bool(shard_params)}
         unsupported = [name for name, set_ in given.items() if set_]
         if unsupported:
@@ -452,7 +452,7 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         from .pipeline_step import PipelineFunction
         return PipelineFunction(fn, mesh=mesh, pipeline=pipeline, batch_argnums=batch_argnums, dump_dir=dump_dir,
                                 memory_limit=memory_limit, mode=mode, shard_optimizer_state=shard_optimizer_state,
-                                optimizer_argnums=optimizer_argnums)
+                                optimizer_argnums=optimizer_argnums, cost_model=cost_model)
     return ParallelFunction(fn, mesh=mesh, mode=mode, in_strategy=in_strategy, out_strategy=out_strategy,
                             dump_dir=dump_dir, fuse_reduce_scatter=fuse_reduce_scatter, cost_model=cost_model,
                             donate_argnums=donate_argnums, verify=verify, batch_argnums=batch_argnums,
@@ -465,6 +465,6 @@ def report(plan_or_dump_dir, path) -> str:
     """``sp.report(plan, "plan.html")`` or ``sp.report("saved_graph/", "plan.html")``:
     the plan report of a compiled plan or of a dump folder (its ``plan.json``).
     (compiler/report.py only renders plan data.)"""
-    if isinstance(plan_or_dump_dir, Plan):
-        return plan_or_dump_dir.to_html(str(path))
+    if isinstance(plan_or_dump_dir, Plan) or callable(getattr(plan_or_dump_dir, "to_html", None)):
+        return plan_or_dump_dir.to_html(str(path))   # a Plan, or a pipelined step's PipelinePlan
     return write_html(load_plan_data(str(plan_or_dump_dir)), str(path))

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..ir.errors import ShardingError
+from ..passes.cost import resolve_cost_model
 from ..passes.pipeline import build_schedule, simulate
 from ..runtime.mesh import resolve_mesh
 from ..runtime.pipeline_lower import PackedLeaf, PipelineProgram, np_to_f32, pack_blocks
@@ -214,13 +215,17 @@ class PipelineFunction:
     """A step pipelined over the ``pipeline.axis`` mesh axis (see the module doc)."""
 
     def __init__(self, fn, *, mesh, pipeline: Pipeline, batch_argnums=None, dump_dir=None, memory_limit=None,
-                 mode: str = "sharding_propagation", shard_optimizer_state=False, optimizer_argnums=(1,)):
+                 mode: str = "sharding_propagation", shard_optimizer_state=False, optimizer_argnums=(1,),
+                 cost_model=None):
         if not isinstance(pipeline, Pipeline):
             raise ShardingError(f"pipeline={pipeline!r}: pass sp.Pipeline(microbatches=..., schedule=...)")
         self.fn, self.pipeline = fn, pipeline
         self.mesh_spec = resolve_mesh(mesh)
         self.p = check_pipeline(pipeline, self.mesh_spec.ir_mesh.axis_names, self.mesh_spec.ir_mesh.axis_sizes)
         self.mesh = self.mesh_spec.jax_mesh()
+        # what the cuts, the search and the plan's modeled step are priced by (as parallelize's cost_model)
+        self.cost_model = cost_model
+        self.cost = resolve_cost_model(cost_model, self.mesh_spec.ir_mesh)
         sizes = dict(zip(self.mesh_spec.ir_mesh.axis_names, self.mesh_spec.ir_mesh.axis_sizes))
         self.mode, self.optimizer_argnums = mode, tuple(optimizer_argnums)
         # the axes beside the pipeline's: planned by the non-pipeline passes when any of them
@@ -317,11 +322,10 @@ class PipelineFunction:
                     if e.primitive.name == "stage_boundary" and e.params["direction"] == "forward")
         if marks == 0 and pl.stages in (None, "auto"):
             # no marks: cut the forward by modeled time where little crosses (pipeline_assign.auto_stages)
-            from ..passes.cost import DEFAULT_COST
             one = analyse(jg, jm, js, mask, S=1, m=md, global_batch=B, auto=True)
             an = auto_stages(one, p=p, v=pl.virtual_stages, m=m, schedule=pl.schedule,
-                             op_time=lambda e: _eqn_time(e, DEFAULT_COST),
-                             link_bytes_per_s=DEFAULT_COST.link_bytes_per_s)
+                             op_time=lambda e: _eqn_time(e, self.cost),
+                             link_bytes_per_s=self.cost.link_bytes_per_s)
         else:
             an = analyse(jg, jm, js, mask, S=S, m=md, global_batch=B)
         schedule = build_schedule(pl.schedule, p, m, pl.virtual_stages, forward_only=not an.training)
@@ -334,7 +338,7 @@ class PipelineFunction:
         c = _Compiled(prog, out_tree[0], m, B, an, schedule)
         c.pipeline_config = pl
         c.search = getattr(self, "_last_search", None)
-        c.stage_times, c.latency = _modeled_times(prog)
+        c.stage_times, c.latency = _modeled_times(prog, self.cost)
         durations = {kind: [c.stage_times[k][kind] for k in range(S)] for kind in prog.kinds}
         c.model_sim = simulate(schedule, durations, latency=c.latency)
         c.paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
@@ -369,7 +373,7 @@ class PipelineFunction:
             outs = outs_of(closed)
             return plan_submesh(closed, names, ir_mesh=spec.ir_mesh, jax_mesh=jmesh, batch_mask=mask,
                                 arg_leaves=list(leaves), args_tree=treedef, out_shape=outs, mode=self.mode,
-                                pins=pins, batch_argnums=batch_argnums)
+                                pins=pins, batch_argnums=batch_argnums, cost=self.cost)
         pg = planned(jg, avals)
         pm = planned(jm, micro) if jm is not jg else pg
         ps = pg if js is jg else planned(js, doubled)
@@ -457,9 +461,9 @@ class PipelineFunction:
         m0 = ms[len(ms) // 2]
         base = PipelineFunction(self.fn, mesh=self.mesh, pipeline=replace(pl, microbatches=m0, schedule=(
             "interleaved" if v > 1 else "1f1b")), batch_argnums=self.batch_argnums, mode=self.mode,
-            shard_optimizer_state=self.zero_axes or False, optimizer_argnums=self.optimizer_argnums)
+            shard_optimizer_state=self.zero_axes or False, optimizer_argnums=self.optimizer_argnums,
+            cost_model=self.cost_model)
         c0, _, _ = base._compile(args)
-        from ..passes.cost import DEFAULT_COST
         rows = []
         for name in names:
             for m in ms:
@@ -473,7 +477,7 @@ class PipelineFunction:
                 if name == "zero_bubble" and "backward_input" not in dur and "backward" in dur:
                     dur["backward_input"] = [b / 2 for b in dur["backward"]]
                     dur["backward_weight"] = [b / 2 for b in dur["backward"]]
-                lat = [DEFAULT_COST.latency_s + (x - DEFAULT_COST.latency_s) * scale for x in c0.latency]
+                lat = [self.cost.latency_s + (x - self.cost.latency_s) * scale for x in c0.latency]
                 rows.append((float(simulate(sch, dur, latency=lat).makespan), m, name,
                              _modeled_bytes(c0.prog, sch, scale)))
         rows.sort()

@@ -152,17 +152,18 @@ def zero_pins(closed, names, *, ir_mesh, batch_mask, arg_leaves, args_tree, out_
 
 
 def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, args_tree, out_shape,
-                 mode: str = "sharding_propagation", pins=None, batch_argnums=()) -> SubmeshProgram:
+                 mode: str = "sharding_propagation", pins=None, batch_argnums=(), cost=None) -> SubmeshProgram:
     """Plan ``closed`` (the step traced at some batch size, calls inlined) on the sub-mesh
     and return its per-rank program. ``arg_leaves``/``args_tree``: the step's arguments
     (abstract), for the pins; ``out_shape``: its outputs' shapes (for the state ties);
-    ``pins``: more input layouts (ZeRO-1's, :func:`zero_pins`)."""
+    ``pins``: more input layouts (ZeRO-1's, :func:`zero_pins`); ``cost``: the cost model
+    propagation prices its choices by (None: the default)."""
     args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
     graph = _imported(closed, names, ir_mesh, batch_mask, arg_leaves)
     graph.pinned_inputs.update(pins or {})
     state = [a for a in range(len(args)) if a not in batch_argnums]
     graph.tied_outputs = state_ties(args, state, out_shape)
-    graph = run_pipeline(graph, Options(mode=mode)).graph
+    graph = run_pipeline(graph, Options(mode=mode, **({} if cost is None else {"cost": cost}))).graph
     if jax_mesh is None:   # the plan only
         return SubmeshProgram(None, [], [], [], [], [], [], graph)
     return SubmeshProgram(per_rank_jaxpr(graph, jax_mesh), [partition_spec(v.layout) for v in graph.inputs],
