@@ -79,7 +79,7 @@ def unmarked_graph(step, args, closed, out_shape, mesh):
     return graph
 
 
-def under_limits(t, mesh, fractions, methods, repeat) -> None:
+def under_limits(t, mesh, fractions, methods, repeat, budget=True) -> None:
     """Search under memory limits (fractions of the free plan's modeled peak), each memory
     method in turn per repetition, so the figures of one line are measured side by side."""
     from shardprop.passes.auto import SearchStrategies
@@ -97,15 +97,18 @@ def under_limits(t, mesh, fractions, methods, repeat) -> None:
                 t0 = time.perf_counter()
                 # "rounded": the default (the rows' LP rounded first, then exact rows);
                 # "exact": exact rows only; "lagrange": multipliers first
-                how = dict(memory_method="exact", relaxed_gap=None) if m == "exact" else \
+                options = dict(memory_method="exact", relaxed_gap=None) if m == "exact" else \
                     dict(memory_method="lagrange", relaxed_gap=None) if m == "lagrange" else {}
-                _, sol, peak = SearchStrategies(memory_limit=limit, **how).search(g)
+                search = SearchStrategies(memory_limit=limit, **options)
+                if budget:   # (as parallelize runs it: one time budget, TIME_BUDGET seconds)
+                    search._deadline = time.perf_counter() + search.time_budget
+                _, sol, peak = search.search(g)
                 seconds[m].append(time.perf_counter() - t0)
                 found[m] = (sol, peak)
         for m in methods:
             sol, peak = found[m]
             how = "no plan fits" if sol is None else (f"step {sol.modeled * 1e3:.4f} ms, peak {peak / 1e6:.3f} MB, "
-                                                     f"{sol.rounds} solves; {_short(sol.status)}")
+                                                     f"{sol.rounds} solves, gap {sol.gap:.1%}; {_short(sol.status)}")
             print(f"  limit {frac:g} x free ({limit / 1e6:.3f} MB) {m:>8}: search {statistics.median(seconds[m]):6.2f} s"
                   f" | {how}", flush=True)
 
@@ -183,6 +186,8 @@ def main():
     ap.add_argument("--memory-methods", nargs="+", default=["rounded", "exact"], choices=["rounded", "lagrange", "exact"],
                     help="rounded: the default search (the memory rows' LP rounded first, exact rows where its gap is "
                          "above 5%%); exact: exact rows only; lagrange: multipliers first")
+    ap.add_argument("--no-budget", action="store_true",
+                    help="with --limits: no time budget (each solve its time limit), as before 2026-11-27")
     args = ap.parse_args()
     if args.limits:
         print(f"GPT training step (Adam), no marks, under memory limits; heads {args.heads} x {args.head_dim}, batch "
@@ -191,7 +196,7 @@ def main():
             t = traced(layers, args.heads, args.head_dim, args.batch, args.seq)
             for name in args.meshes:
                 print(f"{layers} layers, mesh {name}:", flush=True)
-                under_limits(t, MESHES[name], args.limits, args.memory_methods, args.repeat)
+                under_limits(t, MESHES[name], args.limits, args.memory_methods, args.repeat, not args.no_budget)
         return
     if args.hand:
         print("modeled step (ms), bytes moved (MB), peak (MB) per device and matmuls computed more than once: "

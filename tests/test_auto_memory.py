@@ -175,3 +175,24 @@ def test_a_rounded_lp_that_fits_no_plan_leaves_the_decision_to_the_exact_rows(mo
     _, free, free_peak = SearchStrategies().search(g)
     _, sol, peak = SearchStrategies(memory_limit=int(0.6 * free_peak)).search(g)
     assert sol is not None and peak <= 0.6 * free_peak and "LP relaxation" not in sol.status
+
+
+@pytest.mark.slow
+def test_hand_plans_solved_once_per_problem_and_priced_again():
+    """The searches one compile runs again (memory_check) build the same problem: the
+    hand plans' solves are reused, each plan priced again, the same figures."""
+    from shardprop.passes.auto import SearchStrategies, hand
+    fn, args = adam_case()
+    g = traced_graph(fn, args, Mesh(("dp", "mp"), (2, 4)), tied=(0, 1))
+    _, free, free_peak = SearchStrategies().search(g)
+    hand._SOLVED.clear()   # (other tests may have solved this problem's hand plans)
+    first, again = (SearchStrategies(memory_limit=int(0.7 * free_peak)) for _ in range(2))
+    first.search(g)
+    again.search(g)
+    solved = [h for h in first._hands if h.choice is not None]
+    assert solved and all("reused" not in h.note for h in solved)
+    reused = {(h.name, h.axes): h for h in again._hands if h.choice is not None}
+    for h in solved:
+        r = reused[(h.name, h.axes)]
+        assert "reused" in r.note and r.choice == h.choice
+        assert r.time == pytest.approx(h.time, rel=1e-12) and r.peak == h.peak

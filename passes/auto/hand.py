@@ -18,6 +18,7 @@ are searched at all, and the search never returns a plan the model prices above 
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -178,7 +179,7 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
                 out.append(HandPlan(name, axes, peak=floor, note=f"over the limit: its arguments alone hold "
                                                                  f"{floor / 2**20:.2f} MiB per device"))
                 continue
-            plan = _solve(problem, name, axes, allowed, peak_of, limit, time_limit)
+            plan = _solve(problem, name, axes, allowed, peak_of, limit, time_limit, (_fingerprint(problem), key))
             same = next((p for p in out if p.choice is not None and p.choice == plan.choice), None)
             if same is not None:   # (tp+FSDP that splits nothing over dp is Megatron)
                 same.name += f" = {plan.name}" if plan.name not in same.name else ""
@@ -198,9 +199,43 @@ def _arguments_floor(problem, allowed: dict) -> float:
     return total
 
 
-def _solve(problem, name, axes, allowed, peak_of, limit, time_limit) -> HandPlan:
+# solved hand plans by (problem fingerprint, storage layouts): the searches one compile runs
+# again under lower modeled limits (compiler/memory_check.py) build the same problem, and a
+# hand plan does not depend on the limit (only whether it fits does)
+_SOLVED: dict = {}
+_SOLVED_MAX = 64
+
+
+def _fingerprint(problem) -> tuple:
+    """What a hand plan's solve depends on: the mesh, every decision's costs and bytes,
+    every edge's costs (equal fingerprints: the same problem, numbered alike)."""
+    fp = getattr(problem, "_hand_fingerprint", None)
+    if fp is None:
+        h = hashlib.sha1()
+        for t in sorted(problem.unary):
+            h.update(np.int64(t).tobytes())
+            h.update(np.ascontiguousarray(problem.unary[t]).tobytes())
+        for e in problem.edges:
+            h.update(np.array([e.a, e.b], dtype=np.int64).tobytes())
+            h.update(np.ascontiguousarray(e.rows).tobytes() + np.ascontiguousarray(e.cols).tobytes())
+            h.update(np.ascontiguousarray(e.cost).tobytes())
+        for v, (t, vec) in problem.values.items():
+            h.update(np.int64(t).tobytes())
+            h.update(np.ascontiguousarray(vec).tobytes())
+        fp = problem._hand_fingerprint = (str(problem.mesh), h.hexdigest())
+    return fp
+
+
+def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None) -> HandPlan:
     plan = HandPlan(name, axes)
     t0 = time.perf_counter()
+    if key is not None and key in _SOLVED:   # (the solve is reused; the plan is priced again)
+        choice = dict(_SOLVED[key])
+        e = problem.evaluate(*problem.op_strategies(choice))
+        plan.time, plan.peak, plan.choice = e["compute"] + e["communication"], peak_of(choice), choice
+        plan.fits = limit is None or plan.peak <= limit
+        plan.note = f"{time.perf_counter() - t0:.2f} s (its solve reused)"
+        return plan
     try:
         sol = milp.solve(milp.reduce(problem, memory_matters=False, allowed=allowed), time_limit=time_limit)
     except ShardingError as e:
@@ -216,6 +251,10 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit) -> HandPlan
     plan.fits = limit is None or plan.peak <= limit
     plan.choice = choice
     plan.note = f"{time.perf_counter() - t0:.2f} s"
+    if key is not None:
+        if len(_SOLVED) >= _SOLVED_MAX:
+            _SOLVED.pop(next(iter(_SOLVED)))
+        _SOLVED[key] = dict(choice)
     return plan
 
 

@@ -119,6 +119,8 @@ def search(red: milp.Reduced, objective: Callable[[dict], float], peak: Callable
             best, best_time = choice, time_of
         if best is not None and best_time - bound <= tolerance * best_time:
             break
+        if best is not None and time_limit is not None and time.perf_counter() - t0 > time_limit:
+            break   # (out of time with a plan that fits: it, with the gap so far)
         if not fits and at not in points:   # the plan peaks where no row holds it yet
             points.append(at)
             rows.append(row_at(at))

@@ -52,6 +52,9 @@ TIME_BUDGET = 20.0
 # with the rows took 7-20 s on the 2-layer GPT step where its LP takes about 1.5 s and its
 # rounding was 0.3% above the MILP's optimum)
 RELAXED_GAP = 0.05
+# the Lagrange multipliers, where the exact rows ran out of time before any plan, stop when
+# the budget is spent and they have a plan that fits, but get at least this long to find one
+MULTIPLIERS_MIN_S = 10.0
 
 
 @dataclass
@@ -301,8 +304,12 @@ class SearchStrategies:
 
         def multipliers():
             nonlocal smallest
+            # (the last resort where no plan was found: within the budget, but given at least
+            # MULTIPLIERS_MIN_S to find one that fits)
+            left = self._left()
             out = lagrange.search(red, problem.objective, memory.peak, memory.row, limit,
-                                  tolerance=self.memory_tolerance, time_limit=self.time_limit)
+                                  tolerance=self.memory_tolerance,
+                                  time_limit=self.time_limit if left is None else max(left, MULTIPLIERS_MIN_S))
             if out.smallest is not None and out.smallest[0] < smallest[0]:
                 smallest = out.smallest
             return out
