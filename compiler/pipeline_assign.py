@@ -39,6 +39,7 @@ loop or cond body, a mark count that does not match ``p * v - 1``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -151,7 +152,7 @@ class Analysis:
     fwd_recv: dict = field(default_factory=dict)
     bwd_send: dict = field(default_factory=dict)
     bwd_recv: dict = field(default_factory=dict)
-    cuts: object = None              # StageCuts of automatic cuts (None with marks)
+    cuts: object = None              # automatic cuts: per model stage (first, end) forward op (None with marks)
 
 
 def _batch_dims(j_a, j_b, batch_mask) -> dict:
@@ -430,18 +431,142 @@ def _split_zero_bubble(an) -> None:
         sp_.backward_weight = _closure(targets_w, bset, an.producer, jaxpr)
 
 
-def auto_stages(an, *, p: int, v: int, m: int, schedule: str, op_time, link_bytes_per_s: float = 1e11) -> Analysis:
+def _nbytes(a) -> int:
+    return int(np.prod(a.aval.shape)) * a.aval.dtype.itemsize
+
+
+def crossing_bytes(an) -> list:
+    """Per forward op ``n`` of a one-stage analysis (``an.stages[0].forward``), the bytes of
+    the forward values made up to ``n`` and read after it: what a cut after ``n`` sends on."""
+    jaxpr = an.jaxpr.jaxpr
+    fops = list(an.stages[0].forward)
+    pos = {i: n for n, i in enumerate(fops)}
+    diff = np.zeros(len(fops) + 1)
+    for i in fops:
+        for o in jaxpr.eqns[i].outvars:
+            uses = [pos[u] for u in _users(jaxpr, o) if u in pos]
+            if uses and max(uses) > pos[i]:
+                diff[pos[i]] += _nbytes(o)
+                diff[max(uses)] -= _nbytes(o)
+    return [float(x) for x in np.cumsum(diff)[:-1]]
+
+
+def _op_layers(an):
+    """(eqn index -> the forward op position ("layer") it runs with when every forward op
+    is a layer, per forward op whether a cut after it is forbidden), by ``auto_stages``'
+    rules: a forward op is its own layer; a backward op runs with the latest forward value
+    it reads, else the earliest backward value; a once op with the accumulated values it
+    reads (the earliest, when it combines several). A stage is a range of layers, so these
+    rules give every op the stage of its layer, and a cut is forbidden where a backward
+    value would have to flow up the stages."""
+    jaxpr = an.jaxpr.jaxpr
+    fops, bops = list(an.stages[0].forward), list(an.stages[0].backward)
+    layer, vl, vph = {}, {}, {}
+    for n, i in enumerate(fops):
+        layer[i] = n
+        for o in jaxpr.eqns[i].outvars:
+            vl[o], vph[o] = n, "F"
+    last = max(len(fops) - 1, 0)
+    # a cut after forward op c with lb <= c < k, for a backward op on layer k reading a backward
+    # value of layer lb, would send that value up the stages (auto_stages' error): forbidden
+    forbid = np.zeros(len(fops) + 1, dtype=np.int64)
+    for i in bops:
+        ins = [a for a in jaxpr.eqns[i].invars if not isinstance(a, jcore.Literal) and a in vl]
+        fin = [vl[a] for a in ins if vph[a] == "F"]
+        bin_ = [vl[a] for a in ins if vph[a] == "B"]
+        layer[i] = max(fin) if fin else min(bin_) if bin_ else last
+        for lb in bin_:
+            if lb < layer[i]:
+                forbid[lb] += 1
+                forbid[layer[i]] -= 1
+        for o in jaxpr.eqns[i].outvars:
+            vl[o], vph[o] = layer[i], "B"
+    for i, e in enumerate(jaxpr.eqns):
+        if an.roles[i] == ONCE:
+            ins = [vl[a] for a in e.invars if not isinstance(a, jcore.Literal) and a in vl]
+            layer[i] = min(ins) if ins else last
+            for o in e.outvars:
+                vl[o], vph[o] = layer[i], "O"
+    return layer, np.cumsum(forbid)[:-1] > 0
+
+
+def layer_costs(an, op_time, *, rows: int, global_op_time=None, row_ratio: float = 1.0):
+    """The search's ``LayerCosts`` (``passes/pipeline/search.py``) of a one-stage analysis
+    (``analyse(..., S=1, auto=True)``) whose every forward op is a layer, priced by
+    ``op_time(eqn)`` (one device's seconds on the traced micro-batch of ``rows`` rows):
+
+    - forward / backward / update seconds of the ops each layer runs (``_op_layers``); with
+      ``global_op_time`` (the same equation in a trace ``row_ratio`` times larger) the part
+      that does not grow with the rows (a weight's bytes) is the fixed part;
+    - state: every input that is not the batch (parameters, optimizer state) on the layer
+      of its first reader, plus the gradient accumulators (also the bytes dp all-reduces);
+    - activations: the forward values a backward op reads, on their producer's layer;
+    - exchanges: ``crossing_bytes``, inf (no cut) where a backward value would flow up."""
+    from ..passes.pipeline.search import LayerCosts
+    jaxpr = an.jaxpr.jaxpr
+    fops = list(an.stages[0].forward)
+    L = len(fops)
+    layer, forbidden = _op_layers(an)
+    fwd, bwd, upd = [0.0] * L, [0.0] * L, [0.0] * L
+    fwd_fix, bwd_fix = [0.0] * L, [0.0] * L
+    state, grads, act = [0.0] * L, [0.0] * L, [0.0] * L
+    fset, counted = set(fops), set()
+    for i, k in layer.items():
+        e = jaxpr.eqns[i]
+        t = op_time(e)
+        fixed = 0.0
+        if global_op_time is not None and row_ratio > 1:
+            # t(r) = fixed + slope * r through the two traces' sizes
+            fixed = min(max((t * row_ratio - global_op_time(i)) / (row_ratio - 1), 0.0), t)
+        if i in fset:
+            fwd[k] += t
+            fwd_fix[k] += fixed
+        elif an.roles[i] == ONCE:
+            upd[k] += t
+        else:
+            bwd[k] += t
+            bwd_fix[k] += fixed
+            for a in e.invars:
+                if not isinstance(a, jcore.Literal) and an.producer.get(a) in fset and a not in counted:
+                    counted.add(a)
+                    act[layer[an.producer[a]]] += _nbytes(a)
+            for o in e.outvars:
+                if an.kind.get(o) == "acc":
+                    grads[k] += _nbytes(o)
+    # an input's layer: its first reader's, through the float ops made from it
+    readers_layer = {}
+    for i in reversed(range(len(jaxpr.eqns))):
+        e = jaxpr.eqns[i]
+        k = layer.get(i)
+        if k is None:
+            ks = [readers_layer[o] for o in e.outvars if o in readers_layer]
+            k = min(ks) if ks else None
+        if k is None:
+            continue
+        for a in e.invars:
+            if not isinstance(a, jcore.Literal):
+                readers_layer[a] = min(readers_layer.get(a, k), k)
+    for v in jaxpr.invars:
+        if an.bdim.get(v) is not None or v not in readers_layer:     # the batch is not state
+            continue
+        state[readers_layer[v]] += _nbytes(v)
+    exchange = [math.inf if no else x for x, no in zip(crossing_bytes(an)[:-1], forbidden[:-1])]
+    return LayerCosts(forward_s=fwd, backward_s=bwd, state_bytes=[s + g for s, g in zip(state, grads)],
+                      activation_bytes=act, exchange_bytes=exchange,
+                      grad_bytes=grads, update_s=upd, forward_fixed_s=fwd_fix, backward_fixed_s=bwd_fix,
+                      rows=max(1, int(rows)))
+
+
+def auto_stages(an, *, p: int, v: int, bounds) -> Analysis:
     """Cut a one-stage analysis (``analyse(..., S=1, auto=True)``) into ``p * v`` model
-    stages without marks. The forward ops, in program order, are the layers of
-    ``passes/pipeline/cuts.py``'s ``plan_cuts`` (time: ``op_time(eqn)`` times three, for
-    forward and backward; a cut's exchange: the bytes of the values crossing it over
-    ``link_bytes_per_s``). A
-    backward op runs on the stage of the forward values it reads (the highest), or, when
-    it reads none, on the lowest stage of its backward inputs; backward values must flow
-    down the stages (else a ShardingError asks for marks). Every value a later stage
-    reads crosses each cut in between (relayed by the stages in between), so the
-    exchanges are ``fwd_send``/``bwd_send`` sets rather than mark operands."""
-    from ..passes.pipeline import plan_cuts
+    stages without marks: ``bounds[k] = (a, b)`` gives model stage ``k`` the forward ops
+    ``a..b-1`` (positions in ``an.stages[0].forward``; chosen by the pipeline search over
+    ``layer_costs``, or from layer counts by ``layer_bounds``). A backward op runs on the
+    stage of the forward values it reads (the highest), or, when it reads none, on the
+    lowest stage of its backward inputs; backward values must flow down the stages (else a
+    ShardingError asks for marks). Every value a later stage reads crosses each cut in
+    between (relayed by the stages in between), so the exchanges are
+    ``fwd_send``/``bwd_send`` sets rather than mark operands."""
     jaxpr = an.jaxpr.jaxpr
     S = p * v
     fops = list(an.stages[0].forward)
@@ -449,24 +574,14 @@ def auto_stages(an, *, p: int, v: int, m: int, schedule: str, op_time, link_byte
     if len(fops) < S:
         raise ShardingError(f"automatic cuts: the forward has {len(fops)} ops for {S} stages; mark the cuts with "
                             "sp.stage_boundary")
+    bounds = tuple((int(a), int(b)) for a, b in bounds)
+    if len(bounds) != S or bounds[0][0] != 0 or bounds[-1][1] != len(fops) or \
+            any(b0 != a1 for (_, b0), (a1, _) in zip(bounds, bounds[1:])) or any(a >= b for a, b in bounds):
+        raise ShardingError(f"automatic cuts: {bounds} is not {S} non-empty contiguous ranges of the "
+                            f"{len(fops)} forward ops")
     pos = {i: n for n, i in enumerate(fops)}
-    nbytes = lambda a: int(np.prod(a.aval.shape)) * a.aval.dtype.itemsize
-    # bytes crossing the cut after forward op n (values of forward ops read by later forward ops)
-    diff = np.zeros(len(fops) + 1)
-    for i in fops:
-        for o in jaxpr.eqns[i].outvars:
-            uses = [pos[u] for u in _users(jaxpr, o) if u in pos]
-            if uses and max(uses) > pos[i]:
-                diff[pos[i]] += nbytes(o)
-                diff[max(uses)] -= nbytes(o)
-    crossing = np.cumsum(diff)[:-1]
-    layer_time = [3.0 * max(op_time(jaxpr.eqns[i]), 1e-12) for i in fops]
-    # a cut's price is its bytes over the link: every cut pays the same latency, so it does not
-    # move the cuts (a latency far above these tiny ops' times would only skew the balance)
-    boundary = [b / link_bytes_per_s for b in crossing[:-1]]
-    cuts = plan_cuts(layer_time, p, m, schedule, v, boundary_time=boundary, objective="formula")
     st_of = {}
-    for k, (a, b) in enumerate(cuts.bounds):
+    for k, (a, b) in enumerate(bounds):
         for n in range(a, b):
             st_of[fops[n]] = k
     vst, vph = dict(), dict()
@@ -526,7 +641,7 @@ def auto_stages(an, *, p: int, v: int, m: int, schedule: str, op_time, link_byte
         out.fwd_send[k], out.fwd_recv[k + 1] = fwd, fwd
         if an.training:
             out.bwd_send[k + 1], out.bwd_recv[k] = bwd, bwd
-    out.cuts = cuts
+    out.cuts = bounds
     _split_zero_bubble(out)
     return out
 
@@ -557,3 +672,56 @@ def _closure(targets, allowed: set, producer: dict, jaxpr) -> list:
             if not isinstance(a, jcore.Literal) and a in producer and producer[a] in allowed:
                 stack.append(a)
     return sorted(need)
+
+
+def _token(eqn) -> tuple:
+    """Equal ops, equal token: the primitive, its source line, its operands' and results'
+    shapes and dtypes (one layer of a Python loop traces to the same tokens each time)."""
+    shapes = lambda vs: tuple((tuple(getattr(v.aval, "shape", ())), str(getattr(v.aval, "dtype", "")))  # noqa: E731
+                              for v in vs)
+    return (eqn.primitive.name, _src(eqn), shapes(eqn.invars), shapes(eqn.outvars))
+
+
+def model_layers(an):
+    """The repeated block of a one-stage analysis' forward: ``(start, period, count)`` in
+    forward op positions (``ir/repeats.py`` ``find_repeats`` over the ops' tokens: the run
+    that covers the most ops), or None when nothing repeats."""
+    from ..ir.repeats import find_repeats
+    jaxpr = an.jaxpr.jaxpr
+    ids: dict = {}
+    seq = [ids.setdefault(_token(jaxpr.eqns[i]), len(ids)) for i in an.stages[0].forward]
+    runs = find_repeats(seq, min_saved=1)
+    if not runs:
+        return None
+    r = max(runs, key=lambda r: (r.period * r.count, -r.start))
+    return r.start, r.period, r.count
+
+
+def layer_bounds(an, counts) -> tuple:
+    """``sp.Pipeline(stages=(n0, n1, ...))``: model stage ``k`` gets ``counts[k]`` layers of
+    the model's repeated block (``model_layers``), in order; what comes before the block
+    (an embedding) runs on the first stage and what follows it (the head, the loss) on the
+    last. Returns per model stage its (first, end) forward op position."""
+    counts = tuple(counts)
+    found = model_layers(an)
+    F = len(an.stages[0].forward)
+    if found is None:
+        raise ShardingError(f"Pipeline(stages={counts}): stages given per layer need the model's repeated layers, "
+                            f"and no op sequence repeats in the step's forward ({F} ops): mark the cuts with "
+                            "h = sp.stage_boundary(h) instead")
+    start, period, count = found
+    if sum(counts) != count:
+        raise ShardingError(f"Pipeline(stages={counts}): the counts sum to {sum(counts)}, and the model has {count} "
+                            f"layers (a block of {period} forward ops repeated {count} times); give layer counts "
+                            f"that sum to {count}")
+    edges, n = [0], 0
+    for c in counts[:-1]:
+        n += c
+        edges.append(start + n * period)
+    edges.append(F)
+    bounds = tuple(zip(edges[:-1], edges[1:]))
+    empty = [k for k, (a, b) in enumerate(bounds) if a >= b]
+    if empty:
+        raise ShardingError(f"Pipeline(stages={counts}): model stage {empty[0]} would run no op (0 layers and "
+                            "nothing before or after the repeated layers); give every stage at least one layer")
+    return bounds

@@ -20,7 +20,8 @@ per (pipeline rank, sub-mesh rank) as local blocks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import jax
@@ -33,9 +34,11 @@ from ..passes.cost import resolve_cost_model
 from ..passes.pipeline import build_schedule, simulate
 from ..runtime.mesh import resolve_mesh
 from ..runtime.pipeline_lower import PackedLeaf, PipelineProgram, np_to_f32, pack_blocks
-from .pipeline_assign import analyse, auto_stages, inline_calls
+from .pipeline_assign import analyse, auto_stages, inline_calls, layer_bounds, layer_costs
 from .stages import Pipeline, check_pipeline
 
+# cuts priced within this fraction of the best are a tie, broken toward balanced compute
+TIE_TOLERANCE = 0.01
 UNIT = {"forward": 1, "backward": 1, "backward_input": 1, "backward_weight": 1}
 
 
@@ -75,7 +78,7 @@ class PipelineInfo:
     slots: int              # activation slots per rank
     step_time: float = 0.0  # modeled seconds of the step (the simulator's makespan)
     unit_bubble: float = 0.0   # the idle fraction at unit costs (F = 1, B = 2): (p-1)/(m+p-1) for gpipe/1f1b
-    search: Optional[list] = None   # "auto": (seconds, microbatches, schedule, bytes) per candidate, fastest first
+    search: Optional[list] = None   # "auto": a SearchRow per candidate, those that fit fastest first, then the rejected
     memory: int = 0         # modeled bytes per device (state, accumulator, activation slots)
     stage_times: list = field(default_factory=list)   # per model stage: {kind: modeled seconds}
 
@@ -125,7 +128,8 @@ class PipelineInfo:
                 "ticks": self.ticks, "ranks": ranks, "bubble": self.bubble, "unit_bubble": self.unit_bubble,
                 "step_time": self.step_time, "slots": self.slots, "memory": self.memory, "stages": stages,
                 "timeline": timeline, "rank_texts": [self.rank_text(d) for d in ranks],
-                "search": [list(r) for r in self.search] if self.search else None}
+                "search": [list(r) + [getattr(r, "reason", ""), getattr(r, "note", "")] for r in self.search]
+                if self.search else None}
 
     def to_html(self, path: Optional[str] = None) -> str:
         """The report page (compiler/report.py ``render_pipeline_html``): the schedule as a
@@ -202,6 +206,39 @@ def _modeled_bytes(prog, schedule, scale: float = 1.0, slots=None) -> int:
     n = slots if slots is not None else max(schedule.peak_in_flight())
     slot = (prog.A + prog.R + prog.G) * scale
     return int(4 * (prog.state_size + prog.ACC + n * slot + schedule.m * prog.O * scale))
+
+
+class SearchRow(tuple):
+    """One candidate of the ``"auto"`` search: ``(seconds, microbatches, schedule, bytes)``
+    (modeled step and bytes per device), with ``reason`` (why it was rejected; empty when
+    it fits), ``note`` (the search's description) and ``bounds`` (its cuts: per model
+    stage the (first, end) forward op, when the cuts were searched too)."""
+
+    def __new__(cls, seconds, microbatches, schedule, nbytes, *, reason="", note="", bounds=None):
+        row = super().__new__(cls, (float(seconds), int(microbatches), str(schedule), int(nbytes)))
+        row.reason, row.note, row.bounds = reason, note, bounds
+        return row
+
+    def __reduce__(self):
+        return (_search_row, (tuple(self), self.reason, self.note, self.bounds))
+
+
+def _search_row(values, reason, note, bounds):
+    return SearchRow(*values, reason=reason, note=note, bounds=bounds)
+
+
+@dataclass
+class _Traces:
+    jg: object          # the global batch's trace (planned per-rank program beside a sub-mesh)
+    jm: object          # one device's micro-batch
+    js: object          # the trace compared with jm for the batch dims
+    sub: object
+    mask: tuple
+    out_tree: object
+    ties: dict
+    m: int
+    md: int             # micro-batches times dp: one device's share of the batch
+    marks: int          # forward stage_boundary marks
 
 
 class _Compiled:
@@ -281,63 +318,54 @@ class PipelineFunction:
             raise ShardingError(f"the batch arguments' leading dims differ ({sorted(bsizes)}); every batch leaf "
                                 "must have the batch as dim 0")
         B = bsizes.pop()
-        if m == "auto" or pl.schedule == "auto":
-            pl = self._search(args, B)
+        v = pl.virtual_stages
+        S = p * v
+        auto = m == "auto" or pl.schedule == "auto"
+        per_layer = isinstance(pl.stages, tuple)
+        if per_layer and len(pl.stages) != S:
+            raise ShardingError(f"Pipeline(stages={pl.stages}): {len(pl.stages)} layer counts for {S} model stages "
+                                f"(pp={p} x virtual_stages={v}); give one count per model stage")
+        search_rows = None
+        if per_layer:
+            # layer counts fix the cuts: only m and the schedule are searched (as with marks)
+            if auto:
+                pl, search_rows = self._search(args, B)
             m = pl.microbatches
-        dp = max(self.dp, self.planned_dp)
-        if B % m == 0 and (B // m) % dp:
-            raise ShardingError(f"Pipeline(microbatches={m}) on a mesh with dp={dp}: a micro-batch of {B // m} "
-                                f"rows (batch {B} / {m}) does not split over {dp} data-parallel devices; use a "
-                                f"batch that is a multiple of {m * dp}")
-        if B % m:
-            good = [d for d in range(1, B + 1) if B % d == 0]
-            near = min(good, key=lambda d: (abs(d - m), d))
-            raise ShardingError(f"Pipeline(microbatches={m}) does not divide the batch of {B} rows (batch "
-                                f"arguments' dim 0): use a micro-batch count that divides {B}, e.g. {near}, or a "
-                                f"batch that is a multiple of {m}")
-        out_tree = []
-
-        def flat_fn(*ls):
-            out = self.fn(*jax.tree.unflatten(treedef, ls))
-            o, t = jax.tree.flatten(out)
-            out_tree.append(t)
-            return o
-
-        def scaled(f):
-            return [jax.ShapeDtypeStruct((a.shape[0] * f // 1,) + a.shape[1:] if b else a.shape, a.dtype)
-                    if b else a for a, b in zip(avals, mask)]
-        md = m * self.dp    # one device's micro-batch: the batch over micro-batches and dp
-        micro = [jax.ShapeDtypeStruct((a.shape[0] // md,) + a.shape[1:], a.dtype) if b else a
-                 for a, b in zip(avals, mask)]
-        with jax.sharding.use_mesh(self.mesh) if False else _nullctx():
-            jg = inline_calls(jax.make_jaxpr(flat_fn)(*avals))
-            jm = inline_calls(jax.make_jaxpr(flat_fn)(*micro)) if md > 1 else jg
-            js = jg if md > 1 else inline_calls(jax.make_jaxpr(flat_fn)(*scaled(2)))
-        sub, ties = None, self._state_ties(avals, treedef, jg, out_tree[0])   # (global shapes: before planning)
-        if self.planned:
-            jg, jm, js, sub, mask = self._plan_submesh(jg, jm, js, avals, micro, scaled(2) if md == 1 else None,
-                                                       mask, treedef, out_tree[0])
-        S = p * pl.virtual_stages
-        marks = sum(1 for e in jm.jaxpr.eqns
-                    if e.primitive.name == "stage_boundary" and e.params["direction"] == "forward")
-        if marks == 0 and pl.stages in (None, "auto"):
-            # no marks: cut the forward by modeled time where little crosses (pipeline_assign.auto_stages)
-            one = analyse(jg, jm, js, mask, S=1, m=md, global_batch=B, auto=True)
-            an = auto_stages(one, p=p, v=pl.virtual_stages, m=m, schedule=pl.schedule,
-                             op_time=lambda e: _eqn_time(e, self.cost),
-                             link_bytes_per_s=self.cost.link_bytes_per_s)
+            tr = self._trace(avals, mask, treedef, B, m)
+            if tr.marks:
+                raise ShardingError(f"Pipeline(stages={pl.stages}) and {tr.marks} sp.stage_boundary marks: give the "
+                                    "cuts one way, by layer counts or by marks")
+            one = analyse(tr.jg, tr.jm, tr.js, tr.mask, S=1, m=tr.md, global_batch=B, auto=True)
+            an = auto_stages(one, p=p, v=v, bounds=layer_bounds(one, pl.stages))
         else:
-            an = analyse(jg, jm, js, mask, S=S, m=md, global_batch=B)
+            ms = self._microbatch_options(B) if m == "auto" else [m]
+            tr = self._trace(avals, mask, treedef, B, ms[len(ms) // 2])
+            if tr.marks == 0:
+                # no marks: the cuts, m and the schedule in one search (passes/pipeline/search.py)
+                one = analyse(tr.jg, tr.jm, tr.js, tr.mask, S=1, m=tr.md, global_batch=B, auto=True)
+                best, search_rows = self._search_cuts(one, tr, B, ms)
+                pl = replace(pl, microbatches=best.microbatches, schedule=best.schedule)
+                if best.microbatches != tr.m:
+                    tr = self._trace(avals, mask, treedef, B, best.microbatches)
+                    one = analyse(tr.jg, tr.jm, tr.js, tr.mask, S=1, m=tr.md, global_batch=B, auto=True)
+                an = auto_stages(one, p=p, v=v, bounds=best.cuts.bounds)
+            else:
+                if auto:
+                    pl, search_rows = self._search(args, B)
+                    if pl.microbatches != tr.m:
+                        tr = self._trace(avals, mask, treedef, B, pl.microbatches)
+                an = analyse(tr.jg, tr.jm, tr.js, tr.mask, S=S, m=tr.md, global_batch=B)
+        m, mask, sub = pl.microbatches, tr.mask, tr.sub
         schedule = build_schedule(pl.schedule, p, m, pl.virtual_stages, forward_only=not an.training)
         sim = simulate(schedule, UNIT)
         prog = PipelineProgram(an, schedule, sim, mesh=self.mesh, axis=pl.axis, m=m, batch_mask=mask,
                                dp_axis="dp" if self.dp > 1 else None, sub=sub,
-                               ties=ties)
+                               ties=tr.ties)
         if sub is not None:
             self._check_planned_outputs(prog)
-        c = _Compiled(prog, out_tree[0], m, B, an, schedule)
+        c = _Compiled(prog, tr.out_tree, m, B, an, schedule)
         c.pipeline_config = pl
-        c.search = getattr(self, "_last_search", None)
+        c.search = search_rows
         c.stage_times, c.latency = _modeled_times(prog, self.cost)
         durations = {kind: [c.stage_times[k][kind] for k in range(S)] for kind in prog.kinds}
         c.model_sim = simulate(schedule, durations, latency=c.latency)
@@ -441,23 +469,157 @@ class PipelineFunction:
                                         "over the tensor-parallel axes: not yet supported; compute it outside the "
                                         "step")
 
-    def _search(self, args, B: int) -> Pipeline:
-        """``microbatches="auto"`` / ``schedule="auto"``: the (schedule, m) of least modeled
-        step time. One trace at a base micro-batch count gives each stage's per-micro-batch
-        times; a micro-batch of ``1/m`` of the batch takes them scaled by ``m0/m`` (its rows),
-        the exchanges' bytes likewise (their latency stays); each candidate is simulated."""
-        from dataclasses import replace
-        pl, p, v = self.pipeline, self.p, self.pipeline.virtual_stages
-        per_dev = B // self.dp if B % self.dp == 0 else B
-        ms = [pl.microbatches] if pl.microbatches != "auto" else [
-            d for d in range(1, min(per_dev // 2, 8 * p) + 1) if B % (d * self.dp) == 0 and B // (d * self.dp) >= 2]
+    def _check_m(self, B: int, m: int) -> None:
+        dp = max(self.dp, self.planned_dp)
+        if B % m == 0 and (B // m) % dp:
+            raise ShardingError(f"Pipeline(microbatches={m}) on a mesh with dp={dp}: a micro-batch of {B // m} "
+                                f"rows (batch {B} / {m}) does not split over {dp} data-parallel devices; use a "
+                                f"batch that is a multiple of {m * dp}")
+        if B % m:
+            good = [d for d in range(1, B + 1) if B % d == 0]
+            near = min(good, key=lambda d: (abs(d - m), d))
+            raise ShardingError(f"Pipeline(microbatches={m}) does not divide the batch of {B} rows (batch "
+                                f"arguments' dim 0): use a micro-batch count that divides {B}, e.g. {near}, or a "
+                                f"batch that is a multiple of {m}")
+
+    def _trace(self, avals, mask, treedef, B: int, m: int) -> "_Traces":
+        """The step traced on the global batch, on one device's micro-batch (the batch over
+        ``m`` and dp) and, with one micro-batch of the whole batch, on twice the batch (to
+        find the batch dims); planned on the sub-mesh when it has tensor-parallel axes."""
+        self._check_m(B, m)
+        out_tree = []
+
+        def flat_fn(*ls):
+            out = self.fn(*jax.tree.unflatten(treedef, ls))
+            o, t = jax.tree.flatten(out)
+            out_tree.append(t)
+            return o
+
+        def scaled(f):
+            return [jax.ShapeDtypeStruct((a.shape[0] * f // 1,) + a.shape[1:] if b else a.shape, a.dtype)
+                    if b else a for a, b in zip(avals, mask)]
+        md = m * self.dp    # one device's micro-batch: the batch over micro-batches and dp
+        micro = [jax.ShapeDtypeStruct((a.shape[0] // md,) + a.shape[1:], a.dtype) if b else a
+                 for a, b in zip(avals, mask)]
+        jg = inline_calls(jax.make_jaxpr(flat_fn)(*avals))
+        jm = inline_calls(jax.make_jaxpr(flat_fn)(*micro)) if md > 1 else jg
+        js = jg if md > 1 else inline_calls(jax.make_jaxpr(flat_fn)(*scaled(2)))
+        sub, ties = None, self._state_ties(avals, treedef, jg, out_tree[0])   # (global shapes: before planning)
+        tmask = mask
+        if self.planned:
+            jg, jm, js, sub, tmask = self._plan_submesh(jg, jm, js, avals, micro, scaled(2) if md == 1 else None,
+                                                        mask, treedef, out_tree[0])
+        marks = sum(1 for e in jm.jaxpr.eqns
+                    if e.primitive.name == "stage_boundary" and e.params["direction"] == "forward")
+        return _Traces(jg, jm, js, sub, tmask, out_tree[0], ties, m, md, marks)
+
+    def _microbatch_options(self, B: int) -> list:
+        """``microbatches="auto"``: the counts that split the batch (over dp too) into
+        micro-batches of 2 rows or more (one row traces differently), up to ``8 p``; a
+        multiple of ``p`` for interleaved."""
+        p, v = self.p, self.pipeline.virtual_stages
+        dp = max(self.dp, self.planned_dp)
+        per_dev = B // dp if B % dp == 0 else B
+        ms = [d for d in range(1, min(per_dev // 2, 8 * p) + 1) if B % (d * dp) == 0 and B // (d * dp) >= 2]
         if v > 1:
             ms = [d for d in ms if d % p == 0]
         if not ms:
             raise ShardingError(f"Pipeline(microbatches=\"auto\"): no micro-batch count splits the batch of {B} "
                                 f"rows into micro-batches of 2 rows or more{' (a multiple of p for interleaved)' if v > 1 else ''}")
-        names = [pl.schedule] if pl.schedule != "auto" else (["interleaved"] if v > 1 else
-                                                            ["gpipe", "1f1b", "zero_bubble"])
+        return ms
+
+    def _schedule_options(self) -> tuple:
+        pl = self.pipeline
+        if pl.schedule != "auto":
+            return (pl.schedule,)
+        return ("interleaved",) if pl.virtual_stages > 1 else ("gpipe", "1f1b", "zero_bubble")
+
+    def _search_cuts(self, one, tr, B: int, ms: list):
+        """No marks: the cuts, the micro-batch count and the schedule chosen together by
+        ``passes/pipeline/search.py`` ``search_pipeline`` on the mesh's pp x dp x tp, every
+        forward op a layer (``pipeline_assign.layer_costs``, priced by the step's cost
+        model on the traced micro-batch; pp's exchanges with their latency, the schedule's
+        bubble by the simulator, the activations in flight under ``memory_limit``).
+        Returns the best ``Candidate`` and every candidate as ``SearchRow``s."""
+        from ..passes.pipeline.search import search_pipeline
+        p, v = self.p, self.pipeline.virtual_stages
+        dp = max(self.dp, self.planned_dp)
+        tp = int(np.prod(self.sub_sizes)) // dp if self.planned else 1
+        F = len(one.stages[0].forward)
+        if F < p * v:
+            raise ShardingError(f"automatic cuts: the forward has {F} ops for {p * v} stages; mark the cuts with "
+                                "sp.stage_boundary")
+        jm, jg = tr.jm.jaxpr, tr.jg.jaxpr
+        ratio = 1.0
+        for vm, vg in zip(jm.invars, jg.invars):
+            bd = one.bdim.get(vm)
+            if bd is not None and jg is not jm:
+                ratio = vg.aval.shape[bd] / vm.aval.shape[bd]
+                break
+        costs = layer_costs(one, lambda e: _eqn_time(e, self.cost), rows=B // (tr.m * dp),
+                            global_op_time=(lambda i: _eqn_time(jg.eqns[i], self.cost)) if ratio > 1 else None,
+                            row_ratio=ratio)
+        res = search_pipeline(costs, devices=p * dp * tp, batch=B, cost=self.cost, pp=p, dp=dp, tp=tp,
+                              microbatches=ms, schedules=self._schedule_options(),
+                              virtual_stages=(v,) if v > 1 else (2,), memory_limit=self.memory_limit,
+                              axis_names=(self.pipeline.axis, "dp", "mp"))
+        best = res.best
+        balanced = self._balanced_cuts(costs, best, B=B, dp=dp, tp=tp)
+        rows = [SearchRow(c.step_s, c.microbatches, c.schedule, int(c.memory_bytes),
+                          note=c.describe(), bounds=c.cuts.bounds if c.cuts is not None else None)
+                for c in res.ranked]
+        if balanced is not None:
+            best = balanced
+            rows.insert(0, SearchRow(balanced.step_s, balanced.microbatches, balanced.schedule,
+                                     int(balanced.memory_bytes), bounds=balanced.cuts.bounds,
+                                     note=f"{balanced.describe()}; the compute-balanced cuts {balanced.cuts.bounds}, "
+                                          f"within {TIE_TOLERANCE:.0%} of the search's best "
+                                          f"{res.best.cuts.bounds}: taken"))
+        rows += [SearchRow(math.inf, c.microbatches, c.schedule, int(c.memory_bytes), reason=c.reason,
+                           note=c.describe()) for c in res.rejected]
+        return best, rows
+
+    def _balanced_cuts(self, costs, best, *, B: int, dp: int, tp: int):
+        """The compute-balanced cuts for the search's best (m, schedule) when they are
+        priced within ``TIE_TOLERANCE`` of its own cuts, else None. A model whose exchange
+        latency dwarfs the ops (small layers on a GPU-like model) prices every cut almost
+        alike, and then the cut it prefers hangs on nanoseconds; balanced compute is the
+        choice that does not. Priced by the same search on the layers merged into the
+        balanced stages (one way to cut them), so no cost is computed twice."""
+        from ..passes.pipeline import plan_cuts
+        from ..passes.pipeline.search import LayerCosts, search_pipeline
+        p, v, m = best.pp, best.virtual_stages, best.microbatches
+        fwd, bwd, _, _ = costs.at_rows(B // (dp * m))
+        # the least bottleneck (the formula at many micro-batches: the slowest stage's compute)
+        bounds = plan_cuts([f + b for f, b in zip(fwd, bwd)], p, 64 * p, best.schedule, v, objective="formula",
+                           boundary_time=[math.inf if math.isinf(x) else 0.0 for x in costs.exchange_bytes]).bounds
+        if bounds == best.cuts.bounds:
+            return None
+        part = lambda xs: [sum(xs[a:b]) for a, b in bounds]   # noqa: E731
+        merged = LayerCosts(**{name: part(getattr(costs, name)) for name in (
+            "forward_s", "backward_s", "state_bytes", "activation_bytes", "grad_bytes", "update_s",
+            "forward_fixed_s", "backward_fixed_s")}, exchange_bytes=[costs.exchange_bytes[b - 1] for _, b in bounds[:-1]],
+            rows=costs.rows)
+        try:
+            c = search_pipeline(merged, devices=p * dp * tp, batch=B, cost=self.cost, pp=p, dp=dp, tp=tp,
+                                microbatches=m, schedules=(best.schedule,), virtual_stages=(max(v, 2),),
+                                memory_limit=self.memory_limit, axis_names=(self.pipeline.axis, "dp", "mp")).best
+        except ShardingError:
+            return None           # the balanced cuts break the memory limit
+        if c.step_s > best.step_s * (1 + TIE_TOLERANCE):
+            return None
+        from dataclasses import replace as _replace
+        return _replace(c, cuts=_replace(c.cuts, bounds=bounds))
+
+    def _search(self, args, B: int):
+        """With the cuts fixed (marks, or layer counts): the (schedule, m) of least modeled
+        step time. One trace at a base micro-batch count gives each stage's per-micro-batch
+        times; a micro-batch of ``1/m`` of the batch takes them scaled by ``m0/m`` (its rows),
+        the exchanges' bytes likewise (their latency stays); each candidate is simulated.
+        Returns the chosen ``Pipeline`` and every candidate as ``SearchRow``s."""
+        pl, p, v = self.pipeline, self.p, self.pipeline.virtual_stages
+        ms = [pl.microbatches] if pl.microbatches != "auto" else self._microbatch_options(B)
+        names = self._schedule_options()
         m0 = ms[len(ms) // 2]
         base = PipelineFunction(self.fn, mesh=self.mesh, pipeline=replace(pl, microbatches=m0, schedule=(
             "interleaved" if v > 1 else "1f1b")), batch_argnums=self.batch_argnums, mode=self.mode,
@@ -478,18 +640,20 @@ class PipelineFunction:
                     dur["backward_input"] = [b / 2 for b in dur["backward"]]
                     dur["backward_weight"] = [b / 2 for b in dur["backward"]]
                 lat = [self.cost.latency_s + (x - self.cost.latency_s) * scale for x in c0.latency]
-                rows.append((float(simulate(sch, dur, latency=lat).makespan), m, name,
-                             _modeled_bytes(c0.prog, sch, scale)))
+                nbytes = _modeled_bytes(c0.prog, sch, scale)
+                over = self.memory_limit is not None and nbytes > self.memory_limit
+                rows.append(SearchRow(float(simulate(sch, dur, latency=lat).makespan), m, name, nbytes,
+                                      reason=f"memory: {nbytes} bytes per device > memory_limit="
+                                             f"{self.memory_limit}" if over else ""))
         rows.sort()
-        self._last_search = rows
-        fits = [r for r in rows if self.memory_limit is None or r[3] <= self.memory_limit]
+        fits = [r for r in rows if not r.reason]
         if not fits:
             least = min(rows, key=lambda r: r[3])
             raise ShardingError(f"no pipeline fits memory_limit={self.memory_limit} bytes per device: the least, "
                                 f"{least[3]} bytes (microbatches={least[1]}, schedule={least[2]!r}); raise the limit, "
                                 "use more pipeline stages or a smaller batch")
         best = fits[0]
-        return replace(pl, microbatches=best[1], schedule=best[2])
+        return replace(pl, microbatches=best[1], schedule=best[2]), fits + [r for r in rows if r.reason]
 
     # ---------------------------------------------------------------- running
     def _inputs(self, c, leaves):

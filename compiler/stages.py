@@ -94,15 +94,20 @@ class Pipeline:
         model's stage times).
     virtual_stages: chunks per stage for ``"interleaved"`` (model stage ``c*p + d`` runs
         on rank ``d``); the program then needs ``p*v - 1`` ``stage_boundary`` marks.
-    stages: ``None`` or ``"auto"``: the marks decide; without any mark the compiler cuts
-        the forward into ``p * v`` stages of balanced modeled time where few bytes cross
-        (``compiler/pipeline_assign.py`` ``auto_stages``).
+    stages: ``None`` or ``"auto"``: the marks decide; without any mark the compiler
+        chooses the cuts, with the micro-batch count and the schedule when either is
+        ``"auto"``, in one search (``passes/pipeline/search.py`` ``search_pipeline`` over
+        the forward ops, ``PipelineFunction._search_cuts``). Or a tuple of layer counts
+        ``(n0, n1, ...)``, one per model stage (``p * v`` of them): model stage ``k`` runs
+        ``n_k`` layers of the model's repeated block, in order (the block found by
+        ``ir/repeats.py``; what precedes it runs on the first stage, what follows on the
+        last; ``compiler/pipeline_assign.py`` ``layer_bounds``).
     axis: the mesh axis that carries the stages.
     """
     microbatches: Union[int, str] = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    stages: Union[None, int, str] = None
+    stages: Union[None, str, tuple] = None
     axis: str = "pp"
 
     def __post_init__(self):
@@ -111,6 +116,14 @@ class Pipeline:
                                 "micro-batches or \"auto\"")
         if self.schedule not in SCHEDULES + ("auto",):
             raise ShardingError(f"Pipeline(schedule={self.schedule!r}): one of {', '.join(SCHEDULES)} or \"auto\"")
+        if isinstance(self.stages, list):
+            object.__setattr__(self, "stages", tuple(self.stages))
+        if not (self.stages is None or self.stages == "auto" or (
+                isinstance(self.stages, tuple) and self.stages
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.stages))):
+            raise ShardingError(f"Pipeline(stages={self.stages!r}): give None or \"auto\" (the marks, or the "
+                                "compiler's cuts without marks), or the number of layers of each model stage, e.g. "
+                                "stages=(3, 2, 2, 1)")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise ShardingError(f"Pipeline(virtual_stages={self.virtual_stages!r}): a positive integer")
         if self.virtual_stages > 1 and self.schedule not in ("interleaved", "auto"):
