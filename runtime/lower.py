@@ -197,8 +197,10 @@ def _read(env: dict, v: Value):
 def run_graph(graph: Graph, args: Sequence) -> list:
     """Replay a localized graph on local blocks (inside shard_map)."""
     env = {v.id: x for v, x in zip(graph.inputs, args)}
+    # a user's shard_map body has no mesh of its own, and holds no planned collective
+    axes = graph.mesh.axis_names if graph.mesh is not None else ()
     for op in graph.ops:
-        outs = run_op(op, [_read(env, v) for v in op.inputs], graph.mesh.axis_names)
+        outs = run_op(op, [_read(env, v) for v in op.inputs], axes)
         for v, x in zip(op.outputs, outs):
             env[v.id] = x
     return [_read(env, v) for v in graph.outputs]
