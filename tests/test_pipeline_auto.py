@@ -1,0 +1,147 @@
+"""A pipelined step's own search (issue 26, "Search"): without marks, the cuts, the
+micro-batch count and the schedule are chosen together by ``search_pipeline``; stages
+given per layer (``sp.Pipeline(stages=(n0, n1, ...))``). Each against one device."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import shardprop as sp
+from tests.test_pipeline_lowering import assert_matches_one_device, gpt_pipeline_case, mlp
+
+
+def _forward_ranges(plan):
+    """Per model stage, how many forward ops it runs (the cuts' ranges)."""
+    return [len(s.forward_ops) for s in plan.pipeline.stages]
+
+
+def test_joint_search_picks_cuts_m_and_schedule_and_lists_every_candidate():
+    step, params, opt_state, batch = mlp(4, set())
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)),
+                           pipeline=sp.Pipeline(microbatches="auto", schedule="auto"))
+    plan = pstep.plan(params, opt_state, batch)
+    pl = plan.pipeline
+    rows = pl.search
+    fits = [r for r in rows if not r.reason]
+    # the chosen configuration is the first row, and its cuts are the stages the plan runs
+    assert (fits[0][1], fits[0][2]) == (pl.microbatches, pl.schedule_name)
+    assert [b - a for a, b in fits[0].bounds] == _forward_ranges(plan)
+    assert plan.program.an.cuts == fits[0].bounds
+    # every micro-batch count of 2 rows or more and every flat schedule was priced
+    assert {r[1] for r in fits} <= {1, 2, 4, 8} and {r[2] for r in fits if "simulated" in r.note} == \
+        {"gpipe", "1f1b", "zero_bubble"}
+    assert all(r.note for r in rows)
+
+
+def test_memory_limit_rejects_with_reasons_and_the_choice_fits():
+    step, params, opt_state, batch = mlp(4, set())
+    mesh, pl = ((2,), ("pp",)), sp.Pipeline(microbatches="auto", schedule="auto")
+    free = sp.parallelize(step, mesh=mesh, pipeline=pl).plan(params, opt_state, batch).pipeline.search
+    priced = [r for r in free if not r.reason and "simulated" in r.note]
+    limit = min(r[3] for r in priced)          # the leanest candidate's bytes: others cannot fit
+    limited = sp.parallelize(step, mesh=mesh, pipeline=pl, memory_limit=limit)
+    rows = limited.plan(params, opt_state, batch).pipeline.search
+    assert all(r[3] <= limit for r in rows if not r.reason)
+    rejected = [r for r in rows if r.reason]
+    assert rejected and all(r.reason.startswith("memory") and math.isinf(r[0]) for r in rejected)
+    assert {r[2] for r in rejected} >= {"gpipe"}      # GPipe keeps every micro-batch's activations
+    with pytest.raises(sp.ShardingError, match="no configuration fits memory_limit=100"):
+        sp.parallelize(step, mesh=mesh, pipeline=pl, memory_limit=100).plan(params, opt_state, batch)
+
+
+@pytest.mark.slow
+def test_joint_search_equals_one_device():
+    step, params, opt_state, batch = mlp(4, set())
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)),
+                           pipeline=sp.Pipeline(microbatches="auto", schedule="auto"))
+    assert_matches_one_device(step, params, opt_state, (batch,), pstep, steps=3)
+
+
+def test_no_marks_fixed_m_and_schedule_are_searched_cuts_only():
+    step, params, opt_state, batch = mlp(4, set())
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="gpipe"))
+    pl = pstep.plan(params, opt_state, batch).pipeline
+    assert (pl.microbatches, pl.schedule_name) == (4, "gpipe")
+    assert {(r[1], r[2]) for r in pl.search if "simulated" in r.note} == {(4, "gpipe")}
+
+
+def test_unequal_layers_auto_cuts_beat_equal_layer_cuts_on_the_cpu_profile():
+    """Six light layers then two heavy ones on pp=4: the pipelined step's own search
+    (no marks) against a stage_boundary every two layers, both modeled by the plan on the
+    calibrated "cpu" profile (traced from shapes only)."""
+    def make(cuts):
+        def loss_fn(ws, x):
+            h = x
+            for i, (a, b) in enumerate(ws):
+                h = h + jnp.tanh(h @ a) @ b
+                if i in cuts:
+                    h = sp.stage_boundary(h)
+            return jnp.mean(h ** 2)
+
+        def step(ws, x):
+            loss, g = jax.value_and_grad(loss_fn)(ws, x)
+            return [(a - 0.01 * ga, b - 0.01 * gb) for (a, b), (ga, gb) in zip(ws, g)], loss
+        return step
+
+    f32, width = jnp.float32, 256
+    ws = [(jax.ShapeDtypeStruct((width, k), f32), jax.ShapeDtypeStruct((k, width), f32))
+          for k in [width] * 6 + [8 * width] * 2]
+    x = jax.ShapeDtypeStruct((128, width), f32)
+    times = {}
+    for name, cuts in (("equal", {1, 3, 5}), ("auto", set())):
+        pstep = sp.parallelize(make(cuts), mesh=((4, 2), ("pp", "dp")), cost_model="cpu",
+                               pipeline=sp.Pipeline(microbatches=8, schedule="1f1b"))
+        times[name] = pstep.plan(ws, x).pipeline.step_time
+    assert times["equal"] >= 1.3 * times["auto"], times
+
+
+@pytest.mark.slow
+def test_stages_per_layer_equal_one_device():
+    step, params, opt_state, batch = mlp(6, set())
+    pstep = sp.parallelize(step, mesh=((4,), ("pp",)),
+                           pipeline=sp.Pipeline(microbatches=4, schedule="1f1b", stages=(2, 1, 1, 2)))
+    plan = pstep.plan(params, opt_state, batch)
+    assert [s.forward_ops.count("tanh") for s in plan.pipeline.stages] == [2, 1, 1, 2]   # every layer once
+    assert_matches_one_device(step, params, opt_state, (batch,), pstep, steps=3)
+
+
+@pytest.mark.slow
+def test_stages_per_layer_on_a_gpt_and_with_searched_microbatches():
+    step, params, state, data = gpt_pipeline_case(4, 8, 1)          # no marks
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches="auto", schedule="auto", stages=[3, 1]))
+    pl = pstep.plan(params, state, *data).pipeline
+    assert [s.forward_ops.count("tanh") for s in pl.stages] == [3, 1]     # one gelu per block
+    assert pl.search and (pl.search[0][1], pl.search[0][2]) == (pl.microbatches, pl.schedule_name)
+
+
+def test_stages_per_layer_errors():
+    step, params, opt_state, batch = mlp(4, set())
+    mesh = ((2,), ("pp",))
+    plan = lambda pl, s=step: sp.parallelize(s, mesh=mesh, pipeline=pl).plan(params, opt_state, batch)  # noqa: E731
+    with pytest.raises(sp.ShardingError, match="the counts sum to 3, and the model has 4 layers"):
+        plan(sp.Pipeline(microbatches=2, stages=(1, 2)))
+    with pytest.raises(sp.ShardingError, match="3 layer counts for 2 model stages"):
+        plan(sp.Pipeline(microbatches=2, stages=(1, 2, 1)))
+    for bad in ((1, -1), "layers", (1.5, 2.5), ()):
+        with pytest.raises(sp.ShardingError, match="the number of layers of each model stage"):
+            sp.Pipeline(stages=bad)
+    marked, *_ = mlp(4, {1})
+    with pytest.raises(sp.ShardingError, match="by layer counts or by marks"):
+        plan(sp.Pipeline(microbatches=2, stages=(2, 2)), marked)
+
+    # layers of different shapes: nothing repeats, so there are no layers to count
+    def loss_fn(ws, x):
+        h = jnp.tanh(x @ ws[0])
+        return jnp.mean(jnp.sin(h @ ws[1]) ** 2)
+
+    def odd_step(ws, x):
+        loss, g = jax.value_and_grad(loss_fn)(ws, x)
+        return [w - 0.1 * gw for w, gw in zip(ws, g)], loss
+    ws = [np.ones((8, 16), np.float32), np.ones((16, 4), np.float32)]
+    with pytest.raises(sp.ShardingError, match="no op sequence repeats"):
+        sp.parallelize(odd_step, mesh=mesh, pipeline=sp.Pipeline(microbatches=2, stages=(1, 1))).plan(
+            ws, np.ones((8, 8), np.float32))
