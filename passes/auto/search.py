@@ -396,8 +396,9 @@ class SearchStrategies:
     def _relaxed_round(self, red, problem: Problem, memory: "_Liveness", rows: list, points: set, limit: float,
                        left: Optional[float]) -> tuple:
         """One LP round under the memory rows: the LP relaxation (its optimum is a lower
-        bound on every plan that fits), rounded two ways (each decision to its heaviest
-        candidate; to the one holding the fewest bytes in the rows). ((time, Solution)
+        bound on every plan that fits), rounded (``_roundings``: each decision to its
+        heaviest candidate, then more and more fractional ones to the candidate holding
+        the fewest bytes in the rows). ((time, Solution)
         of the cheaper rounding that fits, or None; what next: "optimal" (the LP was
         integral and its plan fits), "more" (no rounding fits, and a new row was added at
         a point where one peaks), "exact" (the exact rows must go on); seconds)."""
