@@ -7,8 +7,9 @@ hidden of ``width * --ratio``), so the heavy layers cost ``--ratio`` times the l
 It is pipelined on ``--pp`` ranks (``mesh=((pp,), ("pp",))``) twice, in the same process:
 
 - **auto**: no ``stage_boundary`` marks, ``sp.Pipeline(microbatches=m, schedule=...)``:
-  the compiler cuts the program by modeled time (``compiler/pipeline_assign.py``
-  ``auto_stages`` with ``passes/pipeline/cuts.py``);
+  the pipelined step's own search chooses the cuts (``PipelineFunction._search_cuts``:
+  ``passes/pipeline/search.py`` ``search_pipeline`` over the forward ops, priced by
+  ``compiler/pipeline_assign.py`` ``layer_costs``; m and the schedule fixed here);
 - **equal**: a ``stage_boundary`` after every ``layers / pp`` layers (the cuts a user
   writes by counting layers).
 
@@ -25,7 +26,11 @@ It prints, for each:
    equal, equal, auto, ...) of the median of ``--steps`` steps;
 4. **modeled on this machine's profile** (``CostModel.builtin("cpu")``): the configuration
    search (``passes/pipeline/search.py``, pp, m and schedule fixed) against equal-layer
-   cuts (``equal_layer_candidate``), layers priced by their matmuls' roofline.
+   cuts (``equal_layer_candidate``), layers priced by their matmuls' roofline;
+5. **the compiler's own plan on that profile**: both steps planned by
+   ``sp.parallelize(..., cost_model="cpu")`` on ``((pp, 8 // pp), ("pp", "dp"))`` (the
+   profile prices meshes of 8 devices), ``plan().pipeline.step_time`` side by side, and
+   the auto step's joint search (``microbatches="auto", schedule="auto"``) for reference.
 
 Forced CPU devices share this machine's cores, so a pipeline's ranks do not run in
 parallel as GPUs would: a rank that idles frees a core for the others, and the measured
@@ -156,6 +161,27 @@ def cpu_model(a, rows):
           f"{equal.step_s / found.step_s:.2f}x")
 
 
+def cpu_plans(a, equal_cuts):
+    """(5): both steps planned on the calibrated cpu profile, on pp x dp over 8 devices."""
+    mesh = ((a.pp, 8 // a.pp), ("pp", "dp"))
+    got = {}
+    for name, cuts, pl in (("auto", (), sp.Pipeline(microbatches=a.microbatches, schedule=a.schedule)),
+                           ("equal", equal_cuts, sp.Pipeline(microbatches=a.microbatches, schedule=a.schedule)),
+                           ("auto, m and schedule searched too", (), sp.Pipeline(microbatches="auto",
+                                                                                 schedule="auto"))):
+        step, params, state, x, y = make(a.width, a.light, a.heavy, a.ratio, a.batch, cuts)
+        t = time.perf_counter()
+        info = sp.parallelize(step, mesh=mesh, pipeline=pl, batch_argnums=(2, 3),
+                              cost_model="cpu").plan(params, state, x, y).pipeline
+        got[name] = info
+        dots = [sum(1 for op in s.forward_ops if op == "dot_general") // 2 for s in info.stages]
+        print(f"  cpu profile, {mesh}: {name:5}: layers per stage {dots}, m={info.microbatches} "
+              f"{info.schedule_name}, modeled step {info.step_time * 1e3:.2f} ms (planned in "
+              f"{time.perf_counter() - t:.1f} s)")
+    print(f"  the compiler's modeled step on the cpu profile: equal / auto = "
+          f"{got['equal'].step_time / got['auto'].step_time:.2f}x")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=int, default=4)
@@ -214,8 +240,9 @@ def main(argv=None):
               f"them {composed[name] * 1e3:.1f} ms")
     print(f"  measured stage work, composed by the schedule: equal / auto = {composed['equal'] / composed['auto']:.2f}x")
     cpu_model(a, rows)
+    cpu_plans(a, equal_cuts)
     modeled = runs["equal"]["info"].step_time / runs["auto"]["info"].step_time
-    print(f"  modeled: equal / auto = {modeled:.2f}x")
+    print(f"  the compiler's modeled step on the default cost model: equal / auto = {modeled:.2f}x")
     print(f"  measured (median of {a.reps} interleaved repetitions of {a.steps} steps): auto {med['auto'] * 1e3:.1f} ms "
           f"{sorted(round(t * 1e3, 1) for t in runs['auto']['times'])}, equal {med['equal'] * 1e3:.1f} ms "
           f"{sorted(round(t * 1e3, 1) for t in runs['equal']['times'])}: equal / auto = "

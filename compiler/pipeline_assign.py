@@ -58,7 +58,9 @@ LAYOUT_MOVE = "sp_layout_move"   # compiler/pipeline_submesh.py's scope of a pla
 LINEAR = {"mul", "add", "add_any", "sub", "neg", "dot_general", "transpose", "reshape", "broadcast_in_dim",
           "reduce_sum", "convert_element_type", "select_n", "concatenate", "pad", "slice", "dynamic_slice",
           "dynamic_update_slice", "gather", "scatter-add", "scatter_add", "div", "copy", "copy_p", "squeeze",
-          "expand_dims", "rev", "cumsum", "conv_general_dilated", "reduce_precision", "stage_boundary"}
+          "expand_dims", "rev", "cumsum", "conv_general_dilated", "reduce_precision", "stage_boundary",
+          # a planned per-rank program's collectives (compiler/pipeline_submesh.py) are linear too
+          "psum", "psum2", "all_gather", "all_to_all", "ppermute", "reduce_scatter", "psum_scatter", "pbroadcast"}
 FLOAT, MB, ONCE, MARK = "float", "mb", "once", "mark"
 REP = -1    # the home of a once op that combines stages: every rank
 

@@ -145,3 +145,37 @@ def test_stages_per_layer_errors():
     with pytest.raises(sp.ShardingError, match="no op sequence repeats"):
         sp.parallelize(odd_step, mesh=mesh, pipeline=sp.Pipeline(microbatches=2, stages=(1, 1))).plan(
             ws, np.ones((8, 8), np.float32))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_stages_per_layer_equal_one_device_and_joint_search_cuts_the_forward():
+    """Beside mp (the step planned on the sub-mesh first): the per-rank program's backward
+    is told from its forward (its collectives are linear), so layers and cuts are the
+    forward's."""
+    from jax.sharding import PartitionSpec as P
+    opt = optax.adam(1e-2)
+
+    def loss_fn(params, x, y):
+        h = x
+        for w1, w2 in params:
+            h = jnp.tanh(sp.shard(jnp.matmul, (P(None, None), P(None, "mp")))(h, w1))
+            h = h @ w2
+        return jnp.mean((h - y) ** 2)
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(0)
+    params = [(rng.standard_normal((8, 16)).astype(np.float32) * 0.3,
+               rng.standard_normal((16, 8)).astype(np.float32) * 0.3) for _ in range(4)]
+    x, y = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((16, 8)).astype(np.float32)
+    mesh = ((2, 2), ("pp", "mp"))
+    auto = sp.parallelize(step, mesh=mesh, batch_argnums=(2, 3),
+                          pipeline=sp.Pipeline(microbatches="auto", schedule="auto"))
+    counts = [s.forward_ops.count("tanh") for s in auto.plan(params, opt.init(params), x, y).pipeline.stages]
+    assert sum(counts) == 4 and all(counts)          # the search's cuts split the forward's layers
+    pstep = sp.parallelize(step, mesh=mesh, batch_argnums=(2, 3), pipeline=sp.Pipeline(microbatches=2, stages=(1, 3)))
+    assert [s.forward_ops.count("tanh") for s in pstep.plan(params, opt.init(params), x, y).pipeline.stages] == [1, 3]
+    assert_matches_one_device(step, params, opt.init(params), (x, y), pstep, steps=2)
