@@ -128,8 +128,10 @@ class PipelineInfo:
                 "ticks": self.ticks, "ranks": ranks, "bubble": self.bubble, "unit_bubble": self.unit_bubble,
                 "step_time": self.step_time, "slots": self.slots, "memory": self.memory, "stages": stages,
                 "timeline": timeline, "rank_texts": [self.rank_text(d) for d in ranks],
-                "search": [list(r) + [getattr(r, "reason", ""), getattr(r, "note", "")] for r in self.search]
-                if self.search else None}
+                "search": [list(r) for r in self.search if math.isfinite(r[0])] if self.search else None,
+                # the candidates the search rejected, each with its reason
+                "search_rejected": [[r[1], r[2], getattr(r, "reason", "")] for r in self.search
+                                    if not math.isfinite(r[0])] if self.search else None}
 
     def to_html(self, path: Optional[str] = None) -> str:
         """The report page (compiler/report.py ``render_pipeline_html``): the schedule as a

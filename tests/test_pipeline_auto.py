@@ -18,6 +18,7 @@ def _forward_ranges(plan):
     return [len(s.forward_ops) for s in plan.pipeline.stages]
 
 
+@pytest.mark.slow
 def test_joint_search_picks_cuts_m_and_schedule_and_lists_every_candidate():
     step, params, opt_state, batch = mlp(4, set())
     pstep = sp.parallelize(step, mesh=((2,), ("pp",)),
@@ -43,11 +44,16 @@ def test_memory_limit_rejects_with_reasons_and_the_choice_fits():
     priced = [r for r in free if not r.reason and "simulated" in r.note]
     limit = min(r[3] for r in priced)          # the leanest candidate's bytes: others cannot fit
     limited = sp.parallelize(step, mesh=mesh, pipeline=pl, memory_limit=limit)
-    rows = limited.plan(params, opt_state, batch).pipeline.search
+    info = limited.plan(params, opt_state, batch).pipeline
+    rows = info.search
     assert all(r[3] <= limit for r in rows if not r.reason)
     rejected = [r for r in rows if r.reason]
     assert rejected and all(r.reason.startswith("memory") and math.isinf(r[0]) for r in rejected)
     assert {r[2] for r in rejected} >= {"gpipe"}      # GPipe keeps every micro-batch's activations
+    # the report's data: priced rows as before, the rejected ones apart with their reasons
+    data = info.to_data()
+    assert len(data["search_rejected"]) == len(rejected) and all(math.isfinite(r[0]) for r in data["search"])
+    assert "Infinity" not in info.to_html()
     with pytest.raises(sp.ShardingError, match="no configuration fits memory_limit=100"):
         sp.parallelize(step, mesh=mesh, pipeline=pl, memory_limit=100).plan(params, opt_state, batch)
 
