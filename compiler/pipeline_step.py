@@ -241,6 +241,7 @@ class _Traces:
     m: int
     md: int             # micro-batches times dp: one device's share of the batch
     marks: int          # forward stage_boundary marks
+    consts: list        # the planned program's constants (inputs after the user's leaves)
 
 
 class _Compiled:
@@ -288,6 +289,7 @@ class PipelineFunction:
         from ..passes.auto.memory import parse_memory_limit
         self.memory_limit = parse_memory_limit(memory_limit)
         self._cache = {}
+        self._traces = {}       # (arguments, m) -> _Traces: shared with _search's base step
 
     # ---------------------------------------------------------------- tracing
     def _batch_mask(self, args, leaves_per_arg):
@@ -372,7 +374,7 @@ class PipelineFunction:
         durations = {kind: [c.stage_times[k][kind] for k in range(S)] for kind in prog.kinds}
         c.model_sim = simulate(schedule, durations, latency=c.latency)
         c.paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-        c.sub, c.consts = sub, getattr(self, "_consts", [])
+        c.sub, c.consts = sub, tr.consts
         c.paths += [f"<constant {n}>" for n in range(len(c.consts))]
         self._cache[key] = c
         return c, leaves, mask
@@ -489,6 +491,9 @@ class PipelineFunction:
         ``m`` and dp) and, with one micro-batch of the whole batch, on twice the batch (to
         find the batch dims); planned on the sub-mesh when it has tensor-parallel axes."""
         self._check_m(B, m)
+        key = (treedef, tuple(avals), tuple(mask), m)
+        if key in self._traces:
+            return self._traces[key]
         out_tree = []
 
         def flat_fn(*ls):
@@ -513,7 +518,9 @@ class PipelineFunction:
                                                         mask, treedef, out_tree[0])
         marks = sum(1 for e in jm.jaxpr.eqns
                     if e.primitive.name == "stage_boundary" and e.params["direction"] == "forward")
-        return _Traces(jg, jm, js, sub, tmask, out_tree[0], ties, m, md, marks)
+        self._traces[key] = _Traces(jg, jm, js, sub, tmask, out_tree[0], ties, m, md, marks,
+                                    list(getattr(self, "_consts", [])) if self.planned else [])
+        return self._traces[key]
 
     def _microbatch_options(self, B: int) -> list:
         """``microbatches="auto"``: the counts that split the batch (over dp too) into
@@ -627,6 +634,7 @@ class PipelineFunction:
             "interleaved" if v > 1 else "1f1b")), batch_argnums=self.batch_argnums, mode=self.mode,
             shard_optimizer_state=self.zero_axes or False, optimizer_argnums=self.optimizer_argnums,
             cost_model=self.cost_model)
+        base._traces = self._traces          # the same step, mesh and options: the same traces
         c0, _, _ = base._compile(args)
         rows = []
         for name in names:
