@@ -108,20 +108,23 @@ def test_unequal_layers_auto_cuts_beat_equal_layer_cuts_on_the_cpu_profile():
 def test_stages_per_layer_equal_one_device():
     step, params, opt_state, batch = mlp(6, set())
     pstep = sp.parallelize(step, mesh=((4,), ("pp",)),
-                           pipeline=sp.Pipeline(microbatches=4, schedule="1f1b", stages=(2, 1, 1, 2)))
+                           pipeline=sp.Pipeline(microbatches="auto", schedule="auto", stages=(2, 1, 1, 2)))
     plan = pstep.plan(params, opt_state, batch)
     assert [s.forward_ops.count("tanh") for s in plan.pipeline.stages] == [2, 1, 1, 2]   # every layer once
+    # the counts fix the cuts; m and the schedule were searched on them
+    pl = plan.pipeline
+    assert (pl.search[0][1], pl.search[0][2]) == (pl.microbatches, pl.schedule_name)
     assert_matches_one_device(step, params, opt_state, (batch,), pstep, steps=3)
 
 
 @pytest.mark.slow
-def test_stages_per_layer_on_a_gpt_and_with_searched_microbatches():
-    step, params, state, data = gpt_pipeline_case(4, 8, 1)          # no marks
+def test_stages_per_layer_on_a_gpt_equal_one_device():
+    step, params, state, data = gpt_pipeline_case(3, 8, 1)          # no marks
     pstep = sp.parallelize(step, mesh=((2,), ("pp",)), batch_argnums=(2, 3),
-                           pipeline=sp.Pipeline(microbatches="auto", schedule="auto", stages=[3, 1]))
+                           pipeline=sp.Pipeline(microbatches=2, schedule="1f1b", stages=[2, 1]))
     pl = pstep.plan(params, state, *data).pipeline
-    assert [s.forward_ops.count("tanh") for s in pl.stages] == [3, 1]     # one gelu per block
-    assert pl.search and (pl.search[0][1], pl.search[0][2]) == (pl.microbatches, pl.schedule_name)
+    assert [s.forward_ops.count("tanh") for s in pl.stages] == [2, 1]     # one gelu per block
+    assert_matches_one_device(step, params, state, data, pstep, steps=2)
 
 
 def test_stages_per_layer_errors():
