@@ -568,8 +568,11 @@ class PipelineFunction:
         costs = layer_costs(one, lambda e: _eqn_time(e, self.cost), rows=B // (tr.m * dp),
                             global_op_time=(lambda i: _eqn_time(jg.eqns[i], self.cost)) if ratio > 1 else None,
                             row_ratio=ratio)
+        schedules = self._schedule_options()
+        if not one.training and self.pipeline.schedule == "auto" and v == 1:
+            schedules = ("gpipe",)       # forward only: every schedule runs GPipe's forward half
         res = search_pipeline(costs, devices=p * dp * tp, batch=B, cost=self.cost, pp=p, dp=dp, tp=tp,
-                              microbatches=ms, schedules=self._schedule_options(),
+                              microbatches=ms, schedules=schedules,
                               virtual_stages=(v,) if v > 1 else (2,), memory_limit=self.memory_limit,
                               axis_names=(self.pipeline.axis, "dp", "mp"))
         best = res.best

@@ -188,3 +188,27 @@ def test_tensor_parallel_stages_per_layer_equal_one_device_and_joint_search_cuts
     pstep = sp.parallelize(step, mesh=mesh, batch_argnums=(2, 3), pipeline=sp.Pipeline(microbatches=2, stages=(1, 3)))
     assert [s.forward_ops.count("tanh") for s in pstep.plan(params, opt.init(params), x, y).pipeline.stages] == [1, 3]
     assert_matches_one_device(step, params, opt.init(params), (x, y), pstep, steps=2)
+
+
+@pytest.mark.slow
+def test_forward_only_without_marks_and_per_layer_equal_one_device():
+    k = jax.random.PRNGKey(1)
+    ws = [jax.random.normal(jax.random.fold_in(k, i), (8, 8)) for i in range(4)]
+
+    def infer(ws, x):
+        h = x
+        for w in ws:
+            h = jnp.tanh(h @ w)
+        return h, jnp.sum(h)
+
+    x = jax.random.normal(k, (16, 8))
+    ref, rtotal = jax.jit(infer)(ws, x)
+    for pl in (sp.Pipeline(microbatches="auto", schedule="auto"),
+               sp.Pipeline(microbatches=4, schedule="gpipe", stages=(1, 1, 1, 1))):
+        pinf = sp.parallelize(infer, mesh=((4,), ("pp",)), pipeline=pl)
+        out, total = pinf(ws, x)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(total), np.asarray(rtotal), rtol=1e-5)
+        info = pinf.plan(ws, x).pipeline
+        assert info.schedule_name == "gpipe" and all(a.kind == "forward" for a in info.schedule.values())
+        assert [s.forward_ops.count("tanh") for s in info.stages] == [1, 1, 1, 1]
