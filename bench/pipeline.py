@@ -28,6 +28,15 @@ drifts over all of them alike.
     python bench/pipeline.py                                   # width 1024, 8 layers, batch 256, pp 4, m 8
     python bench/pipeline.py --out bench/results/pipeline.txt
     python bench/pipeline.py --breakdown                       # also: where the gap goes (docs/results/pipeline.md)
+    python bench/pipeline.py --heavy-cuts 3,5,6 2,4,6 1,3,5    # stages of unequal sizes (below)
+
+``--heavy-cuts`` times instead ``bench/pipeline_cuts.py``'s model (6 light layers then 2
+heavy ones 8x wider, width 256, batch 128) pipelined with 1F1B on ``pp`` ranks, with
+``stage_boundary`` marks after the layers of each cut set, beside the one-device step and
+each cut set's stages' work (its stages' F and B programs alone on one device, times m):
+the total work is the same for every cut set, so a step that grows with the largest
+stage's size is the lowering's padding (docs/results/pipeline.md, "One stage with the
+heavy layers").
 """
 import argparse
 import os
@@ -306,7 +315,11 @@ def main(argv=None):
     ap.add_argument("--only", nargs="+", help="with --breakdown: only the ablations whose label holds one of these "
                     "(e.g. 'undo 3'), beside the step as built, without the threading and branch timings")
     ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--heavy-cuts", nargs="+", metavar="CUTS",
+                    help="time bench/pipeline_cuts.py's light/heavy MLP at these cut sets (e.g. 1,3,5) instead")
     a = ap.parse_args(argv)
+    if a.heavy_cuts:
+        return heavy_cuts(a)
     cost = CostModel.builtin(a.cost_model) if not a.cost_model.endswith(".json") else CostModel.load(a.cost_model)
     p, m = a.pp, a.microbatches
     lines = [f"pipeline bench: MLP width {a.width}, {a.layers} layers, batch {a.batch}, pp={p}, m={m}, "
@@ -429,6 +442,52 @@ def main(argv=None):
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
+
+
+def heavy_cuts(a):
+    """``--heavy-cuts``: the light/heavy MLP at each cut set, 1F1B, interleaved with the
+    one-device step; and each cut set's stages' work (``pipeline_cuts.stage_work``)."""
+    import types
+    import pipeline_cuts as pc
+    shape = dict(width=256, light=6, heavy=2, ratio=8, batch=128)
+    m = a.microbatches
+    cut_sets = [tuple(int(c) for c in s.split(",")) for s in a.heavy_cuts]
+    fns = {}
+    for cuts in cut_sets:
+        step, params, state, x, y = pc.make(cut_after=cuts, **shape)
+        pstep = sp.parallelize(step, mesh=((a.pp,), ("pp",)), batch_argnums=(2, 3),
+                               pipeline=sp.Pipeline(microbatches=m, schedule="1f1b"))
+        fns[cuts] = Stepper(pstep, params, state, x, y)
+    fns["one device"] = Stepper(jax.jit(step), params, state, x, y)
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for rep in range(a.reps):
+        for k in (list(fns) if rep % 2 == 0 else list(fns)[::-1]):
+            t = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t)
+    bounds = {c: [b - a_ for a_, b in zip((-1,) + c, c + (shape["light"] + shape["heavy"] - 1,))] for c in cut_sets}
+    names = {f"cuts {c}": bounds[c] for c in cut_sets}
+    # stage_work interleaves two sets of stages, named "auto" and "equal": pairs of cut sets
+    work = {}
+    keys = list(names)
+    for i in range(0, len(keys), 2):
+        pair = keys[i:i + 2] if i + 1 < len(keys) else [keys[i], keys[0]]
+        w = pc.stage_work(types.SimpleNamespace(reps=a.reps, steps=5, **shape),
+                          {"auto": names[pair[0]], "equal": names[pair[1]]}, shape["batch"] // m)
+        work[pair[0]], work[pair[1]] = w["auto"], w["equal"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"light/heavy MLP (bench/pipeline_cuts.py: 6 light + 2 heavy layers x8, width 256, batch 128), pp={a.pp}, "
+          f"m={m}, 1f1b; medians of {a.reps} interleaved repetitions; load {os.getloadavg()[0]:.1f}")
+    print(f"   one-device step {med['one device'] * 1e3:.1f} ms")
+    for c in cut_sets:
+        per = work[f"cuts {c}"]
+        total = m * sum(f + b for f, b in per)
+        print(f"   cuts after {c}: layers per stage {bounds[c]}, step {med[c] * 1e3:.1f} ms "
+              f"{sorted(round(t * 1e3) for t in times[c])}; stages' work (F+B x m) {total * 1e3:.1f} ms "
+              f"(per stage {[round(m * (f + b) * 1e3, 1) for f, b in per]}): step / work {med[c] / total:.2f}")
+    return 0
 
 
 if __name__ == "__main__":

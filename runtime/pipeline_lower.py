@@ -21,7 +21,9 @@ forward values its backward reads), ``ct_in[slots, G]`` (the cotangent received)
 ``out_buf[m, O]`` (per-micro-batch outputs of a forward-only step). A (chunk,
 micro-batch) holds one slot from the tick its input arrives to its last backward
 action; slots are reused by a static interval allocation, so 1F1B keeps about ``p - d``
-slots where GPipe keeps ``m``.
+slots where GPipe keeps ``m``. Every rank's buffers have the largest stage's sizes (one
+SPMD program): a smaller stage's values are padded with ``lax.pad`` (``_placed``), never
+by concatenating a long run of zeros, which XLA CPU fuses into a loop far slower than the fill.
 
 Parameters: each rank's state leaves (the inputs only its programs read) are packed in
 one float32 row of a ``(p, size)`` array split over the pipeline axis, so a rank holds
@@ -107,6 +109,38 @@ def _size(var) -> int:
     return int(np.prod(var.aval.shape, dtype=np.int64))
 
 
+SMALL_GAP = 1024   # zeros up to this many elements are concatenated, longer runs padded
+
+
+def _placed(parts, total: int):
+    """A flat float32 buffer of ``total`` holding ``parts`` (``(offset, flat array)``) and
+    zeros elsewhere. The parts and the short gaps between them (at most ``SMALL_GAP``
+    zeros) are concatenated; a longer gap is made by ``lax.pad``: XLA CPU fuses a
+    concatenate whose operands include a large zero broadcast into one loop that runs
+    25-250x slower than the fill it replaces (a 4 MiB piece of four gradients and zeros:
+    51 ms against 0.3 ms padded, docs/results/pipeline.md), while a pad by a few elements
+    costs a bounds check on every element that a short zero operand does not."""
+    runs = []          # [start, [arrays]]: parts joined across short gaps
+    for off, x in sorted(parts, key=lambda t: t[0]):
+        end = runs[-1][0] + sum(int(y.shape[0]) for y in runs[-1][1]) if runs else None
+        if runs and 0 <= off - end <= SMALL_GAP:
+            runs[-1][1].extend(([jnp.zeros((off - end,), jnp.float32)] if off > end else []) + [x])
+        else:
+            runs.append([off, [x]])
+    out = None
+    for n, (off, xs) in enumerate(runs):
+        size = sum(int(y.shape[0]) for y in xs)
+        lo, hi = off, total - off - size
+        if lo <= SMALL_GAP and n == 0 and lo:
+            xs, lo = [jnp.zeros((lo,), jnp.float32)] + xs, 0
+        if hi <= SMALL_GAP and n == len(runs) - 1 and hi:
+            xs, hi = xs + [jnp.zeros((hi,), jnp.float32)], 0
+        run = xs[0] if len(xs) == 1 else jnp.concatenate(xs)
+        run = run if lo == 0 and hi == 0 else lax.pad(run, jnp.float32(0), [(lo, hi, 0)])
+        out = run if out is None else out + run
+    return jnp.zeros((total,), jnp.float32) if out is None else out
+
+
 class Packing:
     """Static offsets of a list of vars in a flat float32 buffer."""
     def __init__(self, vars_):
@@ -118,10 +152,7 @@ class Packing:
         self.size = off
 
     def pack(self, env, total):
-        parts = [_to_f32(env[v]) for v in self.vars]
-        if total > self.size:
-            parts.append(jnp.zeros((total - self.size,), jnp.float32))
-        return jnp.concatenate(parts) if parts else jnp.zeros((total,), jnp.float32)
+        return _placed([(self.offset[v], _to_f32(env[v])) for v in self.vars], total)
 
     def unpack(self, flat, env, base=0):
         for v in self.vars:
@@ -740,10 +771,7 @@ class PipelineProgram:
             # (returned and added outside the switch: updated in place inside a branch, the
             # accumulator is copied whole on every action, docs/results/pipeline.md)
             base, pk = self.acc_pack[k]
-            piece = [jnp.zeros((_size(v),), jnp.float32) if v not in prog["accs"] else _to_f32(env[v])
-                     for v in pk.vars]
-            piece += [jnp.zeros((self.ACCK - pk.size,), jnp.float32)] if self.ACCK > pk.size else []
-            piece = jnp.concatenate(piece)
+            piece = _placed([(pk.offset[v], _to_f32(env[v])) for v in pk.vars if v in prog["accs"]], self.ACCK)
             obase, opk = self.out_pack[k]
             for v in prog["outs_b"]:
                 out_row = lax.dynamic_update_slice_in_dim(out_row, _to_f32(env[v]), obase + opk.offset[v], 0)
@@ -815,10 +843,8 @@ class PipelineProgram:
             parts = []
             for v in pk.vars:
                 si, off = src_desc[d][v]
-                parts.append(lax.slice_in_dim(_row(sources[si]), off, off + _size(v)))
-            if self.state_size > pk.size:
-                parts.append(jnp.zeros((self.state_size - pk.size,), jnp.float32))
-            return jnp.concatenate(parts) if parts else jnp.zeros((self.state_size,), jnp.float32)
+                parts.append((pk.offset[v], lax.slice_in_dim(_row(sources[si]), off, off + _size(v))))
+            return _placed(parts, self.state_size)
 
         def body(sources, rep, batch):
             d = lax.axis_index(ax)
@@ -957,3 +983,19 @@ BUFFER_MOVES = {"parameter", "constant", "get-tuple-element", "tuple", "copy", "
 def bubble_computes_nothing(hlo_text: str) -> bool:
     ops = noop_branch_opcodes(hlo_text)
     return bool(ops) and all(o in BUFFER_MOVES or (o.startswith("fusion:") and "broadcast" in o) for o in ops)
+
+
+def zero_filled_concatenates(hlo_text: str) -> list:
+    """The computations of compiled HLO text in which a ``concatenate`` takes a
+    ``broadcast`` of more than ``SMALL_GAP`` elements among its operands: the fusion
+    ``_placed`` avoids (XLA CPU runs it far slower than the fill it stands for)."""
+    import re
+    found = []
+    for name, body in re.findall(r"\n%([\w.\-]+) [^\n]*\{\n(.*?)\n}\n", hlo_text, re.S):
+        bcast = {n for n, dims in re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]\S* broadcast\(", body)
+                 if int(np.prod([int(x) for x in dims.split(",") if x], dtype=np.int64)) > SMALL_GAP}
+        for ops in re.findall(r"= \S+ concatenate\(([^)]*)\)", body):
+            if any(o.strip().lstrip("%") in bcast for o in ops.split(",")):
+                found.append(name)
+                break
+    return found
