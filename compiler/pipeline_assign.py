@@ -648,18 +648,20 @@ def auto_stages(an, *, p: int, v: int, bounds) -> Analysis:
     return out
 
 
+_USERS: list = []     # (jaxpr, var -> reader eqn indices) of the last few jaxprs (a Jaxpr takes no attributes)
+
+
 def _users(jaxpr, var):
-    cache = getattr(jaxpr, "_sp_users", None)
-    if cache is None:
-        cache = {}
-        for i, e in enumerate(jaxpr.eqns):
-            for a in e.invars:
-                if not isinstance(a, jcore.Literal):
-                    cache.setdefault(a, []).append(i)
-        try:
-            jaxpr._sp_users = cache
-        except AttributeError:
-            pass
+    for j, cache in _USERS:
+        if j is jaxpr:
+            return cache.get(var, [])
+    cache = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for a in e.invars:
+            if not isinstance(a, jcore.Literal):
+                cache.setdefault(a, []).append(i)
+    _USERS.insert(0, (jaxpr, cache))
+    del _USERS[4:]
     return cache.get(var, [])
 
 
@@ -727,3 +729,18 @@ def layer_bounds(an, counts) -> tuple:
         raise ShardingError(f"Pipeline(stages={counts}): model stage {empty[0]} would run no op (0 layers and "
                             "nothing before or after the repeated layers); give every stage at least one layer")
     return bounds
+
+
+def merge_layers(costs, cuts):
+    """``LayerCosts`` whose layers are the ranges between ``cuts`` (cut after layer ``n``,
+    sorted): sums of their times and bytes, the exchange of each kept cut. Returns it and
+    each merged layer's first original layer."""
+    from ..passes.pipeline.search import LayerCosts
+    starts = [0] + [n + 1 for n in cuts]
+    ends = starts[1:] + [costs.layers]
+    part = lambda xs: [sum(xs[a:b]) for a, b in zip(starts, ends)]   # noqa: E731
+    merged = LayerCosts(**{name: part(getattr(costs, name)) for name in (
+        "forward_s", "backward_s", "state_bytes", "activation_bytes", "grad_bytes", "update_s",
+        "forward_fixed_s", "backward_fixed_s")}, exchange_bytes=[costs.exchange_bytes[n] for n in cuts],
+        rows=costs.rows)
+    return merged, starts

@@ -34,7 +34,7 @@ from ..passes.cost import resolve_cost_model
 from ..passes.pipeline import build_schedule, simulate
 from ..runtime.mesh import resolve_mesh
 from ..runtime.pipeline_lower import PackedLeaf, PipelineProgram, np_to_f32, pack_blocks
-from .pipeline_assign import analyse, auto_stages, inline_calls, layer_bounds, layer_costs
+from .pipeline_assign import analyse, auto_stages, inline_calls, layer_bounds, layer_costs, merge_layers
 from .stages import Pipeline, check_pipeline
 
 # cuts priced within this fraction of the best are a tie, broken toward balanced compute
@@ -568,6 +568,19 @@ class PipelineFunction:
         costs = layer_costs(one, lambda e: _eqn_time(e, self.cost), rows=B // (tr.m * dp),
                             global_op_time=(lambda i: _eqn_time(jg.eqns[i], self.cost)) if ratio > 1 else None,
                             row_ratio=ratio)
+        # at most CUT_WINDOWS layers (at least STAGE_WINDOWS per stage): per window of the
+        # forward's time its cheapest allowed cut point, as plan_step cuts a planned stage
+        # (compiler/planning.py), so a large program's search stays a DP over ~100 layers
+        from .planning import CUT_WINDOWS, STAGE_WINDOWS, _cut_points
+        starts = list(range(F))
+        windows = max(CUT_WINDOWS, STAGE_WINDOWS * p * v)
+        if F > windows:
+            points = _cut_points(list(costs.exchange_bytes), [f + b for f, b in zip(costs.forward_s,
+                                                                                   costs.backward_s)], windows)
+            costs, starts = merge_layers(costs, [n for n in points if math.isfinite(costs.exchange_bytes[n])])
+            if costs.layers < p * v:
+                raise ShardingError(f"automatic cuts: only {costs.layers - 1} places to cut the forward for "
+                                    f"{p * v} stages; mark the cuts with sp.stage_boundary")
         schedules = self._schedule_options()
         if not one.training and self.pipeline.schedule == "auto" and v == 1:
             schedules = ("gpipe",)       # forward only: every schedule runs GPipe's forward half
@@ -584,11 +597,16 @@ class PipelineFunction:
             best = balanced
             rows.insert(0, SearchRow(balanced.step_s, balanced.microbatches, balanced.schedule,
                                      int(balanced.memory_bytes), bounds=balanced.cuts.bounds,
-                                     note=f"{balanced.describe()}; the compute-balanced cuts {balanced.cuts.bounds}, "
-                                          f"within {TIE_TOLERANCE:.0%} of the search's best "
-                                          f"{res.best.cuts.bounds}: taken"))
+                                     note=f"{balanced.describe()}; the compute-balanced cuts, within "
+                                          f"{TIE_TOLERANCE:.0%} of the search's best (next row): taken"))
         rows += [SearchRow(math.inf, c.microbatches, c.schedule, int(c.memory_bytes), reason=c.reason,
                            note=c.describe()) for c in res.rejected]
+        # bounds in merged layers -> forward op positions
+        edge = lambda k: starts[k] if k < len(starts) else F   # noqa: E731
+        to_ops = lambda bounds: tuple((edge(a), edge(b)) for a, b in bounds) if bounds else bounds  # noqa: E731
+        for r in rows:
+            r.bounds = to_ops(r.bounds)
+        best = replace(best, cuts=replace(best.cuts, bounds=to_ops(best.cuts.bounds)))
         return best, rows
 
     def _balanced_cuts(self, costs, best, *, B: int, dp: int, tp: int):
@@ -599,7 +617,7 @@ class PipelineFunction:
         choice that does not. Priced by the same search on the layers merged into the
         balanced stages (one way to cut them), so no cost is computed twice."""
         from ..passes.pipeline import plan_cuts
-        from ..passes.pipeline.search import LayerCosts, search_pipeline
+        from ..passes.pipeline.search import search_pipeline
         p, v, m = best.pp, best.virtual_stages, best.microbatches
         fwd, bwd, _, _ = costs.at_rows(B // (dp * m))
         # the least bottleneck (the formula at many micro-batches: the slowest stage's compute)
@@ -607,11 +625,7 @@ class PipelineFunction:
                            boundary_time=[math.inf if math.isinf(x) else 0.0 for x in costs.exchange_bytes]).bounds
         if bounds == best.cuts.bounds:
             return None
-        part = lambda xs: [sum(xs[a:b]) for a, b in bounds]   # noqa: E731
-        merged = LayerCosts(**{name: part(getattr(costs, name)) for name in (
-            "forward_s", "backward_s", "state_bytes", "activation_bytes", "grad_bytes", "update_s",
-            "forward_fixed_s", "backward_fixed_s")}, exchange_bytes=[costs.exchange_bytes[b - 1] for _, b in bounds[:-1]],
-            rows=costs.rows)
+        merged, _ = merge_layers(costs, [b - 1 for _, b in bounds[:-1]])
         try:
             c = search_pipeline(merged, devices=p * dp * tp, batch=B, cost=self.cost, pp=p, dp=dp, tp=tp,
                                 microbatches=m, schedules=(best.schedule,), virtual_stages=(max(v, 2),),
