@@ -34,7 +34,8 @@ from ..passes.cost import resolve_cost_model
 from ..passes.pipeline import build_schedule, simulate
 from ..runtime.mesh import resolve_mesh
 from ..runtime.pipeline_lower import PackedLeaf, PipelineProgram, np_to_f32, pack_blocks
-from .pipeline_assign import analyse, auto_stages, inline_calls, layer_bounds, layer_costs, merge_layers
+from .pipeline_assign import (CUT_WINDOWS, STAGE_WINDOWS, analyse, auto_stages, cut_windows, inline_calls,
+                              layer_bounds, layer_costs, merge_layers)
 from .stages import Pipeline, check_pipeline
 
 # cuts priced within this fraction of the best are a tie, broken toward balanced compute
@@ -570,14 +571,13 @@ class PipelineFunction:
                             row_ratio=ratio)
         # at most CUT_WINDOWS layers (at least STAGE_WINDOWS per stage): per window of the
         # forward's time its cheapest allowed cut point, as plan_step cuts a planned stage
-        # (compiler/planning.py), so a large program's search stays a DP over ~100 layers
-        from .planning import CUT_WINDOWS, STAGE_WINDOWS, _cut_points
+        # (compiler/planning.py; pipeline_assign.cut_windows), so the DP stays over ~100 layers
         starts = list(range(F))
         windows = max(CUT_WINDOWS, STAGE_WINDOWS * p * v)
         if F > windows:
-            points = _cut_points(list(costs.exchange_bytes), [f + b for f, b in zip(costs.forward_s,
-                                                                                   costs.backward_s)], windows)
-            costs, starts = merge_layers(costs, [n for n in points if math.isfinite(costs.exchange_bytes[n])])
+            points = cut_windows(list(costs.exchange_bytes), [f + b for f, b in zip(costs.forward_s,
+                                                                                  costs.backward_s)], windows)
+            costs, starts = merge_layers(costs, points)
             if costs.layers < p * v:
                 raise ShardingError(f"automatic cuts: only {costs.layers - 1} places to cut the forward for "
                                     f"{p * v} stages; mark the cuts with sp.stage_boundary")
