@@ -212,3 +212,18 @@ def test_forward_only_without_marks_and_per_layer_equal_one_device():
         info = pinf.plan(ws, x).pipeline
         assert info.schedule_name == "gpipe" and all(a.kind == "forward" for a in info.schedule.values())
         assert [s.forward_ops.count("tanh") for s in info.stages] == [1, 1, 1, 1]
+
+
+@pytest.mark.slow
+def test_joint_search_on_a_large_forward_cuts_in_windows():
+    """A GPT of 8 blocks (hundreds of forward ops): the search prices at most 96 windows of
+    the forward's time; its cuts land on forward op positions and cover every op once."""
+    step, params, state, data = gpt_pipeline_case(8, 32, 1)
+    pstep = sp.parallelize(step, mesh=((4,), ("pp",)), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches="auto", schedule="auto"))
+    plan = pstep.plan(params, state, *data)
+    ops = _forward_ranges(plan)
+    assert sum(ops) > 96 and all(ops)
+    assert sum(s.forward_ops.count("tanh") for s in plan.pipeline.stages) == 8
+    bounds = plan.pipeline.search[0].bounds
+    assert bounds[0][0] == 0 and bounds[-1][1] == sum(ops) and [b - a for a, b in bounds] == ops
