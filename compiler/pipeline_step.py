@@ -865,11 +865,3 @@ class PipelineFunction:
         c, leaves, mask = self._compile(args)
         sources, desc, rep, batch = self._inputs(c, leaves)
         return self._fn(c, sources, desc).lower(sources, rep, batch).compile()
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
