@@ -65,6 +65,15 @@ FLOAT, MB, ONCE, MARK = "float", "mb", "once", "mark"
 REP = -1    # the home of a once op that combines stages: every rank
 
 
+def bind_eqn(eqn, ins) -> list:
+    """Bind ``eqn``'s primitive on ``ins`` again, under its source line and name stack
+    (so errors and dumps still point at the user's code): its outputs, as a list."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
+        outs = eqn.primitive.bind(*ins, **params)
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
 def inline_calls(closed):
     """The closed jaxpr with every call (jit, custom_jvp/vjp, remat) inlined."""
     def run(jaxpr, consts, *args):
@@ -82,12 +91,7 @@ def inline_calls(closed):
                 else:
                     outs = run(body, [], *ins)
             else:
-                params = eqn.primitive.get_bind_params(eqn.params)
-                with source_info_util.user_context(eqn.source_info.traceback,
-                                                   name_stack=eqn.source_info.name_stack):
-                    outs = eqn.primitive.bind(*ins, **params)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
+                outs = bind_eqn(eqn, ins)
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
         return [read(a) for a in jaxpr.outvars]

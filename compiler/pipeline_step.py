@@ -245,6 +245,20 @@ class _Traces:
     consts: list        # the planned program's constants (inputs after the user's leaves)
 
 
+def _sources_in_place(leaves, owned, invars, p):
+    """State that comes back as the ``PackedLeaf`` objects a step returned, read where it
+    lies: the distinct packed buffers, and per rank each input's (buffer, offset)."""
+    bufs, sources = {}, []
+    desc = [dict() for _ in range(p)]
+    for i, d in owned:
+        lf = leaves[i]
+        if id(lf.buffer) not in bufs:
+            bufs[id(lf.buffer)] = len(sources)
+            sources.append(lf.buffer)
+        desc[d][invars[i]] = (bufs[id(lf.buffer)], lf.offset_on(d))
+    return sources, desc
+
+
 class _Compiled:
     def __init__(self, prog, out_tree, m, B, an, schedule):
         self.prog, self.out_tree, self.m, self.B, self.an, self.schedule = prog, out_tree, m, B, an, schedule
@@ -691,14 +705,7 @@ class PipelineFunction:
         in_place = all(isinstance(leaves[i], PackedLeaf) and leaves[i].offset_on(d) is not None for i, d in owned)
         invars = prog.j.invars
         if in_place and owned:
-            bufs, sources = {}, []
-            desc = [dict() for _ in range(p)]
-            for i, d in owned:
-                lf = leaves[i]
-                if id(lf.buffer) not in bufs:
-                    bufs[id(lf.buffer)] = len(sources)
-                    sources.append(lf.buffer)
-                desc[d][invars[i]] = (bufs[id(lf.buffer)], lf.offset_on(d))
+            sources, desc = _sources_in_place(leaves, owned, invars, p)
         else:
             rows = np.zeros((p, prog.state_size), np.float32)
             for i, d in owned:
@@ -727,14 +734,7 @@ class PipelineFunction:
         in_place = all(isinstance(leaves[i], PackedLeaf) and leaves[i].offset_on(d) is not None
                        and leaves[i].sub == sub and leaves[i].dims == sub.in_dims[i] for i, d in owned)
         if in_place and owned:
-            bufs, sources = {}, []
-            desc = [dict() for _ in range(p)]
-            for i, d in owned:
-                lf = leaves[i]
-                if id(lf.buffer) not in bufs:
-                    bufs[id(lf.buffer)] = len(sources)
-                    sources.append(lf.buffer)
-                desc[d][invars[i]] = (bufs[id(lf.buffer)], lf.offset_on(d))
+            sources, desc = _sources_in_place(leaves, owned, invars, p)
         else:
             rows = np.zeros((p, sub.ranks, prog.state_size), np.float32)
             for i, d in owned:

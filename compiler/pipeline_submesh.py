@@ -37,6 +37,7 @@ from ..ir.graph import is_collective
 from ..runtime.lower import partition_spec, run_op
 from .jaxpr_import import import_jaxpr
 from .pipeline import Options, run_pipeline
+from .pipeline_assign import bind_eqn
 from .stages import stage_boundary_p
 from .fsdp import storage_layout
 from .state import leaf_indices, optimizer_state_pins, state_ties
@@ -71,12 +72,7 @@ def marks_as_copies(closed):
                         jax.named_scope(f"{TAG}.{direction}.{cut}"):
                     outs = [copy_p.bind(x) for x in ins]
             else:
-                params = eqn.primitive.get_bind_params(eqn.params)
-                with source_info_util.user_context(eqn.source_info.traceback,
-                                                   name_stack=eqn.source_info.name_stack):
-                    outs = eqn.primitive.bind(*ins, **params)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
+                outs = bind_eqn(eqn, ins)
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
         return [read(a) for a in jaxpr.outvars]
