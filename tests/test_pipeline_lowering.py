@@ -86,6 +86,7 @@ def test_stage_boundary_is_an_identity_under_jit_grad_vmap():
     np.testing.assert_allclose(np.asarray(out), 2 * np.asarray(x))
 
 
+@pytest.mark.slow
 def test_mlp_pp2_1f1b_equals_one_device():
     step, params, opt_state, batch = mlp(2, {0})
     pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
@@ -171,6 +172,7 @@ def test_plan_pipeline_stages_schedule_bubble():
     assert "stage 3" in pl.text() and "F0" in pl.text()
 
 
+@pytest.mark.slow
 def test_compiled_program_per_rank_checks():
     """Exchanges only between neighbours, no parameter gathered over pp, per-device state
     bytes about one stage's, bubble ticks compute nothing."""
