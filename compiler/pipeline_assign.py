@@ -750,23 +750,3 @@ def merge_layers(costs, cuts):
     return merged, starts
 
 
-CUT_WINDOWS = 96    # the search's layers: at most this many windows of the forward's time ...
-STAGE_WINDOWS = 4   # ... and at least this many per stage
-
-
-def cut_windows(exchange, seconds, windows: int) -> list:
-    """The cut points of at most ``windows`` layers: the forward's time (``seconds`` per
-    layer) split into equal windows, in each the allowed point (finite ``exchange``, cut
-    after layer ``n``) where the fewest bytes cross. (``compiler/planning.py``'s
-    ``_cut_points`` does the same for ``sp.plan_step``; importing it here would close an
-    import cycle through ``compiler/api.py``.)"""
-    T = np.cumsum(seconds)[:len(exchange)]
-    total = float(np.sum(seconds)) or 1.0
-    best: dict = {}
-    for n, (t, x) in enumerate(zip(T.tolist(), exchange)):
-        if not math.isfinite(x):
-            continue
-        w = min(int(t / total * windows), windows - 1)
-        if w not in best or x < exchange[best[w]]:
-            best[w] = n
-    return sorted(best.values())

@@ -34,7 +34,8 @@ from ..passes.cost import resolve_cost_model
 from ..passes.pipeline import build_schedule, simulate
 from ..runtime.mesh import resolve_mesh
 from ..runtime.pipeline_lower import PackedLeaf, PipelineProgram, np_to_f32, pack_blocks
-from .pipeline_assign import (CUT_WINDOWS, STAGE_WINDOWS, analyse, auto_stages, cut_windows, inline_calls,
+from ..passes.pipeline.cuts import CUT_WINDOWS, STAGE_WINDOWS, cut_windows
+from .pipeline_assign import (analyse, auto_stages, inline_calls,
                               layer_bounds, layer_costs, merge_layers)
 from .stages import Pipeline, check_pipeline
 
@@ -585,7 +586,7 @@ class PipelineFunction:
                             row_ratio=ratio)
         # at most CUT_WINDOWS layers (at least STAGE_WINDOWS per stage): per window of the
         # forward's time its cheapest allowed cut point, as plan_step cuts a planned stage
-        # (compiler/planning.py; pipeline_assign.cut_windows), so the DP stays over ~100 layers
+        # (passes/pipeline/cuts.py cut_windows, as compiler/planning.py), so the DP stays over ~100 layers
         starts = list(range(F))
         windows = max(CUT_WINDOWS, STAGE_WINDOWS * p * v)
         if F > windows:

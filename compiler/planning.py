@@ -52,6 +52,7 @@ from ..ir.errors import ShardingError
 from ..ir.graph import is_collective
 from ..passes.auto.memory import live_intervals
 from ..passes.cost import modeled_step_time, resolve_cost_model
+from ..passes.pipeline.cuts import CUT_WINDOWS, STAGE_WINDOWS, cut_windows
 
 GiB = 2 ** 30
 
@@ -300,8 +301,6 @@ def parse_mesh(text: str):
 # pp's exchanges and dp's gradient all-reduce on the whole mesh's links.
 
 STAGE_ROWS = 2     # rows per replica the stage is planned at (costs scale linearly from there)
-CUT_WINDOWS = 96   # at most this many layers: per 1/CUT_WINDOWS of the forward's time, its cheapest cut point
-STAGE_WINDOWS = 4  # ... and at least this many per stage of a given pp (pp=64: 256 windows)
 
 
 @dataclass
@@ -346,24 +345,6 @@ def _op_seconds(op, cost, mesh, resident) -> tuple:
     return total, fixed
 
 
-def _cut_points(crossing, op_seconds, windows: int = CUT_WINDOWS) -> list:
-    """The cheap cut points: the forward's time split into ``windows`` equal windows,
-    in each the point after which the fewest bytes cross (a transformer's residual stream
-    between blocks, the loss's scalars at its tail), so there are at most ``windows``
-    and the search can balance stages to about a window's time."""
-    import numpy as np
-    if not crossing:
-        return []
-    T = np.cumsum(op_seconds)[:len(crossing)]
-    total = float(np.sum(op_seconds)) or 1.0
-    window = np.minimum((T / total * windows).astype(int), windows - 1)
-    best: dict = {}
-    for n, (w, c) in enumerate(zip(window.tolist(), crossing)):
-        if w not in best or c < crossing[best[w]]:
-            best[w] = n
-    return sorted(best.values())
-
-
 def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: int,
                  windows: int = CUT_WINDOWS) -> StageLayers:
     """Cut one replica's planned step into layers and price each (see above):
@@ -372,7 +353,7 @@ def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: 
       in program order; a cut after forward op ``n`` carries the forward values made up
       to ``n`` from the batch and read after it (what a parameter alone makes, e.g. a
       weight's cast, is made again by its reader's stage); the cheap cut points
-      (``_cut_points``) bound the layers;
+      (``passes/pipeline/cuts.py``'s ``cut_windows``) bound the layers;
     - an op reading the optimizer state (or made from one that does) is the **update**
       (once per step); every other op is the **backward** (once per micro-batch). A
       backward op belongs to the layer of the latest forward value made from the
@@ -443,7 +424,7 @@ def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: 
     for op in riders:
         t, fixed = seconds[op]
         seconds[op] = (t - fixed, 0.0)
-    cuts = _cut_points(crossing, [seconds[op][0] for op in fops], windows)
+    cuts = cut_windows(crossing, [seconds[op][0] for op in fops], windows)
     starts = [0] + [n + 1 for n in cuts]
     unit_of_pos = []
     for u, (a, b) in enumerate(zip(starts, starts[1:] + [F])):

@@ -416,3 +416,28 @@ def evaluate_cuts(bounds, layer_time, p: int, m: int, schedule: str = "1f1b", v:
         raise ShardingError(f"pipeline cuts: stages {bounds} break memory_limit={pr.limit} or cut where "
                             f"boundary_time is inf")
     return r
+
+
+# The layers a search cuts a long program into: at most CUT_WINDOWS windows of the
+# forward's time, and at least STAGE_WINDOWS per stage (pp=64: 256 windows), so the
+# DP stays over about a hundred layers whatever the op count.
+CUT_WINDOWS = 96
+STAGE_WINDOWS = 4
+
+
+def cut_windows(exchange: Sequence[float], seconds: Sequence[float], windows: int = CUT_WINDOWS) -> list:
+    """The cheap cut points: the forward's time (``seconds`` per op) split into
+    ``windows`` equal windows, in each the allowed point (finite ``exchange``: the bytes
+    crossing a cut after op ``n``) where the fewest bytes cross (a transformer's residual
+    stream between blocks). Used by ``sp.plan_step`` (``compiler/planning.py``) and the
+    pipelined step's search (``compiler/pipeline_step.py``)."""
+    T = np.cumsum(seconds)[:len(exchange)]
+    total = float(np.sum(seconds)) or 1.0
+    best: dict = {}
+    for n, (t, x) in enumerate(zip(T.tolist(), exchange)):
+        if not math.isfinite(x):
+            continue
+        w = min(int(t / total * windows), windows - 1)
+        if w not in best or x < exchange[best[w]]:
+            best[w] = n
+    return sorted(best.values())
