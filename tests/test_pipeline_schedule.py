@@ -363,7 +363,7 @@ def test_floats_fractions_and_callables_agree():
     floats = simulate(s, {"forward": 0.5, "backward": 1.0}, latency=0.25)
     called = simulate(s, lambda kind, stage: {"forward": 0.5, "backward": 1.0}.get(kind, 0.5), latency=0.25)
     assert float(exact.makespan) == floats.makespan == called.makespan
-    np = pytest.importorskip("numpy")
+    import numpy as np   # a dependency of the package: never a reason to skip
     as_numpy = simulate(s, {"forward": np.float32(0.5), "backward": np.float64(1.0)}, latency=np.float64(0.25))
     assert as_numpy.makespan == floats.makespan
     ints = simulate(s, {"forward": np.int64(1), "backward": 2}, latency=np.int32(1))
