@@ -764,6 +764,8 @@ class PipelineFunction:
         if self.dump_dir and not getattr(c, "dumped", False):
             c.dumped = True
             self.plan(*args)
+        if self.pipeline.lowering == "mpmd":
+            return self._call_mpmd(c, leaves)
         prog = c.prog
         sources, desc, rep, batch = self._inputs(c, leaves)
         packed, bvals, out_buf, reps = self._fn(c, sources, desc)(sources, rep, batch)
@@ -805,6 +807,30 @@ class PipelineFunction:
                                        v.aval.dtype))
             else:
                 outs.append(self._batched_out(c, v, s[1], out_buf))
+        return jax.tree.unflatten(c.out_tree, outs)
+
+    def mpmd(self, *args):
+        """The MPMD program of these arguments (``Pipeline(lowering="mpmd")``):
+        ``runtime/pipeline_mpmd.py`` ``MpmdProgram``, built on the plan's program."""
+        return self._mpmd_of(self._compile(args)[0])
+
+    def _mpmd_of(self, c):
+        if getattr(c, "mpmd", None) is None:
+            from ..runtime.pipeline_mpmd import MpmdProgram
+            devs = np.asarray(self.mesh.devices)
+            ax = list(self.mesh.axis_names).index(self.pipeline.axis)
+            c.mpmd = MpmdProgram(c.prog, [np.asarray(np.take(devs, d, axis=ax)).reshape(-1)[0]
+                                          for d in range(self.p)])
+        return c.mpmd
+
+    def _call_mpmd(self, c, leaves):
+        prog = c.prog
+        outs = self._mpmd_of(c)(leaves, prog.batch_mask)
+        if c.float_fn is not None:
+            # outputs computed from the inputs alone, as the SPMD path computes them
+            need = [prog.invar_index[v] for v in prog._reads(prog.float_idxs) if v in prog.invar_index]
+            floats = iter(c.float_fn({i: leaves[i] for i in need}))
+            outs = [next(floats) if s[0] == "float" else o for o, s in zip(outs, prog.out_spec)]
         return jax.tree.unflatten(c.out_tree, outs)
 
     def _batched_out(self, c, v, k, out_buf):

@@ -33,6 +33,7 @@ from ..passes.pipeline.schedules import SCHEDULES
 
 FORWARD_MARK, BACKWARD_MARK = "forward", "backward"
 _FLIP = {FORWARD_MARK: BACKWARD_MARK, BACKWARD_MARK: FORWARD_MARK}
+LOWERINGS = ("spmd", "mpmd")
 
 stage_boundary_p = Primitive("stage_boundary")
 stage_boundary_p.multiple_results = True
@@ -103,14 +104,22 @@ class Pipeline:
         ``ir/repeats.py``; what precedes it runs on the first stage, what follows on the
         last; ``compiler/pipeline_assign.py`` ``layer_bounds``).
     axis: the mesh axis that carries the stages.
+    lowering: ``"spmd"`` (default): one SPMD program over the pipeline axis, a scan over
+        the schedule's ticks (``runtime/pipeline_lower.py``); ``"mpmd"``: one jitted
+        program per stage action on its rank's device, driven from Python along the same
+        tick table, the stages' state at its own shapes (``runtime/pipeline_mpmd.py``;
+        the pipeline axis alone).
     """
     microbatches: Union[int, str] = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
     stages: Union[None, str, tuple] = None
     axis: str = "pp"
+    lowering: str = "spmd"
 
     def __post_init__(self):
+        if self.lowering not in LOWERINGS:
+            raise ShardingError(f"Pipeline(lowering={self.lowering!r}): one of {', '.join(map(repr, LOWERINGS))}")
         if self.microbatches != "auto" and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ShardingError(f"Pipeline(microbatches={self.microbatches!r}): give a positive number of "
                                 "micro-batches or \"auto\"")
@@ -145,4 +154,9 @@ def check_pipeline(pipeline: Pipeline, axis_names, axis_sizes) -> int:
     if p < 2:
         raise ShardingError(f"the pipeline axis {pipeline.axis!r} has size {p}: a pipeline needs at least 2 stages "
                             "(for one stage, use sp.parallelize without pipeline=)")
+    beside = {a: int(n) for a, n in zip(names, axis_sizes) if a != pipeline.axis and int(n) > 1}
+    if pipeline.lowering == "mpmd" and beside:
+        raise ShardingError(f'Pipeline(lowering="mpmd") runs stages over the pipeline axis alone; this mesh also has '
+                            f'{beside}: use lowering="spmd" (the default) for data or tensor parallel axes beside '
+                            f'the pipeline, or a mesh of the pipeline axis only')
     return p
