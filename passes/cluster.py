@@ -32,6 +32,7 @@ The GPUs' figures are package data (``profiles/<name>.json``, schema
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -62,6 +63,12 @@ class GpuProfile:
     # ((flops, fraction of peak), ...): published GEMM measurements, flops ascending,
     # fractions non-decreasing (``matmul_efficiency``)
     matmul_efficiency_points: tuple = ()
+    # what a streaming kernel measurably reaches of the HBM (0: the datasheet's figure)
+    memory_achieved_bytes_per_s: float = 0.0
+    # a node without an NVSwitch (DGX-1's hybrid cube mesh): links between each pair of its
+    # GPUs, each at ``nvlink_link_bytes_per_s`` each way; () : every GPU one hop from all
+    nvlink_links: tuple = ()
+    nvlink_link_bytes_per_s: float = 0.0
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -69,6 +76,29 @@ class GpuProfile:
         if any(not (0 < f <= 1) for _, f in pts) or any(a[0] >= b[0] or a[1] > b[1] for a, b in zip(pts, pts[1:])):
             raise ShardingError(f"GPU profile {self.name!r}: matmul_efficiency points {list(pts)} must be "
                                 "(flops, fraction) with flops ascending and fractions in (0, 1], non-decreasing")
+        links = self.nvlink_links
+        if links and (self.nvlink_link_bytes_per_s <= 0 or any(len(row) != len(links) for row in links)
+                      or any(links[i][j] != links[j][i] or links[i][i] for i in range(len(links))
+                             for j in range(len(links)))):
+            raise ShardingError(f"GPU profile {self.name!r}: nvlink_links must be a symmetric square matrix of link "
+                                "counts with a zero diagonal, and nvlink_link_bytes_per_s positive")
+
+    @property
+    def streaming_bytes_per_s(self) -> float:
+        """The HBM rate a memory-bound kernel is priced at: the measured one where the
+        profile cites a measurement, else the datasheet's."""
+        return self.memory_achieved_bytes_per_s or self.memory_bytes_per_s
+
+    def group_nvlink_bytes_per_s(self, members) -> float:
+        """Each way, per GPU, what a collective among ``members`` (GPU indices in one
+        node) can move over NVLink: on a switched node the GPU's whole NVLink bandwidth;
+        on a direct-link mesh (``nvlink_links``) only the links between members carry
+        it, so the member with the fewest links to the others sets the pace (NCCL lays
+        one ring channel per link, each hop one link)."""
+        if not self.nvlink_links or len(members) <= 1:
+            return self.nvlink_bytes_per_s
+        links = min(sum(self.nvlink_links[x][y] for y in members if y != x) for x in members)
+        return min(self.nvlink_bytes_per_s, links * self.nvlink_link_bytes_per_s)
 
     @classmethod
     def builtin(cls, name: str) -> "GpuProfile":
@@ -113,9 +143,10 @@ def _gpu(name: str) -> GpuProfile:
     if data.get("schema") != GPU_SCHEMA:
         raise ShardingError(f"profiles/{name}.json is not a GPU profile (schema {data.get('schema')!r})")
     fields = {k: (float(v) if isinstance(v, (int, float)) and k != "memory_capacity_bytes" else v)
-              for k, v in data.items() if k not in ("schema", "matmul_efficiency")}
+              for k, v in data.items() if k not in ("schema", "matmul_efficiency", "nvlink_links")}
     points = tuple((float(f), float(e)) for f, e in data.get("matmul_efficiency", ()))
-    return GpuProfile(**fields, matmul_efficiency_points=points)
+    links = tuple(tuple(int(n) for n in row) for row in data.get("nvlink_links", ()))
+    return GpuProfile(**fields, matmul_efficiency_points=points, nvlink_links=links)
 
 
 @dataclass(frozen=True)
@@ -161,7 +192,7 @@ class Cluster:
     def cost_model(self) -> "ClusterCost":
         g = self.gpu
         return ClusterCost(latency_s=g.nvlink_latency_s, link_bytes_per_s=g.nvlink_bytes_per_s,
-                           flops_per_s=g.matmul_flops_per_s, memory_bytes_per_s=g.memory_bytes_per_s,
+                           flops_per_s=g.matmul_flops_per_s, memory_bytes_per_s=g.streaming_bytes_per_s,
                            memory_capacity_bytes=g.memory_capacity_bytes, device_kind=g.device_kind,
                            name=f"cluster {self.nodes}x{self.gpus_per_node} {g.name}",
                            notes="published figures (passes/profiles), not measured", cluster=self)
@@ -183,6 +214,22 @@ def intra_node_members(group: tuple, gpus_per_node: int) -> int:
             break
     k = max(1, len(offsets))
     return k
+
+
+def node_groups(group: tuple, gpus_per_node: int) -> list:
+    """The members inside one node of each collective group of geometry ``group``
+    ((size, stride), ...), as GPU indices in the node: a row-major mesh puts rank r on
+    GPU ``r % gpus_per_node`` of node ``r // gpus_per_node``, and every node is cut the
+    same way, so node 0's groups are all of them. A member's coordinate along a run is
+    ``(r // stride) % size``; its group is every combination of the others."""
+    out = set()
+    for x in range(gpus_per_node):
+        base = x - sum((x // stride) % size * stride for size, stride in group)
+        members = [base]
+        for size, stride in group:
+            members = [m + i * stride for m in members for i in range(size)]
+        out.add(tuple(sorted(m for m in members if 0 <= m < gpus_per_node)))
+    return sorted(out)
 
 
 def hierarchical_time(kind: str, wire_bytes: float, n: int, k: int, g: GpuProfile) -> tuple[float, float]:
@@ -264,6 +311,23 @@ class ClusterCost(CostModel):
         n = math.prod(s for s, _ in group)
         return n, min(n, intra_node_members(group, self.cluster.gpus_per_node))
 
+    @functools.lru_cache(maxsize=4096)   # per geometry  # noqa: B019
+    def _gpu_for(self, group: tuple) -> GpuProfile:
+        """The GPU profile a group of this geometry is priced with: on a direct-link
+        node (``GpuProfile.nvlink_links``) its NVLink bandwidth is what the slowest of
+        the node's groups gets from the links between its members (they run at once,
+        and the collective ends with its slowest group; a cluster using fewer GPUs per
+        node than the board has uses its first ones); on a switched node, the profile
+        as it is."""
+        g = self.cluster.gpu
+        if not g.nvlink_links:
+            return g
+        if len(g.nvlink_links) < self.cluster.gpus_per_node:
+            raise ShardingError(f"GPU profile {g.name!r} gives NVLink links for {len(g.nvlink_links)} GPUs per node "
+                                f"but the cluster has {self.cluster.gpus_per_node} ({self.cluster})")
+        bw = min(g.group_nvlink_bytes_per_s(m) for m in node_groups(group, self.cluster.gpus_per_node))
+        return g if bw == g.nvlink_bytes_per_s else dataclasses.replace(g, nvlink_bytes_per_s=bw)
+
     def link_class(self, axes, mesh) -> str:
         """"intra" (NVLink), "inter" (NIC) or "both" (hierarchical) for a group over ``axes``."""
         n, k = self.split(axes, mesh)
@@ -274,9 +338,10 @@ class ClusterCost(CostModel):
             lat, bw = self.cluster.gpu.nic_latency_s, self.cluster.gpu.nic_bytes_per_s
             latency, seconds = lat, wire_bytes / bw
         else:
-            n, k = self.split(axes, mesh)
+            group = group_shape(tuple(axes), mesh)
+            n, k = self._split(group)
             latency, seconds = SPANNING[self.cluster.collectives](kind or "all_reduce", wire_bytes, n, k,
-                                                                  self.cluster.gpu)
+                                                                  self._gpu_for(group))
         share = self.launch_share if kind in self.combined_kinds else 1.0
         return share * latency + seconds
 

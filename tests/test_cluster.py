@@ -65,9 +65,11 @@ def test_a_large_gemm_on_a100_takes_its_flops_over_peak_times_the_curve():
     # a float32 matmul at the float32 matmul peak (TF32), the same curve
     assert cost.compute_time(flops, 2 * touched, contraction=True, unit="matmul_fp32") == pytest.approx(
         flops / (156e12 * curve))
-    # elementwise work: its bytes at the HBM bandwidth, or its flops at the CUDA cores' float32 peak
+    # elementwise work: its bytes at the HBM bandwidth a streaming kernel reaches (the cited
+    # measurement, 1.80 of the datasheet's 2.039 TB/s), or its flops at the CUDA cores' float32 peak
     elements = 2 ** 28
-    assert cost.compute_time(elements, 28 * elements, unit="vector") == pytest.approx(28 * elements / 2039e9)
+    assert A100.streaming_bytes_per_s == 1.80e12
+    assert cost.compute_time(elements, 28 * elements, unit="vector") == pytest.approx(28 * elements / 1.80e12)
     assert cost.compute_time(1000 * elements, 28 * elements, unit="vector") == pytest.approx(1000 * elements / 19.5e12)
 
 
@@ -268,3 +270,28 @@ def test_auto_says_when_nothing_fits_the_clusters_memory():
     tiny = dataclasses.replace(A100, memory_capacity_bytes=2 ** 20)
     with pytest.raises(sp.ShardingError, match="no plan fits memory_limit=1,048,576 bytes"):
         sp.plan_step(step, args, mesh=mesh, cost_model=sp.Cluster(1, 8, tiny), mode="auto")
+
+
+def test_a_dgx1_group_gets_only_the_nvlinks_between_its_members():
+    from shardprop.passes.cluster import node_groups
+    v100 = GpuProfile.builtin("v100-32gb")
+    assert all(sum(row) == 6 for row in v100.nvlink_links)          # six links per V100
+    assert v100.group_nvlink_bytes_per_s(range(8)) == 150e9          # the whole cube mesh
+    assert v100.group_nvlink_bytes_per_s((0, 1)) == 25e9             # one link between them
+    assert v100.group_nvlink_bytes_per_s((0, 3)) == 50e9             # a doubled edge
+    assert v100.group_nvlink_bytes_per_s((0, 1, 2, 3)) == 100e9      # a face with its diagonals: 4 links each
+    assert A100.group_nvlink_bytes_per_s((0, 1)) == A100.nvlink_bytes_per_s   # NVSwitch: every pair at full speed
+    # the groups of a (dp 4, mp 2) mesh in one node, by its row-major layout
+    mesh = Mesh(("dp", "mp"), (4, 2))
+    assert node_groups(group_shape(("mp",), mesh), 8) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert node_groups(group_shape(("dp",), mesh), 8) == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    # an all_reduce over mp runs at the slowest pair's single link; over the whole node at all six
+    cost = sp.Cluster(1, 8, "v100-32gb").cost_model()
+    nbytes = 1e9
+    for axes, bw in ((("mp",), 25e9), (("dp", "mp"), 150e9)):
+        n = mesh.axes_size(axes)
+        wire = wire_bytes("all_reduce", nbytes, n)
+        assert cost.collective_time(wire, "all_reduce", axes, mesh) == pytest.approx(
+            v100.nvlink_latency_s + wire / bw)
+    with pytest.raises(sp.ShardingError, match="symmetric"):
+        dataclasses.replace(v100, nvlink_links=((0, 1), (2, 0)))
