@@ -14,7 +14,7 @@ so predicted / published is published step time / predicted step time. Collectiv
 groups spanning nodes are priced as the runs' NCCL ran them (one flat ring), and again
 as hierarchical collectives (``sp.Cluster``'s default) for the second column.
 
-    python bench/published_runs.py [--only NAME]
+    python bench/published_runs.py [--only NAME[,NAME...]] [--no-hierarchical]
 """
 from __future__ import annotations
 
@@ -52,6 +52,10 @@ class Row:
     nic_bytes_per_s: float = 0.0   # the run's own network per GPU, where it published one
     memory_bytes: int = 0          # the run's GPU memory, where it differs from the profile
     dtype: str = "float16"
+    # every run's GPT: Megatron-LM's defaults (--hidden-dropout 0.1, --attention-dropout 0.1,
+    # biased linears) and PaddleNLP's GPT-3 configs (hidden and attention-probs dropout 0.1)
+    dropout: float = 0.1
+    bias: bool = True
 
     @property
     def gpus(self) -> int:
@@ -151,13 +155,13 @@ def cluster_for(r: Row, collectives: str) -> sp.Cluster:
     return sp.Cluster(nodes, min(r.gpus_per_node, r.gpus), gpu, collectives)
 
 
-def predict(r: Row) -> dict:
+def predict(r: Row, hierarchical: bool = True) -> dict:
     """The row planned and priced twice: with collectives over groups spanning nodes run
     as NCCL runs them (one flat ring: what these PyTorch / Paddle runs' NCCL did; the
     headline) and as hierarchical collectives (``sp.Cluster``'s default)."""
     import gpt_plan
     cfg = gpt_plan.GPT(layers=r.layers, hidden=r.hidden, heads=r.heads, seq=r.seq, vocab=r.vocab, batch=r.batch,
-                       compute_dtype=r.dtype, remat=True)
+                       compute_dtype=r.dtype, remat=True, dropout=r.dropout, bias=r.bias)
     step, args = gpt_plan.train_step_and_args(cfg)
     if r.pp > 1:
         mesh = AbstractMesh((r.pp, r.dp, r.mp), ("pp", "dp", "mp"))
@@ -170,10 +174,11 @@ def predict(r: Row) -> dict:
     t0 = time.perf_counter()
     est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "ring"), tokens=r.batch * r.seq, **kw)
     planning_s = time.perf_counter() - t0
-    hier = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "hierarchical"), tokens=r.batch * r.seq,
-                        **kw)
+    hier = (sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "hierarchical"), tokens=r.batch * r.seq,
+                         **kw) if hierarchical else None)
     return dict(row=r, est=est, planning_s=planning_s, predicted=flops / r.gpus / est.step_s / 1e12,
-                hierarchical=flops / r.gpus / hier.step_s / 1e12, graph_vs_formula=est.flops / flops)
+                hierarchical=flops / r.gpus / hier.step_s / 1e12 if hier else float("nan"),
+                graph_vs_formula=est.flops / flops)
 
 
 def table(results) -> str:
@@ -197,13 +202,15 @@ def table(results) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only")
+    ap.add_argument("--only", help="the rows whose name contains this (comma-separated: any of them)")
+    ap.add_argument("--no-hierarchical", action="store_true",
+                    help="plan each row once, with ring collectives (the hierarchical column is left empty)")
     a = ap.parse_args(argv)
     results = []
     for r in ROWS:
-        if a.only and a.only not in r.name:
+        if a.only and not any(o in r.name for o in a.only.split(",")):
             continue
-        x = predict(r)
+        x = predict(r, hierarchical=not a.no_hierarchical)
         results.append(x)
         print(f"{r.source:18} {r.name:24} published {r.published:7.2f} predicted {x['predicted']:7.2f} "
               f"({x['predicted'] / r.published:.2f}x; hierarchical {x['hierarchical'] / r.published:.2f}x) "

@@ -33,14 +33,19 @@ class GPT:
     batch: int = 1536          # sequences per step, all data-parallel replicas together
     compute_dtype: str = "bfloat16"   # matmuls and activations; "float32": no mixed precision
     remat: bool = True         # recompute each layer's activations in the backward (jax.checkpoint)
+    # as Megatron-LM's and PaddleNLP's GPTs train: dropout on the embeddings, the attention
+    # probabilities and each residual branch, and a bias on every linear layer
+    dropout: float = 0.0
+    bias: bool = False
     dp: str = "dp"             # mesh axis names (None: not split over that axis)
     mp: str = "mp"
 
     @property
     def params(self) -> int:
-        """Parameters: 12 h^2 + 13 h per layer, the embeddings and the last norm."""
+        """Parameters: 12 h^2 + 4 h per layer (norms) and 9 h more with biases, the
+        embeddings and the last norm."""
         h = self.hidden
-        return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.seq) * h + 2 * h
+        return self.layers * (12 * h * h + (13 if self.bias else 4) * h) + (self.vocab + self.seq) * h + 2 * h
 
 
 def _norm(x, g, b):
@@ -50,30 +55,48 @@ def _norm(x, g, b):
     return ((x32 - m) * jax.lax.rsqrt(v + 1e-5) * g + b).astype(x.dtype)
 
 
-def _layer(cfg: GPT, x, p):
+def _dropout(cfg: GPT, x, key):
+    """Inverted dropout at ``cfg.dropout`` (to 1/256): one random byte per element, kept
+    where it is at least ``cfg.dropout * 256``; a byte mask, as PyTorch's dropout keeps."""
+    if not cfg.dropout:
+        return x
+    keep = jax.random.bits(key, x.shape, jnp.uint8) >= jnp.uint8(round(cfg.dropout * 256))
+    return jnp.where(keep, x / jnp.asarray(1.0 - cfg.dropout, x.dtype), jnp.zeros((), x.dtype))
+
+
+def _layer(cfg: GPT, x, p, key):
     dt = jnp.dtype(cfg.compute_dtype)
     b, s, h = x.shape
     w = {k: v.astype(dt) for k, v in p.items()}
+    keys = jax.random.split(key, 3)
     heads = (P(cfg.dp, None, None), P(None, cfg.mp, None))
     y = _norm(x, p["ln1_g"], p["ln1_b"])
     project = sp.shard(lambda a, wt: jnp.einsum("bse,ehd->bshd", a, wt), heads)
     q, k, v = project(y, w["wq"]), project(y, w["wk"]), project(y, w["wv"])
+    if cfg.bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(h // cfg.heads).astype(dt)
     causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
-    att = jax.nn.softmax(jnp.where(causal, scores, jnp.asarray(-1e4, dt)), axis=-1)
-    x = x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, h) @ w["wo"]
+    att = _dropout(cfg, jax.nn.softmax(jnp.where(causal, scores, jnp.asarray(-1e4, dt)), axis=-1), keys[0])
+    y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, h) @ w["wo"]
+    x = x + _dropout(cfg, y + w["bo"] if cfg.bias else y, keys[1])
     y = _norm(x, p["ln2_g"], p["ln2_b"])
     y = sp.shard(jnp.matmul, (P(cfg.dp, None, None), P(None, cfg.mp)))(y, w["w1"])
-    return x + jax.nn.gelu(y) @ w["w2"]
+    y = jax.nn.gelu(y + w["b1"] if cfg.bias else y) @ w["w2"]
+    return x + _dropout(cfg, y + w["b2"] if cfg.bias else y, keys[2])
 
 
 def loss_fn(params, tokens, targets, cfg: GPT):
     dt = jnp.dtype(cfg.compute_dtype)
     wte = params["wte"].astype(dt)
-    x = (jnp.take(wte, tokens, axis=0) + params["wpe"].astype(dt)[None]).astype(dt)
-    layer = jax.checkpoint(lambda x, p: _layer(cfg, x, p)) if cfg.remat else (lambda x, p: _layer(cfg, x, p))
-    for p in params["layers"]:
-        x = layer(x, p)
+    # the masks' key: a constant, since a plan sees shapes only (a training loop would fold
+    # in its step number); each layer folds in its index
+    key = jax.random.key(0)
+    x = _dropout(cfg, (jnp.take(wte, tokens, axis=0) + params["wpe"].astype(dt)[None]).astype(dt), key)
+    layer = (jax.checkpoint(lambda x, p, k: _layer(cfg, x, p, k)) if cfg.remat
+             else (lambda x, p, k: _layer(cfg, x, p, k)))
+    for n, p in enumerate(params["layers"]):
+        x = layer(x, p, jax.random.fold_in(key, n + 1))
     x = _norm(x, params["lnf_g"], params["lnf_b"])
     logits = sp.shard(lambda a, e: jnp.einsum("bsh,vh->bsv", a, e),
                       (P(cfg.dp, None, None), P(cfg.mp, None)))(x, wte)        # tied head, vocab split
@@ -88,6 +111,9 @@ def abstract_params(cfg: GPT) -> dict:
     layer = dict(ln1_g=S((h,), f32), ln1_b=S((h,), f32), wq=S((h, cfg.heads, d), f32),
                  wk=S((h, cfg.heads, d), f32), wv=S((h, cfg.heads, d), f32), wo=S((h, h), f32),
                  ln2_g=S((h,), f32), ln2_b=S((h,), f32), w1=S((h, 4 * h), f32), w2=S((4 * h, h), f32))
+    if cfg.bias:
+        layer.update(bq=S((cfg.heads, d), f32), bk=S((cfg.heads, d), f32), bv=S((cfg.heads, d), f32),
+                     bo=S((h,), f32), b1=S((4 * h,), f32), b2=S((h,), f32))
     return dict(wte=S((cfg.vocab, h), f32), wpe=S((cfg.seq, h), f32), layers=[dict(layer) for _ in range(cfg.layers)],
                 lnf_g=S((h,), f32), lnf_b=S((h,), f32))
 

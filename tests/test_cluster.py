@@ -295,3 +295,21 @@ def test_a_dgx1_group_gets_only_the_nvlinks_between_its_members():
             v100.nvlink_latency_s + wire / bw)
     with pytest.raises(sp.ShardingError, match="symmetric"):
         dataclasses.replace(v100, nvlink_links=((0, 1), (2, 0)))
+
+
+@pytest.mark.slow
+def test_the_published_runs_gpt_has_their_dropout_and_biases():
+    import gpt_plan
+
+    def plan(**kw):
+        cfg = gpt_plan.GPT(layers=2, hidden=64, heads=4, seq=32, vocab=128, batch=8, compute_dtype="float16", **kw)
+        step, args = gpt_plan.train_step_and_args(cfg)
+        assert sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(args[0])) == cfg.params
+        return sp.plan_step(step, args, mesh=AbstractMesh((2, 4), ("dp", "mp")),
+                            cost_model=sp.Cluster(1, 8, "v100-32gb"))
+    plain, run = plan(), plan(dropout=0.1, bias=True)
+    # a byte of random bits per element of the embeddings, every layer's attention
+    # probabilities and its two residual branches: drawn again when the layer is recomputed
+    draws = [op for op in run.plan.graph.ops if op.kind == "random_bits"]
+    assert len(draws) == 1 + 2 * 2 * 3 and all(op.outputs[0].type.dtype == "uint8" for op in draws)
+    assert run.step_s > plain.step_s and run.flops > plain.flops
