@@ -65,11 +65,13 @@ class MpmdProgram:
             raise ShardingError(f'Pipeline(lowering="mpmd"): {len(self.devices)} devices for {self.p} ranks')
         self.j = prog.j
         self.consts = dict(zip(self.j.constvars, prog.consts))
-        self.transfers = []                     # (from rank, to rank, what) of the last call's tick loop
-        self.once_transfers = []                # the same for the once phases
+        # (from rank, to rank, what) of the transfers a call makes: the tick loop's, the once phases'
+        self.transfers, self.once_transfers = [], []
+        self.input_transfers = []               # inputs (state, batch) moved from one rank's device to another's
         self._copies = []                       # (array returned, {rank: its copy there}) of the last call
         self._plan_actions()
         self._plan_once()
+        self._compile_code()
 
     # ---------------------------------------------------------------- planning
     def _plan_actions(self):
@@ -91,28 +93,25 @@ class MpmdProgram:
                                            outs_b=outs_b, fns={})
 
     def _action_fn(self, kind, k, first: bool):
-        """The jitted action: ``(acc, *reads) -> (acc + partial sums, sends, kept, outputs)``
-        with the accumulator donated; ``first`` (the stage's first accumulating action):
-        ``(*reads) -> (partial sums, ...)``."""
+        """The jitted action on its rank's device: ``(*acc, *reads) -> (*acc + partial sums,
+        *sends, *kept, *outputs)``, the accumulators donated (added in place); ``first``
+        (the stage's first accumulating action, or none to add): ``(*reads) -> (partial
+        sums, ...)``."""
         a = self.actions[(kind, k)]
         if first in a["fns"]:
             return a["fns"][first]
         prog, reads = self.prog, a["reads"]
         dev = self.devices[prog.rank_of(k)]
+        nacc = 0 if first else len(a["accs"])
 
-        def run(acc, *vals):
+        def run(*vals):
             env = dict(self.consts)
-            env.update(zip(reads, vals))
+            env.update(zip(reads, vals[nacc:]))
             prog._run(a["idxs"], env)
             part = [env[v] for v in a["accs"]]
-            summed = part if acc is None else [x + y for x, y in zip(acc, part)]
-            return (summed, [env[v] for v in a["sends"]], [env[v] for v in a["keep"]],
-                    [env[v] for v in a["outs_b"]])
-        out = SingleDeviceSharding(dev)
-        if first or not a["accs"]:
-            fn = jax.jit(lambda *vals: run(None, *vals), out_shardings=out)
-        else:
-            fn = jax.jit(run, out_shardings=out, donate_argnums=0)
+            summed = part if not nacc else [x + y for x, y in zip(vals[:nacc], part)]
+            return summed + [env[v] for v in a["sends"] + a["keep"] + a["outs_b"]]
+        fn = jax.jit(run, out_shardings=SingleDeviceSharding(dev), donate_argnums=tuple(range(nacc)))
         a["fns"][first] = fn
         return fn
 
@@ -223,57 +222,40 @@ class MpmdProgram:
             s["fn"] = jax.jit(run, out_shardings=SingleDeviceSharding(self.devices[s["rank"]]))
         return s["fn"]
 
-    # ---------------------------------------------------------------- running
-    def _put(self, x, d, what, log):
-        """``x`` on rank ``d``'s device (a transfer, logged, when it lies on another rank's)."""
-        dev = self.devices[d]
-        src = _rank_of_array(x, self.devices)
-        if src == d:
-            return x
-        if src is not None:
-            log.append((src, d, what))
-        return jax.device_put(x, dev)
-
-    def _input_on(self, leaves, i, d, cache, copies):
-        """Input ``i`` on rank ``d``: the user's leaf, a copy the last call left there, or a
-        transfer (once per call and rank)."""
-        key = (i, d)
-        if key not in cache:
-            x = leaves[i]
-            kept = copies.get(id(x))
-            if kept is not None and kept[0] is x and d in kept[1]:
-                cache[key] = kept[1][d]
-            else:
-                if not isinstance(x, jax.Array):
-                    x = np.asarray(x)
-                cache[key] = self._put(x, d, "input", [])
-        return cache[key]
-
-    def __call__(self, leaves, batch_mask):
+    # ---------------------------------------------------------------- the driver's code
+    def _compile_code(self):
+        """Walk the tick table once, symbolically: every value becomes a register, every
+        action a ``run`` instruction (its jitted program, argument and result registers)
+        and every exchange a ``move`` (``jax.device_put`` to the neighbour's device). A
+        call then only executes this list, so the driver's Python work per action is a
+        list lookup (on 2 shared cores it competes with the stages for the CPU)."""
         prog, j, m, p = self.prog, self.j, self.m, self.p
         invar_index = prog.invar_index
-        copies = {id(x): (x, c) for x, c in self._copies}
-        cache = {}
-        # the batch: each micro-batch on the ranks that read it
-        micro = {}
+        nreg = [0]
 
-        def batch_on(i, mb, d):
-            if (i, mb, d) not in micro:
-                if (i, d) not in micro:
-                    x = leaves[i]
-                    x = np.asarray(x) if not isinstance(x, jax.Array) else x
-                    rows = x.shape[0] // m
-                    whole = jax.device_put(x, self.devices[d])
-                    micro[(i, d)] = _split(whole, m, rows)
-                micro[(i, mb, d)] = micro[(i, d)][mb]
-            return micro[(i, mb, d)]
+        def reg():
+            nreg[0] += 1
+            return nreg[0] - 1
+        code, moves, once_moves = [], [], []
+        self.loads = {}             # (input, rank) -> register
+        self.batch_loads = {}       # (input, rank) -> [register per micro-batch]
 
-        log = []
-        acts = {}          # (model stage, mb) -> {var: value} received from the previous stage
-        cts = {}           # (model stage, mb) -> {var: value} received from the next stage
-        kept = {}          # (model stage, mb) -> {var: value} kept by the forward for the backward
-        acc = {}           # model stage -> {acc var: accumulated value}
-        outs_b = {}        # var -> [value per micro-batch]
+        def input_reg(i, d, mb=None):
+            if prog.batch_mask[i]:
+                if (i, d) not in self.batch_loads:
+                    self.batch_loads[(i, d)] = [reg() for _ in range(m)]
+                return self.batch_loads[(i, d)][mb]
+            if (i, d) not in self.loads:
+                self.loads[(i, d)] = reg()
+            return self.loads[(i, d)]
+
+        def move(r, src, dst, label, log):
+            out = reg()
+            code.append(("move", r, out, self.devices[dst]))
+            log.append((src, dst, label))
+            return out
+
+        acts, cts, kept, acc, outs_b = {}, {}, {}, {}, {}
         sim = prog.sim
         for t in range(int(sim.makespan)):
             for d in range(p):
@@ -283,104 +265,148 @@ class MpmdProgram:
                 k = prog.schedule.model_stage(d, act.chunk)
                 kind, mb = act.kind, act.microbatch
                 a = self.actions[(kind, k)]
-                env = {}
-                env.update(acts.get((k, mb), {}))
+                env = dict(acts.get((k, mb), {}))
                 if kind != F_:
                     env.update(kept.get((k, mb), {}))
                     env.update(cts.get((k, mb), {}))
-                vals = []
+                args = []
                 for v in a["reads"]:
                     if v in env:
-                        vals.append(env[v])
+                        args.append(env[v])
                     elif v in invar_index:
-                        i = invar_index[v]
-                        vals.append(batch_on(i, mb, d) if batch_mask[i] else
-                                    self._input_on(leaves, i, d, cache, copies))
+                        args.append(input_reg(invar_index[v], d, mb))
                     else:
                         raise ShardingError(f"pipeline (mpmd): {kind} of stage {k} reads {v} ({v.aval}), which no "
                                             "earlier action provides; use lowering=\"spmd\"")
-                first = k not in acc or not all(v in acc[k] for v in a["accs"])
-                fn = self._action_fn(kind, k, first)
-                if a["accs"] and not first:
-                    summed, sends, keep, ob = fn([acc[k][v] for v in a["accs"]], *vals)
-                else:
-                    summed, sends, keep, ob = fn(*vals)
+                first = not a["accs"] or k not in acc or not all(v in acc[k] for v in a["accs"])
+                if not first:
+                    args = [acc[k][v] for v in a["accs"]] + args
+                outs = {name: [reg() for _ in a[name]] for name in ("accs", "sends", "keep", "outs_b")}
+                code.append(("run", self._action_fn(kind, k, first), args,
+                             outs["accs"] + outs["sends"] + outs["keep"] + outs["outs_b"]))
                 if a["accs"]:
-                    acc.setdefault(k, {}).update(zip(a["accs"], summed))
-                if keep:
-                    kept[(k, mb)] = dict(zip(a["keep"], keep))
-                for v, x in zip(a["outs_b"], ob):
-                    outs_b.setdefault(v, [None] * m)[mb] = x
-                if kind == F_ and k + 1 < self.S and sends:
+                    acc.setdefault(k, {}).update(zip(a["accs"], outs["accs"]))
+                if a["keep"]:
+                    kept[(k, mb)] = dict(zip(a["keep"], outs["keep"]))
+                for v, r in zip(a["outs_b"], outs["outs_b"]):
+                    outs_b.setdefault(v, [None] * m)[mb] = r
+                if kind == F_ and k + 1 < self.S and a["sends"]:
                     d2 = prog.rank_of(k + 1)
-                    moved = [self._put(x, d2, "activation", log) for x in sends]
-                    acts[(k + 1, mb)] = dict(zip(self.fwd_in[k + 1], moved))
-                elif kind in (B_, I_) and k > 0 and sends:
+                    acts[(k + 1, mb)] = {v: move(r, d, d2, "activation", moves)
+                                         for v, r in zip(self.fwd_in[k + 1], outs["sends"])}
+                elif kind in (B_, I_) and k > 0 and a["sends"]:
                     d2 = prog.rank_of(k - 1)
-                    moved = [self._put(x, d2, "cotangent", log) for x in sends]
-                    cts[(k - 1, mb)] = dict(zip(self.bwd_in[k - 1], moved))
-                # after a (stage, micro-batch)'s last action nothing reads its values again
-                if kind in (B_, W_) or not prog.an.training:
-                    acts.pop((k, mb), None)
-                    kept.pop((k, mb), None)
-                    cts.pop((k, mb), None)
-        self.transfers = log
-        return self._finish(leaves, acc, outs_b, cache, copies)
-
-    def _finish(self, leaves, acc, outs_b, cache, copies):
-        """The once phases per rank, then the step's outputs in the user's order."""
-        prog, j = self.prog, self.j
-        invar_index = prog.invar_index
-        envs = [dict() for _ in range(self.p)]      # rank -> {var: value on its device}
-        homes = {}                                  # var -> ranks holding it
-        for k, vals in acc.items():
-            d = prog.rank_of(k)
-            for v, x in vals.items():
-                envs[d][v] = x
-                homes.setdefault(v, []).append(d)
-        log = []
-        for s in self.segments:
-            d = s["rank"]
-            vals = []
-            for v in s["reads"]:
+                    cts[(k - 1, mb)] = {v: move(r, d, d2, "cotangent", moves)
+                                        for v, r in zip(self.bwd_in[k - 1], outs["sends"])}
+        # the once phases: per rank its registers by var
+        envs = [dict() for _ in range(p)]
+        homes = {}
+        for k, regs in acc.items():
+            for v, r in regs.items():
+                envs[prog.rank_of(k)][v] = r
+                homes.setdefault(v, []).append(prog.rank_of(k))
+        for s_ in self.segments:
+            d = s_["rank"]
+            args = []
+            for v in s_["reads"]:
                 if v in envs[d]:
-                    vals.append(envs[d][v])
+                    args.append(envs[d][v])
                 elif v in invar_index:
-                    vals.append(self._input_on(leaves, invar_index[v], d, cache, copies))
+                    args.append(input_reg(invar_index[v], d))
                 elif v in homes:
-                    x = self._put(envs[homes[v][0]][v], d, "once", log)
-                    envs[d][v] = x
+                    src = homes[v][0]
+                    envs[d][v] = move(envs[src][v], src, d, "once", once_moves)
                     homes[v].append(d)
-                    vals.append(x)
+                    args.append(envs[d][v])
                 else:
                     raise ShardingError(f"pipeline (mpmd): the once ops on rank {d} read {v} ({v.aval}), which no "
                                         "earlier program computes; use lowering=\"spmd\"")
-            for v, x in zip(s["outs"], self._segment_fn(s)(*vals)):
-                envs[d][v] = x
+            outs = [reg() for _ in s_["outs"]]
+            code.append(("run", self._segment_fn(s_), args, outs))
+            for v, r in zip(s_["outs"], outs):
+                envs[d][v] = r
                 homes.setdefault(v, []).append(d)
-        self.once_transfers = log
-        outs, new_copies = [], []
+        # the step's outputs
+        self.outputs = []
         for v, spec in zip(j.outvars, prog.out_spec):
-            kind = spec[0]
-            if kind == "literal":
-                outs.append(jnp.asarray(spec[1]))
-            elif kind == "input":
-                outs.append(leaves[spec[1]])
-            elif kind == "float":
-                outs.append(None)                   # filled by the caller (computed from inputs only)
-            elif kind == "batched":
-                parts = outs_b[v]
-                bd = prog.an.bdim[v]
-                outs.append(jnp.concatenate(parts, axis=bd) if len(parts) > 1 else parts[0])
+            if spec[0] in ("literal", "input", "float"):
+                self.outputs.append(spec)
+            elif spec[0] == "batched":
+                self.outputs.append(("batched", outs_b[v], prog.an.bdim[v]))
+            elif not homes.get(v):
+                raise ShardingError(f"pipeline (mpmd): the step's output {v} ({v.aval}) is not computed; use "
+                                    "lowering=\"spmd\"")
             else:
-                ranks = homes.get(v)
-                if not ranks:
-                    raise ShardingError(f"pipeline (mpmd): the step's output {v} ({v.aval}) was not computed; use "
-                                        "lowering=\"spmd\"")
-                x = envs[ranks[0]][v]
+                self.outputs.append(("regs", [envs[d][v] for d in homes[v]], list(homes[v])))
+        # each register is dropped after its last reader (what 1F1B keeps in flight, not GPipe's)
+        keep = {r for o in self.outputs if o[0] in ("regs", "batched") for r in (o[1] if o[0] == "regs" else o[1])}
+        last = {}
+        for n, ins in enumerate(code):
+            for r in (ins[2] if ins[0] == "run" else [ins[1]]):
+                last[r] = n
+        frees = [[] for _ in code]
+        for r, n in last.items():
+            if r not in keep:
+                frees[n].append(r)
+        self.code = [ins + (tuple(f),) for ins, f in zip(code, frees)]
+        self.nreg = nreg[0]
+        self.transfers, self.once_transfers = moves, once_moves
+        self._splits = {}
+
+    def _split_fn(self, d):
+        if d not in self._splits:
+            m = self.m
+            self._splits[d] = jax.jit(lambda x: [x[n * (x.shape[0] // m):(n + 1) * (x.shape[0] // m)]
+                                                 for n in range(m)],
+                                      out_shardings=SingleDeviceSharding(self.devices[d]))
+        return self._splits[d]
+
+    def _put(self, x, d):
+        """``x`` on rank ``d``'s device; logged when it comes from another rank's device."""
+        src = _rank_of_array(x, self.devices)
+        if src == d:
+            return x
+        if src is not None:
+            self.input_transfers.append((src, d, "input"))
+        return jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), self.devices[d])
+
+    def __call__(self, leaves, batch_mask=None):
+        vals = [None] * self.nreg
+        copies = {id(x): (x, c) for x, c in self._copies}
+        self.input_transfers = []
+        for (i, d), r in self.loads.items():
+            x = leaves[i]
+            kept = copies.get(id(x))
+            vals[r] = kept[1][d] if kept is not None and kept[0] is x and d in kept[1] else self._put(x, d)
+        for (i, d), regs in self.batch_loads.items():
+            for r, x in zip(regs, self._split_fn(d)(self._put(leaves[i], d))):
+                vals[r] = x
+        for ins in self.code:
+            if ins[0] == "run":
+                _, fn, args, outs, frees = ins
+                for r, x in zip(outs, fn(*[vals[a] for a in args])):
+                    vals[r] = x
+            else:
+                _, src, dst, dev, frees = ins
+                vals[dst] = jax.device_put(vals[src], dev)
+            for r in frees:
+                vals[r] = None
+        outs, new_copies = [], []
+        for spec in self.outputs:
+            if spec[0] == "literal":
+                outs.append(jnp.asarray(spec[1]))
+            elif spec[0] == "input":
+                outs.append(leaves[spec[1]])
+            elif spec[0] == "float":
+                outs.append(None)                   # filled by the caller (computed from inputs only)
+            elif spec[0] == "batched":
+                parts = [vals[r] for r in spec[1]]
+                outs.append(jnp.concatenate(parts, axis=spec[2]) if len(parts) > 1 else parts[0])
+            else:
+                x = vals[spec[1][0]]
                 outs.append(x)
-                if len(ranks) > 1:
-                    new_copies.append((x, {d: envs[d][v] for d in ranks}))
+                if len(spec[1]) > 1:
+                    new_copies.append((x, {d: vals[r] for d, r in zip(spec[2], spec[1])}))
         self._copies = new_copies
         return outs
 
@@ -395,10 +421,6 @@ class MpmdProgram:
             for d in ds:
                 per[d] += int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
         return per
-
-
-def _split(x, m: int, rows: int):
-    return [x[n * rows:(n + 1) * rows] for n in range(m)]
 
 
 def _rank_of_array(x, devices):
