@@ -69,6 +69,8 @@ class GpuProfile:
     # GPUs, each at ``nvlink_link_bytes_per_s`` each way; () : every GPU one hop from all
     nvlink_links: tuple = ()
     nvlink_link_bytes_per_s: float = 0.0
+    # the share of NVLink's bandwidth a collective moves data at (packet overhead)
+    nvlink_efficiency: float = 1.0
     sources: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -76,6 +78,8 @@ class GpuProfile:
         if any(not (0 < f <= 1) for _, f in pts) or any(a[0] >= b[0] or a[1] > b[1] for a, b in zip(pts, pts[1:])):
             raise ShardingError(f"GPU profile {self.name!r}: matmul_efficiency points {list(pts)} must be "
                                 "(flops, fraction) with flops ascending and fractions in (0, 1], non-decreasing")
+        if not 0 < self.nvlink_efficiency <= 1:
+            raise ShardingError(f"GPU profile {self.name!r}: nvlink_efficiency {self.nvlink_efficiency} must be in (0, 1]")
         links = self.nvlink_links
         if links and (self.nvlink_link_bytes_per_s <= 0 or any(len(row) != len(links) for row in links)
                       or any(links[i][j] != links[j][i] or links[i][i] for i in range(len(links))
@@ -313,19 +317,18 @@ class ClusterCost(CostModel):
 
     @functools.lru_cache(maxsize=4096)   # per geometry  # noqa: B019
     def _gpu_for(self, group: tuple) -> GpuProfile:
-        """The GPU profile a group of this geometry is priced with: on a direct-link
-        node (``GpuProfile.nvlink_links``) its NVLink bandwidth is what the slowest of
-        the node's groups gets from the links between its members (they run at once,
-        and the collective ends with its slowest group; a cluster using fewer GPUs per
-        node than the board has uses its first ones); on a switched node, the profile
-        as it is."""
+        """The GPU profile a group of this geometry is priced with: its NVLink
+        bandwidth at ``nvlink_efficiency`` of the links it has. On a direct-link node
+        (``GpuProfile.nvlink_links``) those are what the slowest of the node's groups
+        gets from the links between its members (they run at once, and the collective
+        ends with its slowest group; a cluster using fewer GPUs per node than the board
+        has uses its first ones); on a switched node, the GPU's whole NVLink."""
         g = self.cluster.gpu
-        if not g.nvlink_links:
-            return g
-        if len(g.nvlink_links) < self.cluster.gpus_per_node:
+        if g.nvlink_links and len(g.nvlink_links) < self.cluster.gpus_per_node:
             raise ShardingError(f"GPU profile {g.name!r} gives NVLink links for {len(g.nvlink_links)} GPUs per node "
                                 f"but the cluster has {self.cluster.gpus_per_node} ({self.cluster})")
         bw = min(g.group_nvlink_bytes_per_s(m) for m in node_groups(group, self.cluster.gpus_per_node))
+        bw *= g.nvlink_efficiency
         return g if bw == g.nvlink_bytes_per_s else dataclasses.replace(g, nvlink_bytes_per_s=bw)
 
     def link_class(self, axes, mesh) -> str:
