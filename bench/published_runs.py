@@ -14,7 +14,7 @@ so predicted / published is published step time / predicted step time. Collectiv
 groups spanning nodes are priced as the runs' NCCL ran them (one flat ring), and again
 as hierarchical collectives (``sp.Cluster``'s default) for the second column.
 
-    python bench/published_runs.py [--only NAME[,NAME...]] [--no-hierarchical]
+    python bench/published_runs.py [--only NAME[,NAME...]] [--no-hierarchical] [--ablate] [--unfused]
 """
 from __future__ import annotations
 
@@ -145,8 +145,20 @@ def formula_flops(r: Row) -> float:
     return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
-def cluster_for(r: Row, collectives: str) -> sp.Cluster:
+# --ablate: each mechanism the model added on 2026-11-27, taken out one at a time
+ABLATIONS = {
+    "HBM at the datasheet's peak": dict(gpu=dict(memory_achieved_bytes_per_s=0.0)),
+    "NVLink at its peak": dict(gpu=dict(nvlink_efficiency=1.0)),
+    "NVLink switched (no cube mesh)": dict(gpu=dict(nvlink_links=())),
+    "no dropout": dict(row=dict(dropout=0.0)),
+    "no biases": dict(row=dict(bias=False)),
+}
+
+
+def cluster_for(r: Row, collectives: str, gpu_changes: dict = None) -> sp.Cluster:
     gpu = GpuProfile.builtin(r.gpu)
+    if gpu_changes:
+        gpu = dataclasses.replace(gpu, **gpu_changes)
     if r.nic_bytes_per_s:
         gpu = dataclasses.replace(gpu, nic_bytes_per_s=r.nic_bytes_per_s)
     if r.memory_bytes:
@@ -155,7 +167,7 @@ def cluster_for(r: Row, collectives: str) -> sp.Cluster:
     return sp.Cluster(nodes, min(r.gpus_per_node, r.gpus), gpu, collectives)
 
 
-def predict(r: Row, hierarchical: bool = True) -> dict:
+def predict(r: Row, hierarchical: bool = True, gpu_changes: dict = None) -> dict:
     """The row planned and priced twice: with collectives over groups spanning nodes run
     as NCCL runs them (one flat ring: what these PyTorch / Paddle runs' NCCL did; the
     headline) and as hierarchical collectives (``sp.Cluster``'s default)."""
@@ -172,9 +184,11 @@ def predict(r: Row, hierarchical: bool = True) -> dict:
         mesh, kw = AbstractMesh((r.dp, r.mp), ("dp", "mp")), {}
     flops = formula_flops(r)
     t0 = time.perf_counter()
-    est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "ring"), tokens=r.batch * r.seq, **kw)
+    est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "ring", gpu_changes), tokens=r.batch * r.seq,
+                       **kw)
     planning_s = time.perf_counter() - t0
-    hier = (sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "hierarchical"), tokens=r.batch * r.seq,
+    hier = (sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "hierarchical", gpu_changes),
+                         tokens=r.batch * r.seq,
                          **kw) if hierarchical else None)
     return dict(row=r, est=est, planning_s=planning_s, predicted=flops / r.gpus / est.step_s / 1e12,
                 hierarchical=flops / r.gpus / hier.step_s / 1e12 if hier else float("nan"),
@@ -200,12 +214,36 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
+def ablate(rows) -> int:
+    """pred/pub per row with everything, then with each of ``ABLATIONS`` taken out."""
+    print("| row | all | " + " | ".join(ABLATIONS) + " |")
+    print("|---|---|" + "---|" * len(ABLATIONS))
+    for r in rows:
+        cells = [predict(r, hierarchical=False)["predicted"] / r.published]
+        for change in ABLATIONS.values():
+            row = dataclasses.replace(r, **change.get("row", {}))
+            cells.append(predict(row, hierarchical=False, gpu_changes=change.get("gpu"))["predicted"] / r.published)
+        print(f"| {r.name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", help="the rows whose name contains this (comma-separated: any of them)")
     ap.add_argument("--no-hierarchical", action="store_true",
                     help="plan each row once, with ring collectives (the hierarchical column is left empty)")
+    ap.add_argument("--ablate", action="store_true",
+                    help="per row, pred/pub with each of the 2026-11-27 mechanisms taken out in turn (ring collectives)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="what-if: no op fused with another (every op reads and writes its operands in HBM), by "
+                         "emptying passes/fusion.resident_values for this process: the far bound of a framework "
+                         "that fuses nothing")
     a = ap.parse_args(argv)
+    if a.unfused:
+        import shardprop.passes.fusion as fusion
+        fusion.resident_values = lambda graph: frozenset()
+    if a.ablate:
+        return ablate([r for r in ROWS if not a.only or any(o in r.name for o in a.only.split(","))])
     results = []
     for r in ROWS:
         if a.only and not any(o in r.name for o in a.only.split(",")):

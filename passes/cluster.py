@@ -17,14 +17,19 @@ that knows which devices share a node:
   all-reduces 1/k of the buffer across nodes and all-gathers inside the node
   (``hierarchical_time``), or, with ``Cluster(collectives="ring")``, as one flat ring
   whose every step crosses the node's NICs (``ring_time``: NCCL's ring);
+- NVLink moves a collective's data at ``GpuProfile.nvlink_efficiency`` of its peak
+  (NCCL's own model of a link), and on a node without an NVSwitch (DGX-1's hybrid cube
+  mesh: ``GpuProfile.nvlink_links``) a group has only the links between its members,
+  the node's slowest group setting the pace (``ClusterCost._gpu_for``);
 - a matmul or convolution on 16-bit floats runs on the tensor cores at the dense peak
   times the GPU's matmul-efficiency curve by size (``GpuProfile.matmul_efficiency``:
   published measurements of the fraction of peak a GEMM of that many flops reaches,
   and a kernel's launch overhead as the floor of its time); one on 32-bit floats at the
   float32 matmul peak (TF32 where XLA uses it) times the same curve; every other op's
   arithmetic at the float32 (CUDA core) peak. Every op is bounded below by its bytes at
-  the HBM bandwidth (the roofline): the optimizer's float32 update on the master
-  weights is priced there.
+  the HBM rate a streaming kernel measurably reaches (``GpuProfile.streaming_bytes_per_s``;
+  the datasheet's where no measurement is cited): the roofline, where the optimizer's
+  float32 update on the master weights is priced.
 
 The GPUs' figures are package data (``profiles/<name>.json``, schema
 ``shardprop.gpu/1``), each with its published source; the few that no datasheet gives
