@@ -30,6 +30,13 @@ drifts over all of them alike.
     python bench/pipeline.py --breakdown                       # also: where the gap goes (docs/results/pipeline.md)
     python bench/pipeline.py --heavy-cuts 3,5,6 2,4,6 1,3,5    # stages of unequal sizes (below)
 
+Each schedule runs twice by default (``--lowerings spmd mpmd``): ``Pipeline(lowering=
+"spmd")``, the one SPMD program (the tick loop: criteria 1 and 3 read its compiled HLO),
+and ``lowering="mpmd"``, one program per stage action driven from Python
+(``runtime/pipeline_mpmd.py``), labelled ``<schedule> mpmd``; criteria 2 and 4 are
+printed for both, and criterion 1 for MPMD counts the programs the driver dispatches
+against the tick table's actions.
+
 ``--heavy-cuts`` times instead ``bench/pipeline_cuts.py``'s model (6 light layers then 2
 heavy ones 8x wider, width 256, batch 128) pipelined with 1F1B on ``pp`` ranks, with
 ``stage_boundary`` marks after the layers of each cut set, beside the one-device step and
@@ -174,10 +181,10 @@ def cost_model_step(prog, cost, once_programs):
     return modeled_step(prog, durations, latency, once), once
 
 
-def pipelined(width, layers, batch, p, m, name, v=1):
+def pipelined(width, layers, batch, p, m, name, v=1, lowering="spmd"):
     step, params, state, x, y = make(width, layers, batch, p * v)
     pstep = sp.parallelize(step, mesh=((p,), ("pp",)), batch_argnums=(2, 3),
-                           pipeline=sp.Pipeline(microbatches=m, schedule=name, virtual_stages=v))
+                           pipeline=sp.Pipeline(microbatches=m, schedule=name, virtual_stages=v, lowering=lowering))
     return pstep, (params, state, x, y)
 
 
@@ -310,6 +317,9 @@ def main(argv=None):
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--schedules", nargs="*", default=["gpipe", "1f1b"])
+    ap.add_argument("--lowerings", nargs="+", default=["spmd", "mpmd"], choices=["spmd", "mpmd"],
+                    help='Pipeline(lowering=...): the one SPMD program, the per-stage programs (MPMD), or both side '
+                         'by side')
     ap.add_argument("--cost-model", default="cpu", help='built-in profile ("cpu", "h100") or a profile JSON path')
     ap.add_argument("--breakdown", action="store_true", help="also time the ablations of the gap (slower)")
     ap.add_argument("--only", nargs="+", help="with --breakdown: only the ablations whose label holds one of these "
@@ -333,19 +343,24 @@ def main(argv=None):
         if a.layers % (p * v):
             lines.append(f"{name}: skipped, {a.layers} layers do not split into {p * v} model stages")
             continue
-        pstep, args = pipelined(a.width, a.layers, a.batch, p, m, name, v)
-        plan = pstep.plan(*args)
-        compiled = pstep.compiled(*args)
-        prog = plan.program
-        # the stages' programs: the same for schedules with the same stages and action kinds
-        wkey = (prog.S, tuple(prog.kinds))
-        if wkey not in works:
-            works[wkey] = stage_programs(prog, m)
-            for key, pr in works[wkey].items():
-                fns[("work", wkey, key)] = pr
-        runs[name] = dict(plan=plan, prog=prog, wkey=wkey, hlo=compiled.as_text(),
-                          temp=compiled.memory_analysis().temp_size_in_bytes)
-        fns[name] = Stepper(pstep, *args)
+        for low in a.lowerings:
+            pstep, args = pipelined(a.width, a.layers, a.batch, p, m, name, v, lowering=low)
+            plan = pstep.plan(*args)
+            prog = plan.program
+            # the stages' programs: the same for schedules with the same stages and action kinds
+            wkey = (prog.S, tuple(prog.kinds))
+            if wkey not in works:
+                works[wkey] = stage_programs(prog, m)
+                for key, pr in works[wkey].items():
+                    fns[("work", wkey, key)] = pr
+            label = name if low == "spmd" else f"{name} mpmd"
+            if low == "spmd":
+                compiled = pstep.compiled(*args)
+                runs[label] = dict(plan=plan, prog=prog, wkey=wkey, hlo=compiled.as_text(),
+                                   temp=compiled.memory_analysis().temp_size_in_bytes)
+            else:
+                runs[label] = dict(plan=plan, prog=prog, wkey=wkey, mpmd=pstep.mpmd(*args))
+            fns[label] = Stepper(pstep, *args)
     ticks = ablations(a, fns) if a.breakdown else {}
     if a.breakdown and not a.only:
         threading(fns, a.width, a.batch, p)
@@ -359,6 +374,13 @@ def main(argv=None):
     lines.append("")
     lines.append("1. work on bubble ticks (target: none; the no-op branch of the compiled tick loop only moves buffers)")
     for name, r in runs.items():
+        if "mpmd" in r:
+            mp = r["mpmd"]
+            actions = sum(1 for ins in mp.code if ins[0] == "run") - len(mp.segments)
+            lines.append(f"   {name:<12} computes nothing: {actions == len(r['prog'].sim.tick_table)}   (the driver "
+                         f"dispatches {actions} stage programs for the tick table's {len(r['prog'].sim.tick_table)} "
+                         "actions, none on a bubble)")
+            continue
         ops = sorted(set(noop_branch_opcodes(r["hlo"])))
         lines.append(f"   {name:<12} computes nothing: {bubble_computes_nothing(r['hlo'])}   (no-op branch: "
                      f"{', '.join(ops)})")
@@ -375,10 +397,15 @@ def main(argv=None):
                      f"{fb * 1e3:.1f} + once {once * 1e3:.1f}): {t / r['work']:5.2f}   [no-pipeline step "
                      f"{t1 * 1e3:.1f} ms: step / no-pipeline {t / t1:.2f}, stages' work / no-pipeline "
                      f"{r['work'] / t1:.2f}]")
+    for name in runs:
+        if f"{name} mpmd" in runs:
+            lines.append(f"   {name:<12} mpmd step / spmd step: {med[name + ' mpmd'] / med[name]:.2f}")
 
     lines.append("")
     lines.append("3. compiled memory (target: 1F1B's peak below GPipe's, its activations near p/m of GPipe's)")
     for name, r in runs.items():
+        if "mpmd" in r:
+            continue            # no compiled tick loop: each action is its own program
         prog = r["prog"]
         r["act"] = prog.nslots * (prog.A + prog.R + prog.G) * 4
         lines.append(f"   {name:<12} compiled temp {r['temp'] / 2**20:7.2f} MiB; activation slots {prog.nslots} x "

@@ -361,13 +361,14 @@ class MpmdProgram:
                                       out_shardings=SingleDeviceSharding(self.devices[d]))
         return self._splits[d]
 
-    def _put(self, x, d):
-        """``x`` on rank ``d``'s device; logged when it comes from another rank's device."""
+    def _put(self, x, d, what="input"):
+        """``x`` on rank ``d``'s device; logged (``(from, to, what, shape)``) when it comes
+        from another rank's device."""
         src = _rank_of_array(x, self.devices)
         if src == d:
             return x
         if src is not None:
-            self.input_transfers.append((src, d, "input"))
+            self.input_transfers.append((src, d, what, tuple(x.shape)))
         return jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), self.devices[d])
 
     def __call__(self, leaves, batch_mask=None):
@@ -379,7 +380,7 @@ class MpmdProgram:
             kept = copies.get(id(x))
             vals[r] = kept[1][d] if kept is not None and kept[0] is x and d in kept[1] else self._put(x, d)
         for (i, d), regs in self.batch_loads.items():
-            for r, x in zip(regs, self._split_fn(d)(self._put(leaves[i], d))):
+            for r, x in zip(regs, self._split_fn(d)(self._put(leaves[i], d, "batch"))):
                 vals[r] = x
         for ins in self.code:
             if ins[0] == "run":

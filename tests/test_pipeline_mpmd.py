@@ -1,0 +1,146 @@
+"""``sp.Pipeline(..., lowering="mpmd")`` (runtime/pipeline_mpmd.py): one jitted program per
+stage action on its rank's device, driven from Python along the schedule's tick table.
+Each case against one device, and the driver's transfers and per-rank state."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import shardprop as sp
+from tests.test_pipeline_lowering import B, D, assert_matches_one_device, even_cuts, gpt_pipeline_case, mlp
+
+
+def mpmd(p, **kw):
+    kw.setdefault("microbatches", 4)
+    return dict(mesh=((p,), ("pp",)), pipeline=sp.Pipeline(lowering="mpmd", **kw))
+
+
+def neighbours(transfers, p, wrap=False):
+    ok = {(d, d + 1) for d in range(p - 1)} | {(d + 1, d) for d in range(p - 1)}
+    if wrap:
+        ok |= {(p - 1, 0), (0, p - 1)}
+    return all((a, b) in ok for a, b, _ in transfers)
+
+
+@pytest.mark.slow
+def test_mpmd_pp2_1f1b_equals_one_device_and_sends_only_to_neighbours():
+    step, params, opt_state, batch = mlp(2, {0})
+    pstep = sp.parallelize(step, **mpmd(2, schedule="1f1b"))
+    p2, o2 = assert_matches_one_device(step, params, opt_state, (batch,), pstep)
+    mp = pstep.mpmd(params, opt_state, batch)
+    # one activation forward and one cotangent back per micro-batch, nothing else in the tick loop
+    assert sorted(mp.transfers) == sorted([(0, 1, "activation")] * 4 + [(1, 0, "cotangent")] * 4)
+    # the state comes back as plain arrays on its stage's device, read in place by the next step
+    assert p2[1]["w"].devices() == {mp.devices[1]} and p2[0]["w"].devices() == {mp.devices[0]}
+    pstep(p2, o2, batch)
+    # no parameter moves: only Adam's step count (a scalar computed from the inputs alone, on
+    # the first device, as the SPMD lowering computes it) and the batch rows rank 1 reads
+    assert [t for t in mp.input_transfers if t[2] == "input"] == [(0, 1, "input", ())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,p,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("zero_bubble", 4, 1),
+                                          ("interleaved", 4, 2), ("gpipe", 8, 1), ("1f1b", 8, 1)])
+def test_mpmd_schedules_equal_one_device(schedule, p, v):
+    step, params, opt_state, batch = mlp(8, even_cuts(8, p * v))
+    pstep = sp.parallelize(step, **mpmd(p, microbatches=4 if v == 1 else p, schedule=schedule, virtual_stages=v))
+    assert_matches_one_device(step, params, opt_state, (batch,), pstep)
+    mp = pstep.mpmd(params, opt_state, batch)
+    m = 4 if v == 1 else p
+    # every cut is crossed once forward and once backward per micro-batch, between neighbours only
+    assert len(mp.transfers) == 2 * (p * v - 1) * m
+    assert neighbours(mp.transfers, p, wrap=v > 1)
+    assert mp.once_transfers == []
+    # one program per action of the tick table: nothing runs on a bubble
+    assert sum(1 for ins in mp.code if ins[0] == "run") - len(mp.segments) == len(mp.prog.sim.tick_table)
+
+
+@pytest.mark.slow
+def test_mpmd_rank_holds_its_stages_state_unpadded():
+    """Stages of 3 layers and 1 layer: each rank holds its own layers' parameters and Adam
+    moments at their shapes; the SPMD lowering pads every rank's row to the largest stage."""
+    step, params, opt_state, batch = mlp(4, {2})
+    pstep = sp.parallelize(step, **mpmd(2, schedule="1f1b"))
+    p2, o2, _ = pstep(params, opt_state, batch)
+    mp = pstep.mpmd(params, opt_state, batch)
+    mu, nu = o2[0].mu, o2[0].nu
+    layer_bytes = lambda i: sum(x.nbytes for t in (p2, mu, nu) for x in jax.tree.leaves(t[i]))  # noqa: E731
+    for d, layers in ((0, (0, 1, 2)), (1, (3,))):
+        for i in layers:
+            assert all(x.devices() == {mp.devices[d]} for t in (p2, mu, nu) for x in jax.tree.leaves(t[i]))
+        held = sum(x.nbytes for x in jax.tree.leaves((p2, o2)) if x.devices() == {mp.devices[d]}
+                   and x.ndim > 0)
+        assert held == sum(layer_bytes(i) for i in layers)
+    # the driver's account of the inputs it stores per rank agrees (plus Adam's scalar step count)
+    per_rank = mp.param_bytes(jax.tree.leaves((params, opt_state, batch)))
+    assert per_rank == [sum(layer_bytes(i) for i in (0, 1, 2)) + 4, layer_bytes(3) + 4]
+    spmd = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
+    padded = spmd.plan(params, opt_state, batch).program.state_size * 4
+    assert padded > per_rank[1]
+
+
+def test_mpmd_forward_only():
+    k = jax.random.PRNGKey(1)
+    ws = [jax.random.normal(jax.random.fold_in(k, i), (D, D)) for i in range(4)]
+
+    def infer(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            h = jnp.tanh(h @ w)
+            if i < 3:
+                h = sp.stage_boundary(h)
+        return h, jnp.sum(h)
+
+    x = jax.random.normal(k, (B, D))
+    pinf = sp.parallelize(infer, **mpmd(4, schedule="gpipe"))
+    out, total = pinf(ws, x)
+    ref, rtotal = jax.jit(infer)(ws, x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(total), np.asarray(rtotal), rtol=1e-5)
+    mp = pinf.mpmd(ws, x)
+    assert sorted(mp.transfers) == sorted([(d, d + 1, "activation") for d in range(3)] * 4)
+
+
+@pytest.mark.slow
+def test_mpmd_tied_embedding_gpt_pp4_equals_one_device():
+    """The tied embedding's two gradients are summed between its owner stages only (ranks 0
+    and 3); its new value and Adam moments come back there and stay for the next step."""
+    step, params, state, data = gpt_pipeline_case(4, 8, 4, tied=True)
+    pstep = sp.parallelize(step, batch_argnums=(2, 3), **mpmd(4, schedule="1f1b"))
+    p2, s2 = assert_matches_one_device(step, params, state, data, pstep)
+    mp = pstep.mpmd(params, state, *data)
+    assert neighbours(mp.transfers, 4)
+    assert mp.once_transfers and {(a, b) for a, b, _ in mp.once_transfers} <= {(0, 3), (3, 0)}
+    assert all(t[3] == () for t in mp.input_transfers if t[2] == "input")
+
+
+@pytest.mark.slow
+def test_mpmd_global_norm_clipping_and_a_shared_weight_equal_one_device():
+    """Once ops that combine stages (a weight used by the first and the last stage, a
+    global gradient norm) in the plan's phases, on the ranks that need them."""
+    opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+
+    def loss_fn(w, x):
+        h = sp.stage_boundary(jnp.tanh(x @ w["e"]))
+        h = sp.stage_boundary(jnp.tanh(h @ w["m"]))
+        return jnp.mean(jnp.tanh(h @ w["e"].T) ** 2)
+
+    def step(w, o, x):
+        loss, g = jax.value_and_grad(loss_fn)(w, x)
+        up, o = opt.update(g, o, w)
+        return optax.apply_updates(w, up), o, loss
+
+    k = jax.random.PRNGKey(0)
+    w = {"e": jax.random.normal(k, (D, D)), "m": jax.random.normal(jax.random.fold_in(k, 1), (D, D))}
+    x = jax.random.normal(jax.random.fold_in(k, 2), (B, D))
+    pstep = sp.parallelize(step, **mpmd(3))
+    assert_matches_one_device(step, w, opt.init(w), (x,), pstep)
+
+
+def test_mpmd_refuses_other_axes_and_unknown_lowerings():
+    step, params, opt_state, batch = mlp(2, {0})
+    with pytest.raises(sp.ShardingError, match=r'lowering="mpmd".*use lowering="spmd"'):
+        sp.parallelize(step, mesh=((2, 2), ("pp", "dp")), pipeline=sp.Pipeline(microbatches=4, lowering="mpmd"))
+    with pytest.raises(sp.ShardingError, match=r"lowering='mimd'.*'spmd', 'mpmd'"):
+        sp.Pipeline(lowering="mimd")
