@@ -196,3 +196,38 @@ def test_hand_plans_solved_once_per_problem_and_priced_again():
         r = reused[(h.name, h.axes)]
         assert "reused" in r.note and r.choice == h.choice
         assert r.time == pytest.approx(h.time, rel=1e-12) and r.peak == h.peak
+
+
+# -- one warm-started LP for the hand plans, the rounds and the searches again -------------
+
+def test_warm_lp_narrowed_by_bounds_equals_each_hand_plans_own_solve():
+    """The hand families solved as one LP narrowed by bounds (each from the last basis)
+    reach the optimum of each family's own reduced problem solved from scratch; a memory
+    row added to it gives the cold LP's bound under that row, and lifted, the LP without."""
+    from shardprop.passes.auto import hand, milp, warm_lp
+    from shardprop.passes.auto.problem import Problem
+    from shardprop.passes.auto.search import _Liveness
+    from shardprop.passes.cost import DEFAULT_COST
+    if not warm_lp.available():
+        pytest.skip("no HiGHS bindings (highspy, or scipy >= 1.15)")
+    params, x, y = problem_data(256, 64, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
+    problem = Problem(g, DEFAULT_COST)
+    fams = [f for f in hand.families(problem) if f.allowed is not None]
+    assert len(fams) >= 3
+    model = warm_lp.WarmLP(milp.reduce(problem, memory_matters=True, also=[f.allowed for f in fams]))
+    for f in fams:
+        warm = model.solve(f.allowed)
+        cold = milp.solve(milp.reduce(problem, memory_matters=True, allowed=f.allowed), relax=True)
+        assert warm.choice and warm.bound == pytest.approx(cold.bound, rel=1e-6, abs=1e-12), f.name
+        assert all(warm.choice[t] in f.allowed[t] for t in f.allowed)
+    memory = _Liveness(g, problem)
+    free = model.solve()
+    peak, at = memory.peak(free.choice)
+    row = memory.row(at)
+    limit = 0.8 * peak
+    red = milp.reduce(problem, memory_matters=True)
+    under = model.solve(red.kept, [row], limit)
+    cold = milp.solve(red, [row], limit, relax=True)
+    assert under.bound == pytest.approx(cold.bound, rel=1e-6) and under.bound > free.bound * (1 + 1e-6)   # (it binds)
+    assert model.solve().bound == pytest.approx(free.bound, rel=1e-9)   # (the row lifted)

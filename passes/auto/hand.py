@@ -125,10 +125,21 @@ def assignments(mesh) -> list[tuple[tuple, tuple]]:
     return out
 
 
-def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[float] = 10.0) -> list[HandPlan]:
+@dataclass
+class Family:
+    """One hand plan to solve: its name, the mesh axes' roles, and the candidates its
+    storage layouts leave each argument's decision (None, with ``note``, where it does
+    not apply)."""
+    name: str
+    axes: str
+    allowed: Optional[dict]
+    note: str = ""
+
+
+def families(problem) -> list[Family]:
     """Every family x axis assignment that applies (Megatron and tp+FSDP need model
-    axes; a batch that no data-parallel split divides keeps the search's choice), each
-    solved for its storage layouts and priced. ``peak_of(choice)``: its modeled peak."""
+    axes; a batch that no data-parallel split divides keeps the search's choice),
+    without repeats: what each leaves each argument's decision."""
     g = problem.graph
     role = roles(problem)
     if "batch" not in role.values():
@@ -168,23 +179,41 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
             if bad is None and any(len(a) == 0 for a in allowed.values()):
                 bad = "two arguments that share a decision take different roles"
             if bad is not None:
-                out.append(HandPlan(name, axes, note=bad))
+                out.append(Family(name, axes, None, bad))
                 continue
             key = tuple(sorted((t, tuple(a)) for t, a in allowed.items()))
             if key in seen:
                 continue
             seen.add(key)
-            floor = _arguments_floor(problem, allowed)
-            if limit is not None and floor > limit:   # (arguments are alive the whole step: no solve can fit it)
-                out.append(HandPlan(name, axes, peak=floor, note=f"over the limit: its arguments alone hold "
-                                                                 f"{floor / 2**20:.2f} MiB per device"))
-                continue
-            plan = _solve(problem, name, axes, allowed, peak_of, limit, time_limit, (_fingerprint(problem), key))
-            same = next((p for p in out if p.choice is not None and p.choice == plan.choice), None)
-            if same is not None:   # (tp+FSDP that splits nothing over dp is Megatron)
-                same.name += f" = {plan.name}" if plan.name not in same.name else ""
-                continue
-            out.append(plan)
+            out.append(Family(name, axes, allowed))
+    return out
+
+
+def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[float] = 10.0,
+               fams: Optional[list] = None, warm=None) -> list[HandPlan]:
+    """Each of ``families(problem)`` (or ``fams``) solved for its storage layouts and
+    priced. ``peak_of(choice)``: its modeled peak. ``warm``: a ``warm_lp.WarmLP`` of
+    this problem whose reduction kept every family's candidates (``milp.reduce(...,
+    also=)``): each family is then its LP narrowed by bounds, solved from the last
+    family's basis (where its optimum is fractional, the MILP from scratch)."""
+    out = []
+    for fam in (families(problem) if fams is None else fams):
+        if fam.allowed is None:
+            out.append(HandPlan(fam.name, fam.axes, note=fam.note))
+            continue
+        name, axes, allowed = fam.name, fam.axes, fam.allowed
+        floor = _arguments_floor(problem, allowed)
+        if limit is not None and floor > limit:   # (arguments are alive the whole step: no solve can fit it)
+            out.append(HandPlan(name, axes, peak=floor, note=f"over the limit: its arguments alone hold "
+                                                             f"{floor / 2**20:.2f} MiB per device"))
+            continue
+        key = tuple(sorted((t, tuple(a)) for t, a in allowed.items()))
+        plan = _solve(problem, name, axes, allowed, peak_of, limit, time_limit, (_fingerprint(problem), key), warm)
+        same = next((p for p in out if p.choice is not None and p.choice == plan.choice), None)
+        if same is not None:   # (tp+FSDP that splits nothing over dp is Megatron)
+            same.name += f" = {plan.name}" if plan.name not in same.name else ""
+            continue
+        out.append(plan)
     return out
 
 
@@ -226,7 +255,7 @@ def _fingerprint(problem) -> tuple:
     return fp
 
 
-def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None) -> HandPlan:
+def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, warm=None) -> HandPlan:
     plan = HandPlan(name, axes)
     t0 = time.perf_counter()
     if key is not None and key in _SOLVED:   # (the solve is reused; the plan is priced again)
@@ -236,11 +265,15 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None) -
         plan.fits = limit is None or plan.peak <= limit
         plan.note = f"{time.perf_counter() - t0:.2f} s (its solve reused)"
         return plan
-    try:
-        sol = milp.solve(milp.reduce(problem, memory_matters=False, allowed=allowed), time_limit=time_limit)
-    except ShardingError as e:
-        plan.note = str(e).splitlines()[0]
-        return plan
+    sol = warm.solve(allowed, time_limit=time_limit) if warm is not None else None
+    how = "warm LP"
+    if sol is None or not sol.choice or sol.rounded:   # (no model, or a fractional optimum: the MILP)
+        how = ""
+        try:
+            sol = milp.solve(milp.reduce(problem, memory_matters=False, allowed=allowed), time_limit=time_limit)
+        except ShardingError as e:
+            plan.note = str(e).splitlines()[0]
+            return plan
     if not sol.choice and problem.unary:
         plan.note = sol.status
         return plan
@@ -250,7 +283,7 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None) -
     plan.peak = peak_of(choice)
     plan.fits = limit is None or plan.peak <= limit
     plan.choice = choice
-    plan.note = f"{time.perf_counter() - t0:.2f} s"
+    plan.note = f"{time.perf_counter() - t0:.2f} s" + (f" ({how})" if how else "")
     if key is not None:
         if len(_SOLVED) >= _SOLVED_MAX:
             _SOLVED.pop(next(iter(_SOLVED)))

@@ -49,6 +49,7 @@ class MemoryRow:
     in the problem's numbering."""
     nodes: dict
     pairs: list = field(default_factory=list)
+    point: Optional[int] = None      # the program point it counts (the same row in a search run again)
 
 
 @dataclass
@@ -64,13 +65,15 @@ class Solution:
 
 
 def reduce(problem, memory_matters: bool, upper: Optional[float] = None,
-           allowed: Optional[dict] = None) -> Reduced:
+           allowed: Optional[dict] = None, also: tuple = ()) -> Reduced:
     """Fold separable edges into node costs, then drop dominated candidates, and, given
     the time of some plan that fits (``upper``), every candidate that no plan taking it
     can beat that with (a lower bound on each: its own cost, the cheapest side of each
     of its edges, the cheapest of every other node). ``allowed``: template -> the
     candidate indices it may take (a hand plan's storage layouts, ``hand.py``);
-    dominance is then judged among those alone."""
+    dominance is then judged among those alone. ``also``: more such narrowings, whose
+    own undominated candidates are kept too, so that one reduced problem (one model,
+    ``warm_lp.py``) serves each of them narrowed by bounds."""
     from .problem import Edge
     unary = {t: u.copy() for t, u in problem.unary.items()}
     # ties (a free slice of an argument fed whole) go to the plan that holds fewer bytes
@@ -94,6 +97,9 @@ def reduce(problem, memory_matters: bool, upper: Optional[float] = None,
             memory.setdefault(t, {})[vec.tobytes()] = vec   # equal vectors compare alike
     allowed = allowed or {}
     kept = {t: _undominated(t, unary, edges, memory.get(t, {}), allowed.get(t)) for t in unary}
+    for narrowing in also:
+        for t, among in narrowing.items():
+            kept[t] = np.union1d(kept[t], _undominated(t, unary, edges, memory.get(t, {}), among))
     if upper is not None:
         kept = _bounded(unary, edges, kept, upper)
     out = []

@@ -33,7 +33,7 @@ from ..plan_core.pricing import Prices
 from ..plan_core.write import SEARCHED, USER, follows, follows_input, user_fixed, write_plan
 from ..propagate import PropagateSharding
 from ..rules import FIXED
-from . import hand, lagrange, milp
+from . import hand, lagrange, milp, warm_lp
 from .memory import copy_bytes, largest_at_peak, live_intervals, plan_peak, plan_profile
 from .refine import refine
 from .problem import DECIDERS, Problem, _unique
@@ -55,6 +55,10 @@ RELAXED_GAP = 0.05
 # the Lagrange multipliers, where the exact rows ran out of time before any plan, stop when
 # the budget is spent and they have a plan that fits, but get at least this long to find one
 MULTIPLIERS_MIN_S = 10.0
+# warm LP models (warm_lp.py) by problem: the searches memory_check runs again in one
+# compile build the same problem and go on from the last one's basis and rows
+_WARM: dict = {}
+_WARM_MAX = 2
 
 
 @dataclass
@@ -218,8 +222,10 @@ class SearchStrategies:
         # the hand plans (hand.py): the best that fits is a plan to beat, and the fallback
         # (without a limit the solve's optimum is at most each of them: each is this problem
         # with its arguments' layouts narrowed; they matter where memory rows bind)
-        plans = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit,
-                                time_limit=self.time_limit) if hands and limit is not None else []
+        fams = hand.families(problem) if hands and limit is not None else []
+        warm = _warm_model(problem, memory, fams) if limit is not None else None
+        plans = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, time_limit=self.time_limit,
+                                fams=fams, warm=warm) if fams else []
         for h in plans:
             h.axes = f"{h.axes} ({problem.mesh})"
         self._hands = getattr(self, "_hands", []) + plans
@@ -238,7 +244,8 @@ class SearchStrategies:
             # them (the unlimited optimum, like DP, peaks where the arguments and the
             # activations meet), rather than from the unlimited solve
             over = [memory.peak(h.choice)[1] for h in plans if h.choice is not None and not h.fits]
-            sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest, start, seed=over)
+            sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest, start, seed=over,
+                                                    warm=warm)
             if sol is None and start is None:
                 return problem, None, smallest
         small = follow and share_layers and len(graph.ops) <= self.exact_ops
@@ -287,7 +294,7 @@ class SearchStrategies:
         return left if self.time_limit is None else min(self.time_limit, left)
 
     def _solve_under_limit(self, red, problem: Problem, memory: "_Liveness", limit: float, smallest: tuple,
-                           start=None, seed=()):
+                           start=None, seed=(), warm=None):
         """(solution that fits or None, the smallest-peak plan met). First, from the rows
         ``seed`` gives (where the hand plans over the limit peak), the rows' LP
         relaxation, rounded (``_relaxed_round``): a rounded plan that fits within
@@ -299,7 +306,8 @@ class SearchStrategies:
         plan that fits is returned with its gap. ``start``: the best hand plan that fits
         (``hand.py``); where the time budget runs out (or a solve runs out of time before
         any plan) the search returns None and falls back to it, with the first round's
-        bound (the unlimited optimum) as its proven gap."""
+        bound (the unlimited optimum) as its proven gap. ``warm``: the problem's
+        ``warm_lp.WarmLP`` (the LP rounds go on from its last basis), or None."""
         lag = None
 
         def multipliers():
@@ -338,7 +346,7 @@ class SearchStrategies:
             if left is not None and left <= 0.05 and (start is not None or found is not None):
                 break   # (the budget is spent: the best plan so far, with the bound so far)
             if relaxed and rows:
-                step = self._relaxed_round(red, problem, memory, rows, points, limit, left)
+                step = self._relaxed_round(red, problem, memory, rows, points, limit, left, warm)
                 exact_seconds += step[2]
                 if step[0] is not None and (found is None or step[0][0] < found[0]):
                     found = step[0]
@@ -394,7 +402,7 @@ class SearchStrategies:
         return None, smallest
 
     def _relaxed_round(self, red, problem: Problem, memory: "_Liveness", rows: list, points: set, limit: float,
-                       left: Optional[float]) -> tuple:
+                       left: Optional[float], warm=None) -> tuple:
         """One LP round under the memory rows: the LP relaxation (its optimum is a lower
         bound on every plan that fits), rounded (``_roundings``: each decision to its
         heaviest candidate, then more and more fractional ones to the candidate holding
@@ -403,7 +411,8 @@ class SearchStrategies:
         integral and its plan fits), "more" (no rounding fits, and a new row was added at
         a point where one peaks), "exact" (the exact rows must go on); seconds)."""
         try:
-            lp = milp.solve(red, rows, limit, None if left is None else max(left, 0.5), relax=True)
+            lp = warm.solve(red.kept, rows, limit, None if left is None else max(left, 0.5)) if warm is not None \
+                else milp.solve(red, rows, limit, None if left is None else max(left, 0.5), relax=True)
         except ShardingError:   # (its time limit: the exact rows decide, or the fallbacks)
             return None, "exact", 0.0
         if not lp.choice:
@@ -554,6 +563,23 @@ class SearchStrategies:
             f"there: {names}. Fix: raise memory_limit, use more devices, or shrink the batch or the model")
 
 
+def _warm_model(problem: Problem, memory: "_Liveness", fams: list):
+    """The problem's LP as one warm-started model (``warm_lp.py``), built once per problem
+    (kept across the searches of one compile), its reduction keeping each hand family's
+    candidates; None without HiGHS's bindings."""
+    if not warm_lp.available():
+        return None
+    key = (hand._fingerprint(problem), memory.signature())
+    model = _WARM.get(key)
+    if model is None:
+        red = milp.reduce(problem, memory_matters=True, also=[f.allowed for f in fams if f.allowed is not None])
+        model = warm_lp.WarmLP(red)
+        while len(_WARM) >= _WARM_MAX:
+            _WARM.pop(next(iter(_WARM)))
+        _WARM[key] = model
+    return model
+
+
 def _origin(graph: Graph, op, root) -> tuple:
     """(origin words, the op they name) of ``op`` in the searched plan, its node's root
     ``root`` (``plan_core.write``): what the user fixed stays the user's."""
@@ -624,6 +650,10 @@ class _Liveness:
         self.vec = [problem.values[v][1] for v in self.vals]
         self._copies: dict = {}
 
+    def signature(self) -> tuple:
+        """What the rows depend on beyond the problem: the program and when each value lives."""
+        return len(self.graph.ops), self.birth.tobytes(), self.death.tobytes()
+
     def bytes_of(self, choice: dict) -> np.ndarray:
         return np.array([vec[choice[t]] for t, vec in zip(self.temp, self.vec)])
 
@@ -640,7 +670,7 @@ class _Liveness:
         for i in live:
             t = self.temp[i]
             out[t] = out[t] + self.vec[i] if t in out else self.vec[i].copy()
-        row = milp.MemoryRow(out)
+        row = milp.MemoryRow(out, point=at)
         if 1 <= at <= len(self.graph.ops):
             for term in self.copies(self.graph.ops[at - 1]):
                 if len(term) == 2:
