@@ -377,12 +377,12 @@ def main(argv=None):
         if "mpmd" in r:
             mp = r["mpmd"]
             actions = sum(1 for ins in mp.code if ins[0] == "run") - len(mp.segments)
-            lines.append(f"   {name:<12} computes nothing: {actions == len(r['prog'].sim.tick_table)}   (the driver "
-                         f"dispatches {actions} stage programs for the tick table's {len(r['prog'].sim.tick_table)} "
-                         "actions, none on a bubble)")
+            lines.append(f"   {name:<17} programs on bubbles: {'none' if actions == len(r['prog'].sim.tick_table) else 'some'}"
+                         f"   (the driver dispatches {actions} stage programs for the tick table's "
+                         f"{len(r['prog'].sim.tick_table)} actions)")
             continue
         ops = sorted(set(noop_branch_opcodes(r["hlo"])))
-        lines.append(f"   {name:<12} computes nothing: {bubble_computes_nothing(r['hlo'])}   (no-op branch: "
+        lines.append(f"   {name:<17} computes nothing: {bubble_computes_nothing(r['hlo'])}   (no-op branch: "
                      f"{', '.join(ops)})")
 
     lines.append("")
@@ -393,13 +393,13 @@ def main(argv=None):
         fb = sum(med[("work", r["wkey"], (kind, k))] for k in range(prog.S) for kind in prog.kinds)
         once = sum(med[("work", r["wkey"], ("once", k))] for k in range(prog.S))
         r["work"] = fb + once
-        lines.append(f"   {name:<12} step {t * 1e3:7.1f} ms, stages' work {r['work'] * 1e3:7.1f} ms (F+B x m "
+        lines.append(f"   {name:<17} step {t * 1e3:7.1f} ms, stages' work {r['work'] * 1e3:7.1f} ms (F+B x m "
                      f"{fb * 1e3:.1f} + once {once * 1e3:.1f}): {t / r['work']:5.2f}   [no-pipeline step "
                      f"{t1 * 1e3:.1f} ms: step / no-pipeline {t / t1:.2f}, stages' work / no-pipeline "
                      f"{r['work'] / t1:.2f}]")
     for name in runs:
         if f"{name} mpmd" in runs:
-            lines.append(f"   {name:<12} mpmd step / spmd step: {med[name + ' mpmd'] / med[name]:.2f}")
+            lines.append(f"   {name:<17} mpmd step / spmd step: {med[name + ' mpmd'] / med[name]:.2f}")
 
     lines.append("")
     lines.append("3. compiled memory (target: 1F1B's peak below GPipe's, its activations near p/m of GPipe's)")
@@ -428,7 +428,7 @@ def main(argv=None):
         sim_meas = modeled_step(prog, measured, 0.0, once_meas)
         modeled_fb = sum(works_[(kind, k)].modeled(cost) for k in range(prog.S) for kind in prog.kinds) * m
         meas_fb = sum(med[("work", r["wkey"], (kind, k))] for k in range(prog.S) for kind in prog.kinds)
-        lines.append(f"   {name:<12} step {med[name] * 1e3:7.1f} ms, modeled {model * 1e3:7.1f} ms: "
+        lines.append(f"   {name:<17} step {med[name] * 1e3:7.1f} ms, modeled {model * 1e3:7.1f} ms: "
                      f"{med[name] / model:5.2f}   [{cost.name}'s F+B x m {modeled_fb * 1e3:.1f} ms against "
                      f"{meas_fb * 1e3:.1f} measured; the simulator on the measured stage times "
                      f"{sim_meas * 1e3:.1f} ms, step / that {med[name] / sim_meas:.2f}; the default model's "
@@ -482,9 +482,10 @@ def heavy_cuts(a):
     fns = {}
     for cuts in cut_sets:
         step, params, state, x, y = pc.make(cut_after=cuts, **shape)
-        pstep = sp.parallelize(step, mesh=((a.pp,), ("pp",)), batch_argnums=(2, 3),
-                               pipeline=sp.Pipeline(microbatches=m, schedule="1f1b"))
-        fns[cuts] = Stepper(pstep, params, state, x, y)
+        for low in a.lowerings:
+            pstep = sp.parallelize(step, mesh=((a.pp,), ("pp",)), batch_argnums=(2, 3),
+                                   pipeline=sp.Pipeline(microbatches=m, schedule="1f1b", lowering=low))
+            fns[(cuts, low)] = Stepper(pstep, params, state, x, y)
     fns["one device"] = Stepper(jax.jit(step), params, state, x, y)
     for f in fns.values():
         f()
@@ -511,9 +512,11 @@ def heavy_cuts(a):
     for c in cut_sets:
         per = work[f"cuts {c}"]
         total = m * sum(f + b for f, b in per)
-        print(f"   cuts after {c}: layers per stage {bounds[c]}, step {med[c] * 1e3:.1f} ms "
-              f"{sorted(round(t * 1e3) for t in times[c])}; stages' work (F+B x m) {total * 1e3:.1f} ms "
-              f"(per stage {[round(m * (f + b) * 1e3, 1) for f, b in per]}): step / work {med[c] / total:.2f}")
+        for low in a.lowerings:
+            t = med[(c, low)]
+            print(f"   cuts after {c}, {low}: layers per stage {bounds[c]}, step {t * 1e3:.1f} ms "
+                  f"{sorted(round(x * 1e3) for x in times[(c, low)])}; stages' work (F+B x m) {total * 1e3:.1f} ms "
+                  f"(per stage {[round(m * (f + b) * 1e3, 1) for f, b in per]}): step / work {t / total:.2f}")
     return 0
 
 
