@@ -819,8 +819,7 @@ class PipelineFunction:
             from ..runtime.pipeline_mpmd import MpmdProgram
             devs = np.asarray(self.mesh.devices)
             ax = list(self.mesh.axis_names).index(self.pipeline.axis)
-            c.mpmd = MpmdProgram(c.prog, [np.asarray(np.take(devs, d, axis=ax)).reshape(-1)[0]
-                                          for d in range(self.p)])
+            c.mpmd = MpmdProgram(c.prog, [np.take(devs, d, axis=ax) for d in range(self.p)])
         return c.mpmd
 
     def _call_mpmd(self, c, leaves):

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ..ir.errors import ShardingError
 
@@ -56,19 +56,33 @@ class MpmdProgram:
     """The MPMD step for one input signature, built on a planned ``PipelineProgram``."""
 
     def __init__(self, prog, devices):
-        if prog.sub is not None or prog.dp_axis:
-            raise ShardingError('Pipeline(lowering="mpmd") runs stages over the pipeline axis alone; for data or '
-                                'tensor parallel axes beside it use lowering="spmd" (the default)')
+        """``devices``: per pipeline rank, its devices (one, or its ``dp`` group in order)."""
+        if prog.sub is not None:
+            raise ShardingError('Pipeline(lowering="mpmd") runs stages over the pipeline axis, and data parallel '
+                                'inside a stage ("dp"); for tensor parallel axes or ZeRO beside it use '
+                                'lowering="spmd" (the default)')
         self.prog, self.p, self.S, self.m = prog, prog.p, prog.S, prog.m
-        self.devices = list(devices)            # per pipeline rank
-        if len(self.devices) != self.p:
-            raise ShardingError(f'Pipeline(lowering="mpmd"): {len(self.devices)} devices for {self.p} ranks')
+        groups = [list(np.asarray(g, dtype=object).reshape(-1)) for g in devices]
+        if len(groups) != self.p:
+            raise ShardingError(f'Pipeline(lowering="mpmd"): {len(groups)} device groups for {self.p} ranks')
+        self.dp = len(groups[0])
+        self.devices = [g[0] for g in groups]   # per rank, its first device (its only one without dp)
+        self.groups = [frozenset(g) for g in groups]
+        if self.dp == 1:
+            self.whole = self.rows = [SingleDeviceSharding(g[0]) for g in groups]
+        else:
+            # a rank's values: replicated over its dp group (state, once results) or split on dim 0
+            # (the batch rows, and each device's own values stacked on a leading dp dim)
+            self.meshes = [Mesh(np.asarray(g, dtype=object), ("dp",)) for g in groups]
+            self.whole = [NamedSharding(mh, P()) for mh in self.meshes]
+            self.rows = [NamedSharding(mh, P("dp")) for mh in self.meshes]
         self.j = prog.j
         self.consts = dict(zip(self.j.constvars, prog.consts))
         # (from rank, to rank, what) of the transfers a call makes: the tick loop's, the once phases'
         self.transfers, self.once_transfers = [], []
         self.input_transfers = []               # inputs (state, batch) moved from one rank's device to another's
         self._copies = []                       # (array returned, {rank: its copy there}) of the last call
+        self._splits = {}                       # the batch's split and dp's sum per rank, jitted
         self._plan_actions()
         self._plan_once()
         self._compile_code()
@@ -101,7 +115,7 @@ class MpmdProgram:
         if first in a["fns"]:
             return a["fns"][first]
         prog, reads = self.prog, a["reads"]
-        dev = self.devices[prog.rank_of(k)]
+        d = prog.rank_of(k)
         nacc = 0 if first else len(a["accs"])
 
         def run(*vals):
@@ -111,9 +125,30 @@ class MpmdProgram:
             part = [env[v] for v in a["accs"]]
             summed = part if not nacc else [x + y for x, y in zip(vals[:nacc], part)]
             return summed + [env[v] for v in a["sends"] + a["keep"] + a["outs_b"]]
-        fn = jax.jit(run, out_shardings=SingleDeviceSharding(dev), donate_argnums=tuple(range(nacc)))
+        if self.dp == 1:
+            fn = jax.jit(run, out_shardings=self.whole[d], donate_argnums=tuple(range(nacc)))
+        else:
+            # each device of the group runs the per-device program on its rows; what it
+            # produces stays its own (stacked on a leading dp dim), summed over dp after the ticks
+            kinds = ["stacked"] * nacc + [self._arg_kind(v) for v in reads]
+
+            def per_device(*vals):
+                vals = [x[0] if kd == "stacked" else x for x, kd in zip(vals, kinds)]
+                return [x[None] for x in run(*vals)]
+            spec = {"stacked": P("dp"), "rows": P("dp"), "whole": P()}
+            fn = jax.jit(jax.shard_map(per_device, mesh=self.meshes[d], in_specs=tuple(spec[kd] for kd in kinds),
+                                       out_specs=P("dp"), check_vma=False),
+                         donate_argnums=tuple(range(nacc)))
         a["fns"][first] = fn
         return fn
+
+    def _arg_kind(self, v) -> str:
+        """How an action's input lies on its dp group: ``"rows"`` (a micro-batch, split on
+        dim 0), ``"whole"`` (state, replicated) or ``"stacked"`` (a per-device value)."""
+        i = self.prog.invar_index.get(v)
+        if i is None:
+            return "stacked"
+        return "rows" if self.prog.batch_mask[i] else "whole"
 
     def _plan_once(self):
         """The once ops per (rank, phase): a rank's stage once ops, and the ops that
@@ -219,7 +254,7 @@ class MpmdProgram:
                 env.update(zip(reads, vals))
                 prog._run(idxs, env)
                 return [env[v] for v in outs]
-            s["fn"] = jax.jit(run, out_shardings=SingleDeviceSharding(self.devices[s["rank"]]))
+            s["fn"] = jax.jit(run, out_shardings=self.whole[s["rank"]])
         return s["fn"]
 
     # ---------------------------------------------------------------- the driver's code
@@ -251,7 +286,7 @@ class MpmdProgram:
 
         def move(r, src, dst, label, log):
             out = reg()
-            code.append(("move", r, out, self.devices[dst]))
+            code.append(("move", r, out, (self.rows if label != "once" else self.whole)[dst]))
             log.append((src, dst, label))
             return out
 
@@ -298,6 +333,13 @@ class MpmdProgram:
                     d2 = prog.rank_of(k - 1)
                     cts[(k - 1, mb)] = {v: move(r, d, d2, "cotangent", moves)
                                         for v, r in zip(self.bwd_in[k - 1], outs["sends"])}
+        if self.dp > 1:
+            # each stage's partial sums over its dp group: summed once, before the once ops
+            for k, regs in acc.items():
+                d = prog.rank_of(k)
+                summed = [reg() for _ in regs]
+                code.append(("run", self._sum_fn(d), list(regs.values()), summed))
+                acc[k] = dict(zip(regs, summed))
         # the once phases: per rank its registers by var
         envs = [dict() for _ in range(p)]
         homes = {}
@@ -351,25 +393,32 @@ class MpmdProgram:
         self.code = [ins + (tuple(f),) for ins, f in zip(code, frees)]
         self.nreg = nreg[0]
         self.transfers, self.once_transfers = moves, once_moves
-        self._splits = {}
 
     def _split_fn(self, d):
+        """A batch leaf (on rank ``d``, its rows split over dp) -> its ``m`` micro-batches."""
         if d not in self._splits:
             m = self.m
             self._splits[d] = jax.jit(lambda x: [x[n * (x.shape[0] // m):(n + 1) * (x.shape[0] // m)]
-                                                 for n in range(m)],
-                                      out_shardings=SingleDeviceSharding(self.devices[d]))
+                                                 for n in range(m)], out_shardings=self.rows[d])
         return self._splits[d]
 
+    def _sum_fn(self, d):
+        """Per-device partial sums (stacked over rank ``d``'s dp group) -> their sum, on every
+        device of the group (an all-reduce over dp)."""
+        if ("sum", d) not in self._splits:
+            self._splits[("sum", d)] = jax.jit(lambda *xs: [x.sum(0) for x in xs], out_shardings=self.whole[d])
+        return self._splits[("sum", d)]
+
     def _put(self, x, d, what="input"):
-        """``x`` on rank ``d``'s device; logged (``(from, to, what, shape)``) when it comes
-        from another rank's device."""
-        src = _rank_of_array(x, self.devices)
-        if src == d:
+        """``x`` on rank ``d``'s devices (replicated; a batch split on dim 0); logged
+        (``(from, to, what, shape)``) when it comes from another rank's devices."""
+        src = _rank_of_array(x, self.groups)
+        target = self.rows[d] if what == "batch" else self.whole[d]
+        if src == d and (self.dp == 1 or x.sharding.is_equivalent_to(target, x.ndim)):
             return x
-        if src is not None:
+        if src is not None and src != d:
             self.input_transfers.append((src, d, what, tuple(x.shape)))
-        return jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), self.devices[d])
+        return jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), target)
 
     def __call__(self, leaves, batch_mask=None):
         vals = [None] * self.nreg
@@ -402,6 +451,11 @@ class MpmdProgram:
                 outs.append(None)                   # filled by the caller (computed from inputs only)
             elif spec[0] == "batched":
                 parts = [vals[r] for r in spec[1]]
+                if self.dp > 1:
+                    # each device's rows of a micro-batch, in dp order along the batch dim
+                    bd = spec[2]
+                    parts = [jnp.moveaxis(x, 0, bd).reshape(x.shape[1:bd + 1] + (-1,) + x.shape[bd + 2:])
+                             for x in parts]
                 outs.append(jnp.concatenate(parts, axis=spec[2]) if len(parts) > 1 else parts[0])
             else:
                 x = vals[spec[1][0]]
@@ -424,15 +478,12 @@ class MpmdProgram:
         return per
 
 
-def _rank_of_array(x, devices):
-    """The rank whose device holds ``x`` alone, or None (host data, or several devices)."""
+def _rank_of_array(x, groups):
+    """The rank whose devices hold ``x``, or None (host data, or other devices)."""
     if not isinstance(x, jax.Array):
         return None
     try:
-        devs = x.devices()
+        devs = frozenset(x.devices())
     except Exception:                               # noqa: BLE001 (a tracer or deleted array)
         return None
-    if len(devs) != 1:
-        return None
-    dev = next(iter(devs))
-    return devices.index(dev) if dev in devices else None
+    return groups.index(devs) if devs in groups else None
