@@ -56,6 +56,7 @@ class Row:
     # biased linears) and PaddleNLP's GPT-3 configs (hidden and attention-probs dropout 0.1)
     dropout: float = 0.1
     bias: bool = True
+    microbatches: int = 0          # the run's micro-batches per step, where it published them (0: searched)
 
     @property
     def gpus(self) -> int:
@@ -63,7 +64,8 @@ class Row:
 
 
 # DLPerf (OneFlow, 2021): NVIDIA/Megatron-LM on 4 nodes of 8 V100-SXM2-16GB, InfiniBand 100 Gb/s per node;
-# seq 2048, vocab 51200; heads not published (hidden / 96 here)
+# seq 2048, vocab 51200; heads, micro-batch sizes and accumulation steps as DLPerf's Megatron-LM/README.md
+# lists each case (no accumulation without pipeline stages; 32 micro-batches per step with them)
 DLPERF = "DLPerf Megatron-LM"
 _dl = dict(source=DLPERF, gpu="v100-32gb", nic_bytes_per_s=100e9 / 8 / 8, memory_bytes=16 * 2 ** 30)
 ROWS = [
@@ -74,7 +76,7 @@ ROWS = [
         **_dl),
     Row(name="DP_32x1x1_64_1536x16", heads=16, hidden=1536, layers=16, mp=1, pp=1, dp=32, batch=64, published=29.37,
         **_dl),
-    Row(name="MP_1x1x1_8_768x12", heads=8, hidden=768, layers=12, mp=1, pp=1, dp=1, batch=8, published=32.63, **_dl),
+    Row(name="MP_1x1x1_8_768x12", heads=12, hidden=768, layers=12, mp=1, pp=1, dp=1, batch=8, published=32.63, **_dl),
     Row(name="MP_1x8x1_16_1536x16", heads=16, hidden=1536, layers=16, mp=8, pp=1, dp=1, batch=16, published=28.99,
         **_dl),
     Row(name="MP_1x16x1_16_3072x16", heads=32, hidden=3072, layers=16, mp=16, pp=1, dp=1, batch=16, published=6.22,
@@ -105,17 +107,17 @@ ROWS = [
 ]
 
 # rows with pipeline stages, planned by sp.plan_step on a pp x dp x mp mesh (pp outermost, as the runs
-# laid ranks out: tensor parallel inside a node); the runs' micro-batch counts are not in the tables,
-# so the pipeline search picks them; the schedule is 1F1B, which every one of these runs had
+# laid ranks out: tensor parallel inside a node); where a run's micro-batch count is published (DLPerf)
+# it is used, elsewhere the pipeline search picks it; the schedule is 1F1B, which every one of these runs had
 ROWS += [
     Row(name="DP_PP_8x1x4_512_1536x16", heads=16, hidden=1536, layers=16, mp=1, pp=4, dp=8, batch=512,
-        published=32.82, **_dl),
+        published=32.82, microbatches=32, **_dl),
     Row(name="MP_PP_1x8x4_512_2304x24", heads=24, hidden=2304, layers=24, mp=8, pp=4, dp=1, batch=512,
-        published=21.80, **_dl),
+        published=21.80, microbatches=32, **_dl),
     Row(name="2D_PP_2x4x4_512_2304x24", heads=24, hidden=2304, layers=24, mp=4, pp=4, dp=2, batch=512,
-        published=31.53, **_dl),
+        published=31.53, microbatches=32, **_dl),
     Row(name="2D_PP_2x8x2_512_2304x24", heads=24, hidden=2304, layers=24, mp=8, pp=2, dp=2, batch=512,
-        published=29.69, **_dl),
+        published=29.69, microbatches=32, **_dl),
     # PaddleNLP rows 2-4 (the issue's table)
     Row(source="PaddleNLP GPT-3", name="16.31B", heads=16, hidden=6144, layers=36, mp=8, pp=2, dp=2, batch=512,
         published=60.84, gpu="v100-32gb", seq=1024, vocab=50304),
@@ -177,9 +179,11 @@ def predict(r: Row, hierarchical: bool = True, gpu_changes: dict = None) -> dict
     step, args = gpt_plan.train_step_and_args(cfg)
     if r.pp > 1:
         mesh = AbstractMesh((r.pp, r.dp, r.mp), ("pp", "dp", "mp"))
-        # any micro-batch count that divides a replica's batch (the search's default stops at 64)
-        kw = dict(pipeline=sp.Pipeline(microbatches="auto", schedule="1f1b"),
-                  search_options=dict(max_microbatches=r.batch // r.dp))
+        # the run's micro-batch count, else any count that divides a replica's batch (the search's
+        # default stops at 64)
+        kw = (dict(pipeline=sp.Pipeline(microbatches=r.microbatches, schedule="1f1b")) if r.microbatches else
+              dict(pipeline=sp.Pipeline(microbatches="auto", schedule="1f1b"),
+                   search_options=dict(max_microbatches=r.batch // r.dp)))
     else:
         mesh, kw = AbstractMesh((r.dp, r.mp), ("dp", "mp")), {}
     flops = formula_flops(r)
