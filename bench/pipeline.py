@@ -377,9 +377,9 @@ def main(argv=None):
         if "mpmd" in r:
             mp = r["mpmd"]
             actions = sum(1 for ins in mp.code if ins[0] == "run") - len(mp.segments)
-            lines.append(f"   {name:<17} programs on bubbles: {'none' if actions == len(r['prog'].sim.tick_table) else 'some'}"
-                         f"   (the driver dispatches {actions} stage programs for the tick table's "
-                         f"{len(r['prog'].sim.tick_table)} actions)")
+            table = len(r["prog"].sim.tick_table)
+            lines.append(f"   {name:<17} programs on bubbles: {'none' if actions == table else 'some'}   (the "
+                         f"driver dispatches {actions} stage programs for the tick table's {table} actions)")
             continue
         ops = sorted(set(noop_branch_opcodes(r["hlo"])))
         lines.append(f"   {name:<17} computes nothing: {bubble_computes_nothing(r['hlo'])}   (no-op branch: "
@@ -405,7 +405,12 @@ def main(argv=None):
     lines.append("3. compiled memory (target: 1F1B's peak below GPipe's, its activations near p/m of GPipe's)")
     for name, r in runs.items():
         if "mpmd" in r:
-            continue            # no compiled tick loop: each action is its own program
+            # no compiled tick loop: what the driver holds (sent, received, kept) at once per rank
+            peak = r["mpmd"].peak_activation_bytes
+            r["act"] = max(peak)
+            lines.append(f"   {name:<17} activations the driver holds at once, per rank: "
+                         f"{', '.join(f'{b / 2**20:.2f}' for b in peak)} MiB")
+            continue
         prog = r["prog"]
         r["act"] = prog.nslots * (prog.A + prog.R + prog.G) * 4
         lines.append(f"   {name:<12} compiled temp {r['temp'] / 2**20:7.2f} MiB; activation slots {prog.nslots} x "
@@ -414,6 +419,9 @@ def main(argv=None):
         g, o = runs["gpipe"], runs["1f1b"]
         lines.append(f"   1f1b / gpipe: compiled peak {o['temp'] / g['temp']:.2f} (target < 1), activations "
                      f"{o['act'] / g['act']:.2f} (target p/m = {p / m:.2f})")
+    if "gpipe mpmd" in runs and "1f1b mpmd" in runs:
+        g, o = runs["gpipe mpmd"], runs["1f1b mpmd"]
+        lines.append(f"   1f1b / gpipe (mpmd, the busiest rank's activations held): {o['act'] / g['act']:.2f}")
 
     lines.append("")
     lines.append(f"4. step time / the cost model's (target: 0.80 to 1.20); model: the plan's simulated tick loop with "

@@ -284,8 +284,12 @@ class MpmdProgram:
                 self.loads[(i, d)] = reg()
             return self.loads[(i, d)]
 
+        held = {}                   # register -> (rank, bytes) of the activations a rank holds
+
         def move(r, src, dst, label, log):
             out = reg()
+            if r in held:
+                held[out] = (dst, held[r][1])
             code.append(("move", r, out, (self.rows if label != "once" else self.whole)[dst]))
             log.append((src, dst, label))
             return out
@@ -317,6 +321,8 @@ class MpmdProgram:
                 if not first:
                     args = [acc[k][v] for v in a["accs"]] + args
                 outs = {name: [reg() for _ in a[name]] for name in ("accs", "sends", "keep", "outs_b")}
+                for v, r in zip(a["sends"] + a["keep"], outs["sends"] + outs["keep"]):
+                    held[r] = (d, _nbytes(v))
                 code.append(("run", self._action_fn(kind, k, first), args,
                              outs["accs"] + outs["sends"] + outs["keep"] + outs["outs_b"]))
                 if a["accs"]:
@@ -393,6 +399,17 @@ class MpmdProgram:
         self.code = [ins + (tuple(f),) for ins, f in zip(code, frees)]
         self.nreg = nreg[0]
         self.transfers, self.once_transfers = moves, once_moves
+        # per rank, the most activation bytes (sent, received, kept for a backward) it holds
+        # at once, in dispatch order: the schedule's in flight (1F1B about p-d, GPipe m)
+        live, self.peak_activation_bytes = [0] * p, [0] * p
+        for ins in self.code:
+            for r in (ins[3] if ins[0] == "run" else [ins[2]]):
+                if r in held:
+                    live[held[r][0]] += held[r][1]
+            self.peak_activation_bytes = [max(a, b) for a, b in zip(self.peak_activation_bytes, live)]
+            for r in ins[-1]:
+                if r in held:
+                    live[held[r][0]] -= held[r][1]
 
     def _split_fn(self, d):
         """A batch leaf (on rank ``d``, its rows split over dp) -> its ``m`` micro-batches."""
@@ -476,6 +493,11 @@ class MpmdProgram:
             for d in ds:
                 per[d] += int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
         return per
+
+
+def _nbytes(v) -> int:
+    """Bytes of a value per device (one device's rows with dp)."""
+    return int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
 
 
 def _rank_of_array(x, groups):

@@ -80,6 +80,20 @@ def test_mpmd_rank_holds_its_stages_state_unpadded():
     assert padded > per_rank[1]
 
 
+@pytest.mark.slow
+def test_mpmd_1f1b_holds_fewer_activations_than_gpipe():
+    """The driver drops each value after its last reader: 1F1B's ranks hold about p - d
+    micro-batches' activations at once, GPipe's all m."""
+    step, params, opt_state, batch = mlp(4, even_cuts(4, 4))
+    peak = {}
+    for schedule in ("gpipe", "1f1b"):
+        pstep = sp.parallelize(step, **mpmd(4, microbatches=8, schedule=schedule))
+        peak[schedule] = pstep.mpmd(params, opt_state, batch).peak_activation_bytes
+    assert all(o < g for o, g in zip(peak["1f1b"], peak["gpipe"]))
+    assert max(peak["1f1b"]) <= 0.6 * max(peak["gpipe"])
+
+
+@pytest.mark.slow
 def test_mpmd_forward_only():
     k = jax.random.PRNGKey(1)
     ws = [jax.random.normal(jax.random.fold_in(k, i), (D, D)) for i in range(4)]
@@ -152,6 +166,7 @@ def test_mpmd_pp4_by_dp2_equals_one_device():
     assert p2[3]["w"].devices() == mp.groups[3]
 
 
+@pytest.mark.slow
 def test_mpmd_forward_only_pp2_by_dp2():
     ws = [jnp.full((D, D), 0.1 * (i + 1)) for i in range(2)]
 
