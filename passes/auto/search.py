@@ -55,6 +55,10 @@ RELAXED_GAP = 0.05
 # the Lagrange multipliers, where the exact rows ran out of time before any plan, stop when
 # the budget is spent and they have a plan that fits, but get at least this long to find one
 MULTIPLIERS_MIN_S = 10.0
+# where a rounded LP plan fits but is not proven within RELAXED_GAP, the exact rows get
+# this long to prove that gap or find a cheaper plan (on the GPT steps of bench/auto.py
+# at 12 layers they ran the whole 20 s budget to the same plan, 4.8-6.9% from the bound)
+EXACT_AFTER_ROUNDED_S = 3.0
 # warm LP models (warm_lp.py) by problem: the searches memory_check runs again in one
 # compile build the same problem and go on from the last one's basis and rows
 _WARM: dict = {}
@@ -357,7 +361,11 @@ class SearchStrategies:
                     continue   # (a new row; solve the relaxation again)
                 relaxed = False   # (the exact rows from here; the rounded plan is their fallback)
             try:
-                sol = milp.solve(red, rows, limit, None if left is None else max(left, 0.5))
+                if found is not None:   # (a rounded plan that fits: the rows prove RELAXED_GAP, briefly)
+                    sol = milp.solve(red, rows, limit, EXACT_AFTER_ROUNDED_S if left is None else
+                                     max(min(left, EXACT_AFTER_ROUNDED_S), 0.5), rel_gap=self.relaxed_gap)
+                else:
+                    sol = milp.solve(red, rows, limit, None if left is None else max(left, 0.5))
             except ShardingError:   # the time limit, before any plan
                 if start is not None or found is not None:
                     break
@@ -374,6 +382,8 @@ class SearchStrategies:
             if found is not None and peak <= limit and problem.objective(sol.choice) >= found[0]:
                 sol.choice = found[1].choice   # (the exact solve stopped at its time limit above the rounded plan)
                 sol.status += f"; the rounded LP plan kept ({found[1].status})"
+                sol.bound = max(sol.bound, self._bound)   # (the best proven bound: the LP's, or the rows')
+                sol.gap = max(0.0, (found[0] - sol.bound) / found[0]) if found[0] else 0.0
             if peak <= limit:
                 if lag is not None and lag.choice is not None and lag.objective < problem.objective(sol.choice):
                     sol.choice = lag.choice   # (the exact solve hit its time limit above the multipliers' plan)
@@ -420,7 +430,15 @@ class SearchStrategies:
         if np.isfinite(lp.bound):   # (a relaxation of the problem under the limit)
             self._bound = max(self._bound, lp.bound)
         best, new_points = None, []
-        for choice in _roundings(lp, rows, memory, limit):
+        plans = _roundings(lp, rows, memory, limit, problem=problem)
+        seconds = lp.seconds
+        if warm is not None and lp.rounded:   # (LP diving: the warm model re-solves in a fraction of a solve)
+            t0 = time.perf_counter()
+            dived = _dive(lp, warm, red, rows, limit, self._deadline, problem)
+            seconds += time.perf_counter() - t0
+            if dived is not None:
+                plans.insert(0, dived)
+        for choice in plans:
             peak, at = memory.peak(choice)
             if peak <= limit:
                 t = problem.objective(choice)
@@ -433,13 +451,13 @@ class SearchStrategies:
             gap = max(0.0, (t - self._bound) / t) if t else 0.0
             how = "its optimum is integral" if not lp.rounded else f"rounded, within {gap:.2%} of its bound"
             sol = milp.Solution(choice, t, self._bound, gap if lp.rounded else 0.0,
-                                f"LP relaxation under {len(rows)} memory rows ({how})", lp.seconds, lp.variables,
+                                f"LP relaxation under {len(rows)} memory rows ({how})", seconds, lp.variables,
                                 lp.binaries)
-            return (t, sol), "exact" if lp.rounded else "optimal", lp.seconds
+            return (t, sol), "exact" if lp.rounded else "optimal", seconds
         for at in new_points[:1]:
             rows.append(memory.row(at))
             points.add(at)
-        return None, "more" if new_points else "exact", lp.seconds
+        return None, "more" if new_points else "exact", seconds
 
     def _settle(self, graph: Graph, problem: Problem, sol) -> float:
         """The solved plan, priced (its objective without the solver's tie-break); its peak."""
@@ -600,12 +618,16 @@ def _words(st, op, mesh) -> str:
     return f"{ins} factors [{axes}]"
 
 
-def _roundings(lp, rows: list, memory: "_Liveness", limit: float, tries: int = 3) -> list:
+def _roundings(lp, rows: list, memory: "_Liveness", limit: float, tries: int = 3, problem=None) -> list:
     """Plans from a fractional LP under memory rows: each decision to its heaviest
     candidate, then, where that is over the limit, more and more of the fractional
-    decisions to the candidate the LP weighs that holds the fewest bytes in the rows,
-    the most weighted first; the first prefix that fits (bisected: the bytes fall as it
-    grows) and the ``tries`` - 1 after it."""
+    decisions to the candidate the LP weighs that holds the fewest bytes in the rows;
+    the first prefix that fits (bisected: the bytes fall as it grows) and the ``tries``
+    - 1 after it. Two orders of switching: the most weighted first, and (given the
+    ``problem``) the cheapest per byte saved first: what the switch adds to the
+    heaviest plan's time over the bytes it takes off the rows (where the LP weighs
+    two whole plans alike on every decision, the weights say nothing about which to
+    switch, and that order switched far more than the limit needs)."""
     heavy, switch = {}, []
     for t, (cands, w) in lp.support.items():
         h = int(cands[int(np.argmax(w))])
@@ -613,27 +635,93 @@ def _roundings(lp, rows: list, memory: "_Liveness", limit: float, tries: int = 3
         held = sum((row.nodes[t][cands] for row in rows if t in row.nodes), np.zeros(len(cands)))
         lean = int(np.argmin(held - 1e-9 * w))   # (ties: the heavier)
         if int(cands[lean]) != h and held[lean] < held[int(np.argmax(w))]:
-            switch.append((-float(w[lean]), t, int(cands[lean])))
-    switch.sort()
+            switch.append((-float(w[lean]), t, int(cands[lean]), float(held[int(np.argmax(w))] - held[lean])))
+    switch.sort(key=lambda s: (s[0], s[1]))
 
-    def plan(j: int) -> dict:
+    def plan(order, j: int) -> dict:
         choice = dict(heavy)
-        for _, t, k in switch[:j]:
+        for _, t, k, _ in order[:j]:
             choice[t] = k
         return lp.complete(choice)
-    out = [plan(0)]
+    out = [plan(switch, 0)]
     if not switch or memory.peak(out[0])[0] <= limit:
         return out
-    lo, hi = 0, len(switch)   # plan(lo) is over; find the first j that fits
-    if memory.peak(plan(hi))[0] > limit:
-        return out + [plan(hi)]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if memory.peak(plan(mid))[0] <= limit:
-            hi = mid
+    orders = [switch]
+    if problem is not None:
+        base = out[0]
+        orders.append(sorted(switch, key=lambda s: (_switch_cost(problem, base, s[1], s[2]) / s[3], s[1])))
+    for order in orders:
+        lo, hi = 0, len(order)   # plan(lo) is over; find the first j that fits
+        if memory.peak(plan(order, hi))[0] > limit:
+            out.append(plan(order, hi))
+            continue
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if memory.peak(plan(order, mid))[0] <= limit:
+                hi = mid
+            else:
+                lo = mid
+        out += [plan(order, j) for j in range(hi, min(hi + tries, len(order) + 1))]
+    return out
+
+
+def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], problem, share: float = 0.25):
+    """LP diving, from the memory side: of the fractional decisions, fix those whose
+    leanest candidate the LP weighs (the fewest bytes in the rows) saves bytes the most
+    cheaply (``_switch_cost`` against the LP's heaviest plan, per byte; a quarter of
+    them at a time) to it, and solve the LP again from its last basis, until it is
+    integral: a plan that meets the rows, or None (infeasible, or out of time)."""
+    fixed: dict = {}
+    cur = lp
+    while cur.rounded:
+        if deadline is not None and time.perf_counter() >= deadline:
+            return None
+        frac = []
+        base = cur.complete(cur.choice)
+        for t, (cands, w) in cur.support.items():
+            if t in fixed or len(cands) < 2:
+                continue
+            held = sum((row.nodes[t][cands] for row in rows if t in row.nodes), np.zeros(len(cands)))
+            lean = int(np.argmin(held - 1e-9 * w))
+            saved = float(held[int(np.argmax(w))] - held[lean])
+            if int(cands[lean]) == base[t] or saved <= 0:
+                continue
+            frac.append((_switch_cost(problem, base, t, int(cands[lean])) / saved, t, int(cands[lean])))
+        if not frac:
+            return None
+        frac.sort()
+        batch = frac[:max(1, int(np.ceil(share * len(frac))))]
+        trial = dict(fixed)
+        trial.update({t: k for _, t, k in batch})
+        left = None if deadline is None else max(deadline - time.perf_counter(), 0.5)
+        nxt = warm.solve({**red.kept, **{t: np.array([k]) for t, k in trial.items()}}, rows, limit, left)
+        if not nxt.choice:
+            return None
+        fixed, cur = trial, nxt
+    return cur.choice
+
+
+def _switch_cost(problem: Problem, choice: dict, t: int, k: int) -> float:
+    """What the plan ``choice`` gains in modeled time with decision ``t`` at candidate
+    ``k`` instead (its own cost and its edges' against its neighbours' choices)."""
+    touching = getattr(problem, "_touching", None)
+    if touching is None:
+        touching = problem._touching = {}
+        for e in problem.edges:
+            touching.setdefault(e.a, []).append(e)
+            touching.setdefault(e.b, []).append(e)
+    j = choice[t]
+    delta = float(problem.unary[t][k] - problem.unary[t][j])
+    for e in touching.get(t, ()):
+        if e.a == t and e.b == t:
+            delta += float(e.cost[e.rows[k], e.cols[k]] - e.cost[e.rows[j], e.cols[j]])
+        elif e.a == t:
+            col = e.cost[:, e.cols[choice[e.b]]]
+            delta += float(col[e.rows[k]] - col[e.rows[j]])
         else:
-            lo = mid
-    return out + [plan(j) for j in range(hi, min(hi + tries, len(switch) + 1))]
+            row = e.cost[e.rows[choice[e.a]], :]
+            delta += float(row[e.cols[k]] - row[e.cols[j]])
+    return delta
 
 
 class _Liveness:
