@@ -376,7 +376,7 @@ def main(argv=None):
     for name, r in runs.items():
         if "mpmd" in r:
             mp = r["mpmd"]
-            actions = sum(1 for ins in mp.code if ins[0] == "run") - len(mp.segments)
+            actions = mp.actions_dispatched
             table = len(r["prog"].sim.tick_table)
             lines.append(f"   {name:<17} programs on bubbles: {'none' if actions == table else 'some'}   (the "
                          f"driver dispatches {actions} stage programs for the tick table's {table} actions)")

@@ -286,13 +286,20 @@ class MpmdProgram:
 
         held = {}                   # register -> (rank, bytes) of the activations a rank holds
 
+        pending = []                # this tick's moves: one device_put call for all of them
+
         def move(r, src, dst, label, log):
             out = reg()
             if r in held:
                 held[out] = (dst, held[r][1])
-            code.append(("move", r, out, (self.rows if label != "once" else self.whole)[dst]))
+            pending.append((r, out, (self.rows if label != "once" else self.whole)[dst]))
             log.append((src, dst, label))
             return out
+
+        def flush():
+            if pending:
+                code.append(("move",) + tuple(list(x) for x in zip(*pending)))
+                pending.clear()
 
         acts, cts, kept, acc, outs_b = {}, {}, {}, {}, {}
         sim = prog.sim
@@ -339,6 +346,8 @@ class MpmdProgram:
                     d2 = prog.rank_of(k - 1)
                     cts[(k - 1, mb)] = {v: move(r, d, d2, "cotangent", moves)
                                         for v, r in zip(self.bwd_in[k - 1], outs["sends"])}
+            flush()
+        self.actions_dispatched = sum(1 for ins in code if ins[0] == "run")
         if self.dp > 1:
             # each stage's partial sums over its dp group: summed once, before the once ops
             for k, regs in acc.items():
@@ -364,6 +373,7 @@ class MpmdProgram:
                 elif v in homes:
                     src = homes[v][0]
                     envs[d][v] = move(envs[src][v], src, d, "once", once_moves)
+                    flush()
                     homes[v].append(d)
                     args.append(envs[d][v])
                 else:
@@ -390,7 +400,7 @@ class MpmdProgram:
         keep = {r for o in self.outputs if o[0] in ("regs", "batched") for r in (o[1] if o[0] == "regs" else o[1])}
         last = {}
         for n, ins in enumerate(code):
-            for r in (ins[2] if ins[0] == "run" else [ins[1]]):
+            for r in ins[2] if ins[0] == "run" else ins[1]:
                 last[r] = n
         frees = [[] for _ in code]
         for r, n in last.items():
@@ -403,7 +413,7 @@ class MpmdProgram:
         # at once, in dispatch order: the schedule's in flight (1F1B about p-d, GPipe m)
         live, self.peak_activation_bytes = [0] * p, [0] * p
         for ins in self.code:
-            for r in (ins[3] if ins[0] == "run" else [ins[2]]):
+            for r in ins[3] if ins[0] == "run" else ins[2]:
                 if r in held:
                     live[held[r][0]] += held[r][1]
             self.peak_activation_bytes = [max(a, b) for a, b in zip(self.peak_activation_bytes, live)]
@@ -454,8 +464,9 @@ class MpmdProgram:
                 for r, x in zip(outs, fn(*[vals[a] for a in args])):
                     vals[r] = x
             else:
-                _, src, dst, dev, frees = ins
-                vals[dst] = jax.device_put(vals[src], dev)
+                _, srcs, dsts, where, frees = ins
+                for r, x in zip(dsts, jax.device_put([vals[a] for a in srcs], where)):
+                    vals[r] = x
             for r in frees:
                 vals[r] = None
         outs, new_copies = [], []
