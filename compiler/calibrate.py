@@ -17,7 +17,9 @@ read and its output written once (``passes/fusion.py``). Each time is the
 median of repetitions; a
 collective's is the difference between a program that runs it 9 times in a row and
 one that runs it once, over 8 (what a program costs to start is no collective's), the
-two run in turns.
+two run in turns. The wait a collective after compute adds (``sync_s``) is timed by
+``wait_clock``: where the devices outnumber the host's cores, CPU seconds over the
+cores, since a device waiting there leaves its core to a sibling's work.
 
     shardprop calibrate --mesh 8 -o profile.json        # 2x2x2, prices any mesh of 8 devices
     shardprop calibrate --mesh 2x4 --cpu                # forced CPU devices
@@ -25,8 +27,10 @@ two run in turns.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
+import os
 import statistics
 import sys
 import time
@@ -65,9 +69,27 @@ def parse_mesh(text: str) -> tuple:
     return tuple(sizes)
 
 
-def _median_time(fns, x, reps: int) -> list:
-    """Median seconds of each of ``fns`` on ``x``, run in turns (A, B, A, B, ...) so that a
-    busy spell of the machine hits them alike."""
+def host_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def wait_clock(devices):
+    """What a wait costs a step on ``devices`` is measured by: the wall clock, or where CPU
+    devices outnumber the host's cores (forced CPU devices: 8 threads on 2 cores), the
+    process's CPU seconds over its cores. There a device that waits at a collective leaves
+    its core to a sibling device's work, so the wait costs the step only the CPU it
+    burns; a wall clock charges the whole wait, and under other processes' load (which
+    takes the cores a waiting device leaves) more."""
+    cores = host_cores()
+    if devices[0].platform == "cpu" and len(devices) > cores:
+        return lambda: time.process_time() / cores
+    return time.perf_counter
+
+
+def _median_time(fns, x, reps: int, clock=time.perf_counter) -> list:
+    """Median seconds of each of ``fns`` on ``x`` by ``clock``, run in turns (A, B, A, B,
+    ...) so that a busy spell of the machine hits them alike."""
     import jax
     for f in fns:
         for _ in range(2):
@@ -75,9 +97,9 @@ def _median_time(fns, x, reps: int) -> list:
     times = [[] for _ in fns]
     for _ in range(reps):
         for f, ts in zip(fns, times):
-            t = time.perf_counter()
+            t = clock()
             jax.block_until_ready(f(x))
-            ts.append(time.perf_counter() - t)
+            ts.append(clock() - t)
     return [statistics.median(ts) for ts in times]
 
 
@@ -203,10 +225,10 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
     say = log or (lambda *_: None)
     t_start = time.perf_counter()
 
-    def timed(body, local_elems: int, *more) -> float:
+    def timed(body, local_elems: int, *more, clock=time.perf_counter) -> float:
         x = np.ones(n * local_elems, np.float32)
         x = jax.device_put(x, jax.sharding.NamedSharding(jmesh, jax.sharding.PartitionSpec(names)))
-        out = _median_time([_program(jmesh, f) for f in (body, *more)], x, reps)
+        out = _median_time([_program(jmesh, f) for f in (body, *more)], x, reps, clock)
         return out if more else out[0]
 
     links, pooled_all = [], []
@@ -240,8 +262,10 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
                     f"{own.bytes_per_s / 1e9:7.2f} GB/s")
         pooled_all += [x for samples in by_kind.values() for x in samples]
     default = _fit(pooled_all) if pooled_all else Link(5e-6, 100e9)
-    sync = _sync_time(timed, names, mesh, links)
-    say(f"  a collective after compute waits {sync * 1e6:.1f} us more than back to back (all devices)")
+    clock = wait_clock(devices[:n])
+    sync = _sync_time(functools.partial(timed, clock=clock), names)
+    say(f"  a collective after compute waits {sync * 1e6:.1f} us more than back to back (all devices"
+        + ("" if clock is time.perf_counter else f"; CPU seconds over {host_cores()} cores: they share them") + ")")
     combined = _combined_kinds(jmesh)
     say(f"  the compiler combines independent {', '.join(combined) or 'collectives of no kind'} into one launch")
 
@@ -309,21 +333,25 @@ def _flow_body(blocks: int, axes, chain: int, collective: bool):
     return body
 
 
-def _sync_time(timed, names, mesh, links) -> float:
+def _sync_time(timed, names) -> float:
     """What a collective that compute waits for costs beyond its back-to-back price: the
     devices reach it at different times (on a host whose cores are shared by the devices'
     threads, a descheduled thread holds the group up), so the group waits for its last.
     Chains of (compute phase -> one-element all_reduce over every device) against the same
-    phases alone, in turns, at phases of 1, 4 and 16 layer-like blocks, less the
-    all_reduce's fitted back-to-back time; the median, never negative."""
-    group = group_shape(names, mesh)
-    link = next(l for g, k, l in reversed(links) if g == group and k in ("all_reduce", ""))
+    phases alone, in turns, at phases of 1, 4 and 16 layer-like blocks, less the same
+    all_reduce back to back (a chain of them against one, timed by the same clock); the
+    median, never negative. ``timed`` measures by ``wait_clock``: where the devices share
+    the cores, CPU seconds, so a wait a sibling device's work fills costs nothing."""
+    rows, width = PHASE_SHAPE
+    bare = [_collective_body("all_reduce", names, 0, c) for c in (1 + CHAIN, 1)]   # (the group size is for gathers)
+    alone = timed(_prefix(bare[0], 1), rows * width, _prefix(bare[1], 1))
+    back_to_back = max(alone[0] - alone[1], 0.0) / CHAIN
     extra = []
     for blocks in PHASE_BLOCKS:
         bodies = [_flow_body(blocks, names, c, coll) for coll in (True, False) for c in (1 + CHAIN, 1)]
-        t = timed(bodies[0], PHASE_SHAPE[0] * PHASE_SHAPE[1], *bodies[1:])
+        t = timed(bodies[0], rows * width, *bodies[1:])
         per = ((t[0] - t[1]) - (t[2] - t[3])) / CHAIN
-        extra.append(per - link.time(wire_bytes("all_reduce", 4, mesh.axes_size(names))))
+        extra.append(per - back_to_back)
     return max(statistics.median(extra), 0.0)
 
 
