@@ -824,7 +824,7 @@ class PipelineFunction:
 
     def _call_mpmd(self, c, leaves):
         prog = c.prog
-        outs = self._mpmd_of(c)(leaves, prog.batch_mask)
+        outs = self._mpmd_of(c)(leaves)
         if c.float_fn is not None:
             # outputs computed from the inputs alone, as the SPMD path computes them
             need = [prog.invar_index[v] for v in prog._reads(prog.float_idxs) if v in prog.invar_index]

@@ -9,11 +9,13 @@ forward, the once ops and their phases, who owns each input); only the execution
   it reads, on its rank's device. Nothing is packed into flat rows and nothing is padded
   to the largest stage: a rank holds its own stage's parameters, at their own shapes;
 - a Python driver walks the schedule's tick table (the same table the simulator and the
-  SPMD lowering use) in tick order and dispatches each action without waiting for it
-  (jax dispatch is asynchronous); what a forward sends (a backward's input cotangents) is
-  moved to the next (previous) stage's device with ``jax.device_put``, only between
-  neighbouring ranks (and the interleaved wrap-around). So no rank waits at a tick for
-  the others: each device runs its actions as soon as their inputs are there;
+  SPMD lowering use) once, into a list of instructions over registers (``run`` an
+  action's program, ``move`` values with ``jax.device_put``); a call executes the list,
+  dispatching each action without waiting for it (jax dispatch is asynchronous). What a
+  forward sends (a backward's input cotangents) moves to the next (previous) stage's
+  device, only between neighbouring ranks (and the interleaved wrap-around). So no rank
+  waits at a tick for the others: each device runs its actions as soon as their inputs
+  are there, and a bubble dispatches nothing;
 - a backward's partial sums (weight gradients) are added into its stage's accumulator
   inside the same program, the accumulator donated (updated in place);
 - after the ticks, the once ops (the optimizer) run per rank in the plan's phases, on that
@@ -23,12 +25,15 @@ forward, the once ops and their phases, who owns each input); only the execution
 
 State: the step's new parameters and optimizer state come back as ordinary jax arrays,
 each committed to its stage's device; passed back to the step they are read in place.
-A value several ranks hold (a tied weight, Adam's step count) comes back as the first
-rank's array, and the driver remembers the other ranks' copies for the next call, so it
-is not sent again.
+A value several ranks hold (a tied weight and its optimizer state) comes back as the
+first rank's array, and the driver remembers the other ranks' copies for the next call,
+so it is not sent again.
 
-Only the pipeline axis: data or tensor parallel axes beside it are refused
-(``compiler/stages.py`` ``check_pipeline``).
+Data parallel inside a stage (a ``dp`` axis beside the pipeline's): each action is a
+``shard_map`` over its rank's dp group running the per-device program on its rows;
+per-device values are stacked on a leading dp dim, and a stage's partial sums are
+summed over dp once, before its once ops. Tensor-parallel axes and ZeRO are refused
+(``compiler/stages.py`` ``check_pipeline``, and here for a planned sub-mesh).
 """
 from __future__ import annotations
 
@@ -41,7 +46,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 from ..ir.errors import ShardingError
 
 F_, B_, I_, W_ = "forward", "backward", "backward_input", "backward_weight"
-REP = -1
 
 
 def _lit(a) -> bool:
@@ -447,7 +451,7 @@ class MpmdProgram:
             self.input_transfers.append((src, d, what, tuple(x.shape)))
         return jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), target)
 
-    def __call__(self, leaves, batch_mask=None):
+    def __call__(self, leaves):
         vals = [None] * self.nreg
         copies = {id(x): (x, c) for x, c in self._copies}
         self.input_transfers = []
@@ -493,16 +497,15 @@ class MpmdProgram:
         self._copies = new_copies
         return outs
 
-    def param_bytes(self, leaves) -> list:
+    def param_bytes(self) -> list:
         """Per rank, the bytes of the step's inputs stored there (its parameters and
-        optimizer state), at their own shapes."""
+        optimizer state, and what several ranks read: Adam's step count), at their own
+        shapes, per device."""
         per = [0] * self.p
         for v, ds in self.input_ranks.items():
-            i = self.prog.invar_index[v]
-            if self.prog.batch_mask[i]:
-                continue
-            for d in ds:
-                per[d] += int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
+            if not self.prog.batch_mask[self.prog.invar_index[v]]:
+                for d in ds:
+                    per[d] += _nbytes(v)
         return per
 
 
