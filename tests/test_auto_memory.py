@@ -231,3 +231,36 @@ def test_warm_lp_narrowed_by_bounds_equals_each_hand_plans_own_solve():
     cold = milp.solve(red, [row], limit, relax=True)
     assert under.bound == pytest.approx(cold.bound, rel=1e-6) and under.bound > free.bound * (1 + 1e-6)   # (it binds)
     assert model.solve().bound == pytest.approx(free.bound, rel=1e-9)   # (the row lifted)
+
+
+@pytest.mark.slow
+def test_lp_dive_meets_the_row_near_the_exact_optimum(frac=0.7):
+    """The rows' LP mixes the unlimited plan with a lean one; diving (lean candidates
+    fixed where they save bytes most cheaply, the LP solved again from its basis)
+    gives a plan that meets the row, at least the LP's bound, and within 1% of the
+    exact optimum under that row (where rounding each decision to its heaviest
+    candidate and switching the rest to their leanest was 1.4-5x above it)."""
+    from shardprop.passes.auto import milp, warm_lp
+    from shardprop.passes.auto.memory import plan_profile
+    from shardprop.passes.auto.problem import Problem
+    from shardprop.passes.auto.search import _dive, _Liveness
+    from shardprop.passes.cost import DEFAULT_COST
+    if not warm_lp.available():
+        pytest.skip("no HiGHS bindings (highspy, or scipy >= 1.15)")
+    params, x, y = problem_data(256, 64, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
+    problem = Problem(g, DEFAULT_COST)
+    memory = _Liveness(g, problem)
+    red = milp.reduce(problem, memory_matters=True)
+    model = warm_lp.WarmLP(red)
+    peak, at = memory.peak(model.solve().choice)
+    rows, limit = [memory.row(at)], frac * peak
+    lp = model.solve(red.kept, rows, limit)
+    assert lp.rounded   # (fractional: what the dive is for)
+    dived = _dive(lp, model, red, rows, limit, None, problem)
+    assert dived is not None
+    assert plan_profile(g, *problem.op_strategies(dived))[at] <= limit
+    exact = milp.solve(red, rows, limit, 60)
+    assert lp.bound <= problem.objective(exact.choice) * (1 + 1e-9)
+    assert problem.objective(exact.choice) * (1 - 1e-9) <= problem.objective(dived) <= \
+        problem.objective(exact.choice) * 1.01

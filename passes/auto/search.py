@@ -666,37 +666,53 @@ def _roundings(lp, rows: list, memory: "_Liveness", limit: float, tries: int = 3
 
 
 def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], problem, share: float = 0.25):
-    """LP diving, from the memory side: of the fractional decisions, fix those whose
-    leanest candidate the LP weighs (the fewest bytes in the rows) saves bytes the most
-    cheaply (``_switch_cost`` against the LP's heaviest plan, per byte; a quarter of
-    them at a time) to it, and solve the LP again from its last basis, until it is
-    integral: a plan that meets the rows, or None (infeasible, or out of time)."""
+    """LP diving, from the memory side, until the LP is integral: a plan that meets the
+    rows, or None (out of time, or nothing left to fix). While the LP's heaviest plan
+    (each decision at the candidate it weighs most) is over a row, the fractional
+    decisions whose leanest candidate the LP weighs (the fewest bytes in the rows)
+    saves bytes most cheaply (``_switch_cost`` against that plan, per byte) are fixed to
+    it, as many as cover the excess; once it is not, the quarter it is surest of are
+    fixed to their heaviest candidate. The LP is solved again from its last basis after
+    each batch; a batch that leaves it infeasible is halved, a single one skipped."""
     fixed: dict = {}
+    skip: set = set()
     cur = lp
     while cur.rounded:
         if deadline is not None and time.perf_counter() >= deadline:
             return None
-        frac = []
         base = cur.complete(cur.choice)
+        over = max(sum(float(vec[base[t]]) for t, vec in row.nodes.items()) for row in rows) - limit
+        lean, sure = [], []
         for t, (cands, w) in cur.support.items():
-            if t in fixed or len(cands) < 2:
+            if t in fixed or t in skip or len(cands) < 2:
                 continue
             held = sum((row.nodes[t][cands] for row in rows if t in row.nodes), np.zeros(len(cands)))
-            lean = int(np.argmin(held - 1e-9 * w))
-            saved = float(held[int(np.argmax(w))] - held[lean])
-            if int(cands[lean]) == base[t] or saved <= 0:
-                continue
-            frac.append((_switch_cost(problem, base, t, int(cands[lean])) / saved, t, int(cands[lean])))
-        if not frac:
+            i = int(np.argmax(w))
+            sure.append((-float(w[i]), t, int(cands[i]), 0.0))
+            j = int(np.argmin(held - 1e-9 * w))
+            saved = float(held[i] - held[j])
+            if int(cands[j]) != base[t] and saved > 0:
+                lean.append((_switch_cost(problem, base, t, int(cands[j])) / saved, t, int(cands[j]), saved))
+        if over > 0 and lean:
+            lean.sort()
+            cover = np.searchsorted(np.cumsum([f[3] for f in lean]), over) + 1
+            batch = lean[:max(1, min(int(cover), len(lean)))]
+        elif sure:
+            sure.sort()
+            batch = sure[:max(1, int(np.ceil(share * len(sure))))]
+        else:
             return None
-        frac.sort()
-        batch = frac[:max(1, int(np.ceil(share * len(frac))))]
-        trial = dict(fixed)
-        trial.update({t: k for _, t, k in batch})
-        left = None if deadline is None else max(deadline - time.perf_counter(), 0.5)
-        nxt = warm.solve({**red.kept, **{t: np.array([k]) for t, k in trial.items()}}, rows, limit, left)
+        while True:
+            trial = dict(fixed)
+            trial.update({t: k for _, t, k, _ in batch})
+            left = None if deadline is None else max(deadline - time.perf_counter(), 0.5)
+            nxt = warm.solve({**red.kept, **{t: np.array([k]) for t, k in trial.items()}}, rows, limit, left)
+            if nxt.choice or len(batch) == 1:
+                break
+            batch = batch[:len(batch) // 2]
         if not nxt.choice:
-            return None
+            skip.add(batch[0][1])
+            continue
         fixed, cur = trial, nxt
     return cur.choice
 
