@@ -15,6 +15,14 @@ problem (what choosing a plan needs).
     python bench/cost_model.py --profile p.json      # a profile from `shardprop calibrate`
     python bench/cost_model.py --problems seed_network --reps 5
     python bench/cost_model.py --baseline old.json   # an older profile, scored on the same runs
+    python bench/cost_model.py --limits 0.5,0.7,0.9 --cases gpt2_train_dp2xmp4
+                                             # auto under limits against the hand plans that fit,
+                                             # by CPU seconds per step beside the wall clock
+
+CPU seconds (the whole process's, every device thread) are what a step on forced CPU
+devices costs the cores: there a device that waits at a collective leaves its core to
+another device, so on a quiet machine the wall time follows them, and under other
+processes' load they move far less than the wall clock (docs/results/cost_model.md).
 
 The default model (GPU-like figures, what propagation plans with unless told
 otherwise) is scored beside the profile on the same measurements, and so is a
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import resource
 import statistics
 import sys
 import time
@@ -132,14 +141,89 @@ def measure(steps: list, reps: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
+def cpu_seconds() -> float:
+    """CPU seconds this process (every device thread) has spent."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def measure_cpu(steps: dict, rounds: int, burst: int = 2) -> dict:
+    """name -> (wall, CPU) median seconds per step of each of ``steps``, in turns, ``burst``
+    steps a turn."""
+    for f in steps.values():
+        for _ in range(2):
+            jax.block_until_ready(f())
+    got = {k: ([], []) for k in steps}
+    for _ in range(rounds):
+        for k, f in steps.items():
+            c, t = cpu_seconds(), time.perf_counter()
+            for _ in range(burst):
+                jax.block_until_ready(f())
+            got[k][0].append((time.perf_counter() - t) / burst)
+            got[k][1].append((cpu_seconds() - c) / burst)
+    return {k: (statistics.median(w), statistics.median(c)) for k, (w, c) in got.items()}
+
+
+def limits(case_names, fracs, rounds: int, profile) -> None:
+    """auto under each limit (a fraction of the free plan's modeled peak) against the hand
+    plans of ``compare.limited_hand_plans`` whose compiled peak fits, by CPU and wall."""
+    for case in zoo.cases() + zoo.limit_cases():
+        if case.name not in case_names:
+            continue
+        mesh = _mesh(*case.mesh)
+        host = jax.tree_util.tree_map(np.array, case.args())
+        fresh_args = lambda: jax.tree_util.tree_map(np.array, host)   # noqa: E731  (donated state is deleted)
+        zoo.annotate.mode = "plain"
+        reference = jax.jit(case.fn)(*case.args())
+        free = sp.parallelize(compare.fresh(case.fn), mesh=mesh, mode="auto", donate_argnums=case.state_argnums,
+                              progress=False, cost_model=profile).plan(*fresh_args())
+        hands = {}
+        for name, (mode, kw) in compare.limited_hand_plans(case).items():
+            step, ok, comp = compare.hand_step(case, mesh, fresh_args(), reference, mode, kw)
+            hands[name] = (step, compare.peak_memory(comp), ok)
+        for frac in fracs:
+            limit = int(frac * free.cost.peak_memory)
+            zoo.annotate.mode = "plain"
+            a = fresh_args()
+            try:
+                pf = sp.parallelize(compare.fresh(case.fn), mesh=mesh, mode="auto", progress=False,
+                                    donate_argnums=case.state_argnums, cost_model=profile, memory_limit=limit)
+                plan = pf.plan(*a)
+                comp = pf.lower(*a).compile()
+                compiled = pf._compile(a, {})
+            except sp.ShardingError as e:
+                print(f"{case.name} {frac}: auto failed: {str(e).splitlines()[0]}", flush=True)
+                continue
+            step = compare.feedback(comp, pf._flat_inputs(compiled, a, {}), plan.graph.tied_outputs)
+            out = jax.tree_util.tree_unflatten(compiled.out_tree, list(step()))
+            fit = [k for k, h in hands.items() if h[1] <= limit]
+            times = measure_cpu({"auto": step, **{k: hands[k][0] for k in fit}}, rounds)
+            print(f"{case.name} {frac}: search {plan.pass_seconds['search-strategies']:.1f} s, modeled "
+                  f"{plan.cost.step_time * 1e3:.2f} ms, peak / limit {compare.peak_memory(comp) / limit:.2f}, equal "
+                  f"to one device {compare.close(out, reference, case.train)}", flush=True)
+            print("   " + ", ".join(f"{k} CPU {c * 1e3:.1f} wall {w * 1e3:.1f} ms" for k, (w, c) in times.items()))
+            if fit:
+                by_cpu = min(fit, key=lambda k: times[k][1])
+                by_wall = min(fit, key=lambda k: times[k][0])
+                print(f"   auto / best hand: by CPU {times['auto'][1] / times[by_cpu][1]:.2f} ({by_cpu}), by wall "
+                      f"{times['auto'][0] / times[by_wall][0]:.2f} ({by_wall}); over the limit: "
+                      f"{[k for k in hands if k not in fit]}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="a profile from `shardprop calibrate` (default: the built-in 'cpu' one)")
     ap.add_argument("--baseline", help="another profile, scored on the same measurements (e.g. the one before)")
     ap.add_argument("--reps", type=int, default=15, help="timed rounds, median taken (default: 15)")
     ap.add_argument("--problems", nargs="*", help="run only these")
+    ap.add_argument("--limits", help="auto under these memory limits (fractions of the free plan's modeled peak, "
+                    "e.g. 0.5,0.7,0.9) against the hand plans that fit, by CPU seconds and wall (with --cases)")
+    ap.add_argument("--cases", nargs="*", default=["gpt2_train_dp2xmp4"], help="(--limits) bench/zoo.py cases")
     args = ap.parse_args()
     profile = CostModel.load(args.profile) if args.profile else CostModel.builtin("cpu")
+    if args.limits:
+        limits(args.cases, [float(f) for f in args.limits.split(",")], args.reps, profile)
+        return
     models = {"profile": profile, "default": DEFAULT_COST}
     if args.baseline:
         models["baseline"] = CostModel.load(args.baseline)

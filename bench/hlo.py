@@ -98,3 +98,49 @@ def collectives(hlo_text: str, num_devices: int) -> Collectives:
             shape = f"{res_dtype}[{res_dims}]"
         out.add(kind, shape_bytes(shape), group_size(line, num_devices))
     return out
+
+
+# -- where a step's time goes: a jax.profiler trace summed by HLO instruction -------------
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+(?P<op>[a-z\-]+)\(")
+
+
+def opcodes(hlo_text: str) -> dict:
+    """Instruction name -> what it is: its opcode, a fusion by its name's stem (XLA:CPU names
+    a fusion after what it fuses: ``ynn_fusion.34`` -> ``fusion:ynn_fusion``), the async
+    collectives by their kind."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        op = m.group("op")
+        if op == "fusion":
+            op = "fusion:" + re.sub(r"[._]?\d+$", "", m.group("name"))
+        out[m.group("name")] = op[:-len("-start")] if op.endswith("-start") else op
+    return out
+
+
+def time_by_opcode(trace_events, hlo_text: str) -> Counter:
+    """Microseconds per opcode (``opcodes``) summed over the complete events of a
+    ``jax.profiler`` trace (its ``traceEvents``) that name an instruction of ``hlo_text``;
+    runtime events (executor waits, rendezvous) are left out. On devices that share
+    cores an event's duration is wall time: a collective's holds its wait for the group,
+    and a compute op's time while its thread was descheduled."""
+    names = opcodes(hlo_text)
+    out: Counter = Counter()
+    for e in trace_events:
+        if e.get("ph") == "X" and e.get("name") in names:
+            out[names[e["name"]]] += e.get("dur", 0)
+    return out
+
+
+def read_trace(trace_dir) -> list:
+    """The events of the newest ``jax.profiler.trace(trace_dir)`` run."""
+    import glob
+    import gzip
+    import json
+    files = sorted(glob.glob(f"{trace_dir}/plugins/profile/*/*.trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no jax.profiler trace under {trace_dir}")
+    with gzip.open(files[-1]) as f:
+        return json.load(f)["traceEvents"]

@@ -304,3 +304,20 @@ def test_cpu_profile_prices_megatron_below_data_parallel_on_4x2():
         times[name] = modeled_step_time(plan.graph, cpu)
     assert times["marks"]["launched"] > 5 * times["DP"]["launched"]   # the pattern: collectives between compute
     assert times["marks"]["total"] < 0.9 * times["DP"]["total"]
+
+
+def test_bench_hlo_sums_a_trace_by_opcode():
+    # where a step's time goes: profiler events named by HLO instruction, summed per opcode
+    from bench.hlo import opcodes, time_by_opcode
+    hlo = """
+  %ynn_fusion.34 = f32[32,128]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation.34
+  %dot.66 = f32[128,512]{1,0} dot(%c, %d), lhs_contracting_dims={0}, rhs_contracting_dims={1}
+  %all-reduce = f32[8]{0} all-reduce(%e), replica_groups={{0,1}}, to_apply=%add
+  %ag = (f32[2]{0}, f32[4]{0}) all-gather-start(%f), replica_groups={{0,1}}, dimensions={0}
+"""
+    assert opcodes(hlo) == {"ynn_fusion.34": "fusion:ynn_fusion", "dot.66": "dot", "all-reduce": "all-reduce",
+                            "ag": "all-gather"}
+    events = [{"ph": "X", "name": "ynn_fusion.34", "dur": 5}, {"ph": "X", "name": "dot.66", "dur": 7},
+              {"ph": "X", "name": "dot.66", "dur": 1}, {"ph": "X", "name": "Rendezvous", "dur": 100},
+              {"ph": "M", "name": "dot.66"}]
+    assert time_by_opcode(events, hlo) == {"fusion:ynn_fusion": 5, "dot": 8}
