@@ -824,11 +824,12 @@ class PipelineFunction:
 
     def _call_mpmd(self, c, leaves):
         prog = c.prog
-        outs = self._mpmd_of(c)(leaves)
+        allv = list(leaves) + list(c.consts)    # a planned sub-mesh's constants are inputs after the user's
+        outs = self._mpmd_of(c)(allv)
         if c.float_fn is not None:
             # outputs computed from the inputs alone, as the SPMD path computes them
             need = [prog.invar_index[v] for v in prog._reads(prog.float_idxs) if v in prog.invar_index]
-            floats = iter(c.float_fn({i: leaves[i] for i in need}))
+            floats = iter(c.float_fn({i: allv[i] for i in need}))
             outs = [next(floats) if s[0] == "float" else o for o, s in zip(outs, prog.out_spec)]
         return jax.tree.unflatten(c.out_tree, outs)
 

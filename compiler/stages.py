@@ -154,9 +154,4 @@ def check_pipeline(pipeline: Pipeline, axis_names, axis_sizes) -> int:
     if p < 2:
         raise ShardingError(f"the pipeline axis {pipeline.axis!r} has size {p}: a pipeline needs at least 2 stages "
                             "(for one stage, use sp.parallelize without pipeline=)")
-    beside = {a: int(n) for a, n in zip(names, axis_sizes) if a not in (pipeline.axis, "dp") and int(n) > 1}
-    if pipeline.lowering == "mpmd" and beside:
-        raise ShardingError(f'Pipeline(lowering="mpmd") runs stages over the pipeline axis, with data parallel '
-                            f'inside a stage over "dp"; this mesh also has {beside}: use lowering="spmd" (the '
-                            f'default) for tensor parallel axes beside the pipeline')
     return p

@@ -32,8 +32,12 @@ so it is not sent again.
 Data parallel inside a stage (a ``dp`` axis beside the pipeline's): each action is a
 ``shard_map`` over its rank's dp group running the per-device program on its rows;
 per-device values are stacked on a leading dp dim, and a stage's partial sums are
-summed over dp once, before its once ops. Tensor-parallel axes and ZeRO are refused
-(``compiler/stages.py`` ``check_pipeline``, and here for a planned sub-mesh).
+summed over dp once, before its once ops. Tensor parallel axes and ZeRO-1 (a per-rank
+program planned on the axes beside the pipeline's, ``prog.sub``): each action and each
+once phase is a ``shard_map`` over the rank's sub-mesh running that program with its
+collectives; the step's inputs go in, and its outputs come out, under their planned
+layouts, and every other value is each device's own, stacked over the sub-mesh. One
+Python process drives every device: several processes are refused.
 """
 from __future__ import annotations
 
@@ -60,19 +64,27 @@ class MpmdProgram:
     """The MPMD step for one input signature, built on a planned ``PipelineProgram``."""
 
     def __init__(self, prog, devices):
-        """``devices``: per pipeline rank, its devices (one, or its ``dp`` group in order)."""
-        if prog.sub is not None:
-            raise ShardingError('Pipeline(lowering="mpmd") runs stages over the pipeline axis, and data parallel '
-                                'inside a stage ("dp"); for tensor parallel axes or ZeRO beside it use '
-                                'lowering="spmd" (the default)')
+        """``devices``: per pipeline rank, its devices (one, its ``dp`` group, or its
+        sub-mesh over ``prog.sub``'s axes, in mesh order)."""
+        if jax.process_count() > 1:
+            raise ShardingError(f'Pipeline(lowering="mpmd") drives every stage from one Python process, and this '
+                                f'run has {jax.process_count()} processes: use lowering="spmd" (the default) over '
+                                'several processes')
         self.prog, self.p, self.S, self.m = prog, prog.p, prog.S, prog.m
+        self.sub = prog.sub
         groups = [list(np.asarray(g, dtype=object).reshape(-1)) for g in devices]
         if len(groups) != self.p:
             raise ShardingError(f'Pipeline(lowering="mpmd"): {len(groups)} device groups for {self.p} ranks')
         self.dp = len(groups[0])
         self.devices = [g[0] for g in groups]   # per rank, its first device (its only one without dp)
         self.groups = [frozenset(g) for g in groups]
-        if self.dp == 1:
+        if self.sub is not None:
+            # a planned per-rank program (tensor parallel, ZeRO): its inputs and outputs under
+            # their planned layouts; every other value is a device's own, stacked over the group
+            sub = self.sub
+            self.meshes = [Mesh(np.asarray(g, dtype=object).reshape(sub.sizes), tuple(sub.axes)) for g in groups]
+            self.whole = self.rows = [NamedSharding(mh, P(tuple(sub.axes))) for mh in self.meshes]
+        elif self.dp == 1:
             self.whole = self.rows = [SingleDeviceSharding(g[0]) for g in groups]
         else:
             # a rank's values: replicated over its dp group (state, once results) or split on dim 0
@@ -129,7 +141,10 @@ class MpmdProgram:
             part = [env[v] for v in a["accs"]]
             summed = part if not nacc else [x + y for x, y in zip(vals[:nacc], part)]
             return summed + [env[v] for v in a["sends"] + a["keep"] + a["outs_b"]]
-        if self.dp == 1:
+        if self.sub is not None:
+            fn = self._per_device(run, d, ["stacked"] * nacc + [self._arg_kind(v) for v in reads], reads,
+                                  donate=nacc)
+        elif self.dp == 1:
             fn = jax.jit(run, out_shardings=self.whole[d], donate_argnums=tuple(range(nacc)))
         else:
             # each device of the group runs the per-device program on its rows; what it
@@ -145,6 +160,38 @@ class MpmdProgram:
                          donate_argnums=tuple(range(nacc)))
         a["fns"][first] = fn
         return fn
+
+    def _per_device(self, run, d, kinds, reads, donate=0):
+        """``run`` (the per-rank program's equations) as a ``shard_map`` over rank ``d``'s
+        sub-mesh: inputs of the step under their planned layouts, stacked values as each
+        device's own; every result stacked."""
+        sub, axes = self.sub, tuple(self.sub.axes)
+        nstack = len(kinds) - len(reads)
+        specs = [P(axes)] * nstack + [sub.spec(sub.in_dims[self.prog.invar_index[v]]) if kd != "stacked"
+                                      else P(axes) for kd, v in zip(kinds[nstack:], reads)]
+
+        def per_device(*vals):
+            vals = [x[0] if kd == "stacked" else x for x, kd in zip(vals, kinds)]
+            return [x[None] for x in run(*vals)]
+        return jax.jit(jax.shard_map(per_device, mesh=self.meshes[d], in_specs=tuple(specs), out_specs=P(axes),
+                                     check_vma=False), donate_argnums=tuple(range(donate)))
+
+    def _out_fn(self, d, n):
+        """A stacked value of rank ``d`` -> the step's output ``n`` under its planned layout."""
+        key = ("out", d, n)
+        if key not in self._splits:
+            sub = self.sub
+            self._splits[key] = jax.jit(jax.shard_map(lambda x: x[0], mesh=self.meshes[d],
+                                                      in_specs=P(tuple(sub.axes)),
+                                                      out_specs=sub.spec(sub.out_dims[n]), check_vma=False))
+        return self._splits[key]
+
+    def _in_sharding(self, i, d):
+        """Where input ``i`` lies on rank ``d``: replicated, its rows split over dp, or (a
+        planned sub-mesh) its planned layout."""
+        if self.sub is not None:
+            return NamedSharding(self.meshes[d], self.sub.spec(self.sub.in_dims[i]))
+        return self.rows[d] if self.prog.batch_mask[i] else self.whole[d]
 
     def _arg_kind(self, v) -> str:
         """How an action's input lies on its dp group: ``"rows"`` (a micro-batch, split on
@@ -258,7 +305,10 @@ class MpmdProgram:
                 env.update(zip(reads, vals))
                 prog._run(idxs, env)
                 return [env[v] for v in outs]
-            s["fn"] = jax.jit(run, out_shardings=self.whole[s["rank"]])
+            if self.sub is not None:
+                s["fn"] = self._per_device(run, s["rank"], [self._arg_kind(v) for v in reads], reads)
+            else:
+                s["fn"] = jax.jit(run, out_shardings=self.whole[s["rank"]])
         return s["fn"]
 
     # ---------------------------------------------------------------- the driver's code
@@ -352,7 +402,7 @@ class MpmdProgram:
                                         for v, r in zip(self.bwd_in[k - 1], outs["sends"])}
             flush()
         self.actions_dispatched = sum(1 for ins in code if ins[0] == "run")
-        if self.dp > 1:
+        if self.dp > 1 and self.sub is None:
             # each stage's partial sums over its dp group: summed once, before the once ops
             for k, regs in acc.items():
                 d = prog.rank_of(k)
@@ -425,13 +475,13 @@ class MpmdProgram:
                 if r in held:
                     live[held[r][0]] -= held[r][1]
 
-    def _split_fn(self, d):
-        """A batch leaf (on rank ``d``, its rows split over dp) -> its ``m`` micro-batches."""
-        if d not in self._splits:
+    def _split_fn(self, i, d):
+        """Batch leaf ``i`` (on rank ``d``, its rows split over dp) -> its ``m`` micro-batches."""
+        if (i, d) not in self._splits:
             m = self.m
-            self._splits[d] = jax.jit(lambda x: [x[n * (x.shape[0] // m):(n + 1) * (x.shape[0] // m)]
-                                                 for n in range(m)], out_shardings=self.rows[d])
-        return self._splits[d]
+            self._splits[(i, d)] = jax.jit(lambda x: [x[n * (x.shape[0] // m):(n + 1) * (x.shape[0] // m)]
+                                                      for n in range(m)], out_shardings=self._in_sharding(i, d))
+        return self._splits[(i, d)]
 
     def _sum_fn(self, d):
         """Per-device partial sums (stacked over rank ``d``'s dp group) -> their sum, on every
@@ -440,11 +490,11 @@ class MpmdProgram:
             self._splits[("sum", d)] = jax.jit(lambda *xs: [x.sum(0) for x in xs], out_shardings=self.whole[d])
         return self._splits[("sum", d)]
 
-    def _put(self, x, d, what="input"):
-        """``x`` on rank ``d``'s devices (replicated; a batch split on dim 0); logged
+    def _put(self, x, i, d, what="input"):
+        """Input ``i``'s value ``x`` on rank ``d``'s devices (``_in_sharding``); logged
         (``(from, to, what, shape)``) when it comes from another rank's devices."""
         src = _rank_of_array(x, self.groups)
-        target = self.rows[d] if what == "batch" else self.whole[d]
+        target = self._in_sharding(i, d)
         if src == d and (self.dp == 1 or x.sharding.is_equivalent_to(target, x.ndim)):
             return x
         if src is not None and src != d:
@@ -458,9 +508,9 @@ class MpmdProgram:
         for (i, d), r in self.loads.items():
             x = leaves[i]
             kept = copies.get(id(x))
-            vals[r] = kept[1][d] if kept is not None and kept[0] is x and d in kept[1] else self._put(x, d)
+            vals[r] = kept[1][d] if kept is not None and kept[0] is x and d in kept[1] else self._put(x, i, d)
         for (i, d), regs in self.batch_loads.items():
-            for r, x in zip(regs, self._split_fn(d)(self._put(leaves[i], d, "batch"))):
+            for r, x in zip(regs, self._split_fn(i, d)(self._put(leaves[i], i, d, "batch"))):
                 vals[r] = x
         for ins in self.code:
             if ins[0] == "run":
@@ -474,7 +524,7 @@ class MpmdProgram:
             for r in frees:
                 vals[r] = None
         outs, new_copies = [], []
-        for spec in self.outputs:
+        for n, spec in enumerate(self.outputs):
             if spec[0] == "literal":
                 outs.append(jnp.asarray(spec[1]))
             elif spec[0] == "input":
@@ -490,10 +540,13 @@ class MpmdProgram:
                              for x in parts]
                 outs.append(jnp.concatenate(parts, axis=spec[2]) if len(parts) > 1 else parts[0])
             else:
-                x = vals[spec[1][0]]
+                held = {d: vals[r] for d, r in zip(spec[2], spec[1])}
+                if self.sub is not None:
+                    held = {d: self._out_fn(d, n)(x) for d, x in held.items()}
+                x = held[spec[2][0]]
                 outs.append(x)
-                if len(spec[1]) > 1:
-                    new_copies.append((x, {d: vals[r] for d, r in zip(spec[2], spec[1])}))
+                if len(held) > 1:
+                    new_copies.append((x, held))
         self._copies = new_copies
         return outs
 

@@ -8,6 +8,9 @@ import optax
 import pytest
 
 import shardprop as sp
+from jax.sharding import PartitionSpec as P
+
+from tests.test_pipeline_compose import tp_mlp
 from tests.test_pipeline_lowering import B, D, assert_matches_one_device, even_cuts, gpt_pipeline_case, mlp
 
 
@@ -43,7 +46,7 @@ def test_mpmd_pp2_1f1b_equals_one_device_and_sends_only_to_neighbours():
 @pytest.mark.parametrize("schedule,p,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("zero_bubble", 4, 1),
                                           ("interleaved", 4, 2), ("1f1b", 8, 1)])
 def test_mpmd_schedules_equal_one_device(schedule, p, v):
-    step, params, opt_state, batch = mlp(8, even_cuts(8, p * v))
+    step, params, opt_state, batch = mlp(p * v, even_cuts(p * v, p * v))      # one layer per model stage
     pstep = sp.parallelize(step, **mpmd(p, microbatches=4 if v == 1 else p, schedule=schedule, virtual_stages=v))
     assert_matches_one_device(step, params, opt_state, (batch,), pstep)
     mp = pstep.mpmd(params, opt_state, batch)
@@ -93,7 +96,6 @@ def test_mpmd_1f1b_holds_fewer_activations_than_gpipe():
     assert max(peak["1f1b"]) <= 0.6 * max(peak["gpipe"])
 
 
-@pytest.mark.slow
 def test_mpmd_forward_only():
     k = jax.random.PRNGKey(1)
     ws = [jax.random.normal(jax.random.fold_in(k, i), (D, D)) for i in range(4)]
@@ -181,9 +183,34 @@ def test_mpmd_forward_only_pp2_by_dp2():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
-def test_mpmd_refuses_other_axes_and_unknown_lowerings():
+@pytest.mark.slow
+def test_mpmd_tensor_parallel_mlp_pp2_mp2_equals_one_device():
+    """Tensor parallel inside each stage: the per-rank program planned on the mp axis,
+    each action a shard_map over the rank's pair of devices with the plan's collectives;
+    each weight comes back split over mp on its stage's pair."""
+    step, params, opt_state, data = tp_mlp()
+    pstep = sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches=2, schedule="1f1b", lowering="mpmd"))
+    p2, _ = assert_matches_one_device(step, params, opt_state, data, pstep)
+    mp = pstep.mpmd(params, opt_state, *data)
+    assert p2[1][0].devices() == mp.groups[1] and p2[1][0].sharding.spec == P(None, "mp")
+    assert neighbours(mp.transfers, 2) and mp.once_transfers == []
+
+
+@pytest.mark.slow
+def test_mpmd_pp2_dp2_zero1_equals_one_device():
+    """ZeRO-1 over dp inside each stage (the step planned on the dp axis): Adam's moments
+    come back split over dp on their stage's pair of devices."""
     step, params, opt_state, batch = mlp(2, {0})
-    with pytest.raises(sp.ShardingError, match=r"lowering=\"mpmd\".*'mp': 2.*use lowering=\"spmd\""):
-        sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), pipeline=sp.Pipeline(microbatches=4, lowering="mpmd"))
+    pstep = sp.parallelize(step, mesh=((2, 2), ("pp", "dp")), shard_optimizer_state=True,
+                           pipeline=sp.Pipeline(microbatches=2, schedule="1f1b", lowering="mpmd"))
+    p2, o2 = assert_matches_one_device(step, params, opt_state, (batch,), pstep)
+    mp = pstep.mpmd(params, opt_state, batch)
+    for d in range(2):
+        for x in jax.tree.leaves((o2[0].mu[d], o2[0].nu[d])):
+            assert x.sharding.spec == P("dp") and x.devices() == mp.groups[d]
+
+
+def test_mpmd_refuses_unknown_lowerings():
     with pytest.raises(sp.ShardingError, match=r"lowering='mimd'.*'spmd', 'mpmd'"):
         sp.Pipeline(lowering="mimd")
