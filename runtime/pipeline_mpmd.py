@@ -98,7 +98,7 @@ class MpmdProgram:
         self.transfers, self.once_transfers = [], []
         self.input_transfers = []               # inputs (state, batch) moved from one rank's device to another's
         self._copies = []                       # (array returned, {rank: its copy there}) of the last call
-        self._splits = {}                       # the batch's split and dp's sum per rank, jitted
+        self._splits = {}                       # small jitted helpers: batch splits, dp sums, output layouts
         self._plan_actions()
         self._plan_once()
         self._compile_code()
@@ -108,14 +108,14 @@ class MpmdProgram:
         """Per (kind, model stage): the program's inputs (in order), where each comes from,
         and its outputs: what it sends, keeps for its backward, accumulates and outputs."""
         prog, j = self.prog, self.j
+        # what a stage receives, in the order its neighbour sends it (both deduplicated, as
+        # the SPMD lowering's packing pairs them)
         self.fwd_in = {k: _unique(prog.fwd_in.get(k, [])) for k in range(self.S)}
-        self.fwd_out = {k: _unique(prog.fwd_out.get(k, [])) for k in range(self.S)}
         self.bwd_in = {k: _unique(prog.bwd_in.get(k, [])) for k in range(self.S)}
-        self.bwd_out = {k: _unique(prog.bwd_out.get(k, [])) for k in range(self.S)}
         self.actions = {}
         for (kind, k), pr in prog.progs.items():
             reads = [v for v in pr["reads"] if v not in self.consts]
-            sends = [a for a in pr["sends"] if not _lit(a)]
+            sends = _unique(a for a in pr["sends"] if not _lit(a))
             keep = list(prog.resid[k].vars) if kind == F_ else []
             accs = _unique(pr["accs"])
             outs_b = _unique(pr["outs_b"])
