@@ -128,6 +128,20 @@ def test_tied_embedding_gpt_pp4_mp2_equals_one_device():
     for d in range(4):
         held, stage = held_and_stage_params(prog, n_params, d)
         assert held <= 1.1 * stage / 2, (d, held, stage)
+    # the compiled program: the tied gradients go between the owners (ranks 0 and 3, same
+    # mp rank) by collective-permutes of the embedding's local block, and nothing of that
+    # size is all-reduced over pp (the masked psum that summed them on every rank)
+    hlo = pstep.lower_text(params, opt_state, *data)
+    wte_block = int(np.prod(params["wte"].shape)) // 2
+    far = [(elems, pairs) for kind, elems, pairs in pp_collectives(hlo, mp=2)
+           if kind == "collective-permute" and any(abs(a[0] - b[0]) > 1 for a, b in pairs)]
+    assert far, "no exchange between the tied weight's owners"
+    for elems, pairs in far:
+        assert elems == wte_block, (elems, pairs)
+        assert all({a[0], b[0]} == {0, 3} and a[1] == b[1] for a, b in pairs), pairs
+    reduced = [(kind, elems) for kind, elems, groups in pp_collectives(hlo, mp=2)
+               if kind != "collective-permute" and elems >= wte_block]
+    assert not reduced, reduced
 
 
 @pytest.mark.slow
@@ -153,6 +167,31 @@ def _replica_groups(text: str) -> list:
     if m.group(4):
         ids = ids.transpose([int(x) for x in m.group(4).split(",")])
     return ids.reshape(g, s).tolist()
+
+
+def pp_collectives(hlo: str, mp: int) -> list:
+    """The collectives of compiled HLO on a ``((p, mp), ("pp", "mp"))`` mesh that cross
+    pipeline ranks: ``(kind, elements, pairs or groups)``, each device as (pp rank, mp
+    rank): a collective-permute's ``(source, target)`` pairs, another collective's groups."""
+    rank = lambda dev: divmod(dev, mp)   # noqa: E731
+    found = []
+    for line in hlo.splitlines():
+        op = re.search(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(",
+                       line)
+        if not op:
+            continue
+        shape = re.findall(r"\[([0-9,]*)\]", op.group(1))
+        elems = max(int(np.prod([int(x) for x in s.split(",") if x])) for s in shape) if shape else 1
+        if op.group(2) == "collective-permute":
+            text = re.search(r"source_target_pairs=\{([{}0-9,]*)\}", line).group(1)
+            pairs = [(rank(int(a)), rank(int(b))) for a, b in re.findall(r"\{(\d+),(\d+)\}", text)]
+            if any(a[0] != b[0] for a, b in pairs):
+                found.append((op.group(2), elems, pairs))
+        else:
+            groups = _replica_groups(re.search(r"replica_groups=(\S+?)(?:, [a-z_]+=|$)", line).group(1))
+            if any(len({rank(d)[0] for d in g}) > 1 for g in groups):
+                found.append((op.group(2), elems, [[rank(d) for d in g] for g in groups]))
+    return found
 
 
 @pytest.mark.slow
