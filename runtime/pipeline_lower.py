@@ -380,8 +380,9 @@ class PipelineProgram:
         """Once ops that combine stages (REP, ``an.rep_once``) run on every rank. Phase q:
         the REP ops of phase q, then every rank's stage once ops of phase <= q (recomputed:
         each phase's switch is a fresh program), then the stage values a later REP op reads
-        go where they are needed (``_share``: to the ranks that need them, or a masked psum when every rank does). A REP op reading a stage value of phase q is phase q+1;
-        a stage op reading a REP value of phase q is phase q."""
+        go where they are needed (``_share``: a ppermute to the ranks that need them, or a
+        masked psum when every rank does). A REP op reading a stage value of phase q is
+        phase q+1; a stage op reading a REP value of phase q is phase q."""
         an, j = self.an, self.j
         home = {}       # var -> stage, or REP
         phase = {}      # var -> phase it is available in (REP vars) or computed in (stage vars)
