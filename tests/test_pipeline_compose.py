@@ -219,7 +219,8 @@ def test_per_rank_checks_pp4_mp2():
 def test_options_with_a_pipeline():
     step, params, opt_state, data = tp_mlp()
     with pytest.raises(sp.ShardingError, match="does not take mode yet"):
-        sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), mode="auto", pipeline=sp.Pipeline(microbatches=2))
+        sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), mode="data_parallel", pipeline=sp.Pipeline(microbatches=2))
+    assert sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), mode="auto", pipeline=sp.Pipeline(microbatches=2)).planned
     with pytest.raises(sp.ShardingError, match="ZeRO-1 splits the optimizer state over data-parallel axes"):
         sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), shard_optimizer_state=True,
                        pipeline=sp.Pipeline(microbatches=2))
