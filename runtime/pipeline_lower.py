@@ -1034,3 +1034,46 @@ def zero_filled_concatenates(hlo_text: str) -> list:
                 found.append(name)
                 break
     return found
+
+
+def replica_groups(text: str) -> list:
+    """The device groups of an HLO ``replica_groups=`` value: explicit ``{{0,1},{2,3}}``
+    or the iota form ``[G,S]<=[dims]T(perm)``."""
+    import re
+    if text.startswith("{"):
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", text)]
+    m = re.match(r"\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+    g, s = int(m.group(1)), int(m.group(2))
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+        ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return ids.reshape(g, s).tolist()
+
+
+def collectives_across_pipeline(hlo_text: str, inner: int) -> list:
+    """The collectives of compiled HLO text that cross pipeline ranks, on a mesh whose
+    pipeline axis comes first and the other axes hold ``inner`` devices (device ``n`` is
+    pipeline rank ``n // inner``, sub-mesh rank ``n % inner``): ``(kind, elements, pairs
+    or groups)`` with each device as ``(pipeline rank, sub-mesh rank)``; a
+    collective-permute's ``(source, target)`` pairs, another collective's groups."""
+    import re
+    rank = lambda dev: divmod(dev, inner)   # noqa: E731
+    found = []
+    for line in hlo_text.splitlines():
+        op = re.search(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(",
+                       line)
+        if not op:
+            continue
+        shape = re.findall(r"\[([0-9,]*)\]", op.group(1))
+        elems = max(int(np.prod([int(x) for x in s.split(",") if x])) for s in shape) if shape else 1
+        if op.group(2) == "collective-permute":
+            text = re.search(r"source_target_pairs=\{([{}0-9,]*)\}", line).group(1)
+            pairs = [(rank(int(a)), rank(int(b))) for a, b in re.findall(r"\{(\d+),(\d+)\}", text)]
+            if any(a[0] != b[0] for a, b in pairs):
+                found.append((op.group(2), elems, pairs))
+        else:
+            groups = replica_groups(re.search(r"replica_groups=(\S+?)(?:, [a-z_]+=|$)", line).group(1))
+            if any(len({rank(d)[0] for d in g}) > 1 for g in groups):
+                found.append((op.group(2), elems, [[rank(d) for d in g] for g in groups]))
+    return found

@@ -1,7 +1,6 @@
 """Pipeline stages composed with tensor parallelism and ZeRO-1 (issue 26): the step planned
 once on the mesh axes beside ``pp`` (compiler/pipeline_submesh.py), each stage's work run
 tensor parallel, against one device; and the per-rank checks of the compiled program."""
-import re
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardprop as sp
+from shardprop.runtime.pipeline_lower import collectives_across_pipeline, replica_groups
 from tests.test_pipeline_lowering import assert_matches_one_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -141,45 +141,6 @@ def test_fewer_microbatches_than_stages_equals_one_device(m):
     assert pstep.plan(params, opt_state, *data).pipeline.microbatches == m
 
 
-def _replica_groups(text: str) -> list:
-    """The device groups of an HLO ``replica_groups=`` value: explicit ``{{0,1},{2,3}}``
-    or the iota form ``[G,S]<=[dims]T(perm)``."""
-    if text.startswith("{"):
-        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", text)]
-    m = re.match(r"\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
-    g, s = int(m.group(1)), int(m.group(2))
-    dims = [int(x) for x in m.group(3).split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m.group(4):
-        ids = ids.transpose([int(x) for x in m.group(4).split(",")])
-    return ids.reshape(g, s).tolist()
-
-
-def pp_collectives(hlo: str, mp: int) -> list:
-    """The collectives of compiled HLO on a ``((p, mp), ("pp", "mp"))`` mesh that cross
-    pipeline ranks: ``(kind, elements, pairs or groups)``, each device as (pp rank, mp
-    rank): a collective-permute's ``(source, target)`` pairs, another collective's groups."""
-    rank = lambda dev: divmod(dev, mp)   # noqa: E731
-    found = []
-    for line in hlo.splitlines():
-        op = re.search(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(",
-                       line)
-        if not op:
-            continue
-        shape = re.findall(r"\[([0-9,]*)\]", op.group(1))
-        elems = max(int(np.prod([int(x) for x in s.split(",") if x])) for s in shape) if shape else 1
-        if op.group(2) == "collective-permute":
-            text = re.search(r"source_target_pairs=\{([{}0-9,]*)\}", line).group(1)
-            pairs = [(rank(int(a)), rank(int(b))) for a, b in re.findall(r"\{(\d+),(\d+)\}", text)]
-            if any(a[0] != b[0] for a, b in pairs):
-                found.append((op.group(2), elems, pairs))
-        else:
-            groups = _replica_groups(re.search(r"replica_groups=(\S+?)(?:, [a-z_]+=|$)", line).group(1))
-            if any(len({rank(d)[0] for d in g}) > 1 for g in groups):
-                found.append((op.group(2), elems, [[rank(d) for d in g] for g in groups]))
-    return found
-
-
 @pytest.mark.slow
 def test_per_rank_checks_pp4_mp2():
     """On the tied-embedding GPT: exchanges over pp only between neighbours (same mp rank),
@@ -192,7 +153,7 @@ def test_per_rank_checks_pp4_mp2():
     pstep = sp.parallelize(step, mesh=((pp, mp), ("pp", "mp")), batch_argnums=(2, 3),
                            pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
     hlo = pstep.lower_text(params, opt_state, *data)
-    crossing = pp_collectives(hlo, mp)
+    crossing = collectives_across_pipeline(hlo, mp)
     wte_block = int(np.prod(params["wte"].shape)) // mp
     permutes = [(elems, pairs) for kind, elems, pairs in crossing if kind == "collective-permute"]
     assert permutes
