@@ -1061,8 +1061,9 @@ def collectives_across_pipeline(hlo_text: str, inner: int) -> list:
     rank = lambda dev: divmod(dev, inner)   # noqa: E731
     found = []
     for line in hlo_text.splitlines():
-        op = re.search(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(",
-                       line)
+        # the result type: one array, or a tuple of them where XLA combined collectives
+        op = re.search(r"= (\([^=]*?\)|\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                       r"(-start)?\(", line)
         if not op:
             continue
         shape = re.findall(r"\[([0-9,]*)\]", op.group(1))
