@@ -114,7 +114,8 @@ def tied_exchange(reps: int) -> None:
 
 def auto_mode(steps: int, width: int) -> None:
     print(f"== 2. mode='auto' on ((4, 2), ('pp', 'mp')), Adam lr {LR}, {steps} steps against one device")
-    cases = [("stage marks, no shard mark, no pipeline=", mlp(8, width, 32, stage_marks=4), {}),
+    cases = [("stage marks, no shard mark, no pipeline=", mlp(4, width, 16, stage_marks=4), {}),
+             ("stage marks, no shard mark, no pipeline=", mlp(8, width, 32, stage_marks=4), {}),
              ("no mark at all, no pipeline=", mlp(8, width // 4, 32), {}),
              ("stage marks, pipeline=Pipeline(4, '1f1b')", mlp(8, width, 32, stage_marks=4),
               dict(pipeline=sp.Pipeline(microbatches=4, schedule="1f1b")))]
@@ -134,7 +135,8 @@ def auto_mode(steps: int, width: int) -> None:
             loss_rel = max(loss_rel, abs(float(l2) - float(l1)) / abs(float(l1)))
         dp = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                  for a, b in zip(jax.tree.leaves(unpack(p2)), jax.tree.leaves(p1)))
-        print(f"   {name} (width {params[0][0].shape[0]}): m={plan.pipeline.microbatches} "
+        print(f"   {name} ({len(params)} layers, width {params[0][0].shape[0]}, batch {data[0].shape[0]}): "
+              f"m={plan.pipeline.microbatches} "
               f"{plan.pipeline.schedule_name}, {split} of {len(dims)} weights split over mp, planned in "
               f"{planning:.1f} s; loss rel diff {loss_rel:.1e}, param max abs diff {dp:.1e} ({dp / LR:.3f} lr)")
 
