@@ -417,13 +417,15 @@ class PipelineFunction:
                          optimizer_argnums=self.optimizer_argnums, batch_argnums=batch_argnums) \
             if self.zero_axes else {}
 
+        replay = {}   # mode="auto": the micro-batch's step is searched, the other traces take its plan
+
         def planned(closed, leaves):
             outs = outs_of(closed)
             return plan_submesh(closed, names, ir_mesh=spec.ir_mesh, jax_mesh=jmesh, batch_mask=mask,
                                 arg_leaves=list(leaves), args_tree=treedef, out_shape=outs, mode=self.mode,
-                                pins=pins, batch_argnums=batch_argnums, cost=self.cost)
-        pg = planned(jg, avals)
-        pm = planned(jm, micro) if jm is not jg else pg
+                                pins=pins, batch_argnums=batch_argnums, cost=self.cost, replay=replay)
+        pm = planned(jm, micro)
+        pg = planned(jg, avals) if jm is not jg else pm
         ps = pg if js is jg else planned(js, doubled)
         for other in (pg, ps):
             self._same_plan(pm, other)
