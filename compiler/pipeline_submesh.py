@@ -181,7 +181,7 @@ class ReplaySearchedPlan:
         plan = self.plan
         if len(graph.ops) != len(plan.ops) or any(op.kind != k for op, (k, _, _) in zip(graph.ops, plan.ops)):
             raise ShardingError("internal: the traces of a pipelined step at two batch sizes imported to different "
-                                "programs, so mode='auto''s plan of one cannot be written into the other")
+                                "programs, so the plan mode='auto' searched for one cannot be written into the other")
         graph.set_mesh(plan.mesh)
         book, placed = RuleBook(), []
         for op, (_, factors, passthrough) in zip(graph.ops, plan.ops):
