@@ -16,6 +16,10 @@ replay binds those copies back as ``stage_boundary`` equations with a ``cut`` pa
 its result on the other, and a copy has one layout in and out: both stages see the same
 layout.
 
+With ``mode="auto"`` the step traced on a micro-batch (the program the stages run) is
+searched, and the traces at the other batch sizes take its strategies op by op
+(:class:`ReplaySearchedPlan`), so the plans the pipeline compares agree by construction.
+
 Pins: the batch leaves split on dim 0 over ``"dp"`` (when the sub-mesh has it); with
 ZeRO-1 (``shard_optimizer_state``) the optimizer state in its parameter's planned layout
 with ``"dp"`` added (:func:`zero_pins`); every state output is tied to the layout of the input it replaces, so the new state
@@ -191,7 +195,7 @@ class ReplaySearchedPlan:
                 src = op.__dict__.get("_source")
                 raise ShardingError(
                     f"{op.kind} at {source_of(getattr(src, 'info', None)) if src is not None else '<unknown>'}: "
-                    f"mode='auto' chose its strategy on a micro-batch, and at the whole batch its shapes "
+                    f"mode='auto' chose its strategy on a micro-batch, and at a larger batch its shapes "
                     f"{[tuple(v.type.shape) for v in op.inputs]} do not take it ({'; '.join(problems)}); use "
                     "another micro-batch count, or fix the layout there with an sp.shard mark")
             placed.append((op, st, SEARCHED, None, None))
@@ -207,11 +211,12 @@ def _run_passes(graph, options: Options, replay: dict):
     if options.mode != "auto" or replay is None or any(op.subgraphs for op in graph.ops):
         return run_pipeline(graph, options).graph
     passes = default_passes(options)
+    search = next(n for n, p in enumerate(passes) if p.name == "search-strategies")
     if "plan" in replay:
-        passes[1] = ReplaySearchedPlan(replay["plan"])
+        passes[search] = ReplaySearchedPlan(replay["plan"])
     for n, p in enumerate(passes):
         graph = p(graph)
-        if n == 1 and "plan" not in replay:
+        if n == search and "plan" not in replay:
             replay["plan"] = searched_plan(graph)
     return graph
 
