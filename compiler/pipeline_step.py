@@ -457,9 +457,9 @@ class PipelineFunction:
             where = f" (first difference: {e.primitive.name} against {other_op} at {source_of(e.source_info)})"
         raise ShardingError("the plan of the pipelined step on the mesh axes beside the pipeline's differs between "
                             f"a micro-batch and the whole batch{where}: propagation (or, with mode='auto', the "
-                            "search) chose differently at the two sizes, and a pipeline needs one per-rank program for both. Fix "
-                            "the layouts there with sp.shard marks, use another micro-batch count, or (under "
-                            "mode='auto') plan with mode='sharding_propagation'")
+                            "search) chose differently at the two sizes, and a pipeline needs one per-rank program "
+                            "for both. Fix the layouts there with sp.shard marks, use another micro-batch count, or "
+                            "(under mode='auto') plan with mode='sharding_propagation'")
 
     def _state_ties(self, avals, treedef, jg, out_tree) -> dict:
         """{output leaf: input leaf} of the state the step returns (``compiler/state.py``
