@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardprop as sp
-from shardprop.runtime.pipeline_lower import collectives_across_pipeline, replica_groups
+from shardprop.runtime.pipeline_lower import collectives_across_pipeline
 from tests.test_pipeline_lowering import assert_matches_one_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
