@@ -434,21 +434,35 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         ``batch_argnums`` are split into micro-batches, the stages are cut at
         ``sp.stage_boundary`` marks; returns a ``PipelineFunction``. Other mesh axes run
         each stage's work: ``mode`` ("sharding_propagation" or "semi_auto") plans the
-        ``sp.shard`` marks on them, ``shard_optimizer_state`` is ZeRO-1 over ``dp``.
+        ``sp.shard`` marks on them, or ``"auto"`` searches their strategies (the marks
+        kept); ``shard_optimizer_state`` is ZeRO-1 over ``dp``. ``mode="auto"`` on a mesh
+        whose ``pp`` axis has more than one device pipelines the step without
+        ``pipeline=``: as ``sp.Pipeline(microbatches="auto", schedule="auto")``, the cuts
+        searched too where the step has no ``stage_boundary`` mark.
     """
+    implied = pipeline is None and mode == "auto" and _has_pipeline_axis(mesh, fn)
+    if implied:
+        # mode="auto" on a mesh with a "pp" axis: a pipeline whose cuts (without marks), micro-batch
+        # count and schedule are searched, each stage's work planned by the search on the other axes
+        from .stages import Pipeline
+        pipeline = Pipeline(microbatches="auto", schedule="auto")
     if pipeline is not None:
         # what a pipelined step does not take yet is refused by name, never dropped
-        # mode (of the marks' propagation on the axes beside the pipeline's) and ZeRO-1 are taken
-        given = {"mode": mode not in ("sharding_propagation", "semi_auto"), "in_strategy": in_strategy is not None,
+        # mode (of the marks' propagation, or the search, on the axes beside the pipeline's) and ZeRO-1 are taken
+        given = {"mode": mode not in ("sharding_propagation", "semi_auto", "auto"),
+                 "in_strategy": in_strategy is not None,
                  "out_strategy": out_strategy is not None, "fuse_reduce_scatter": not fuse_reduce_scatter,
                  "donate_argnums": bool(donate_argnums), "verify": verify,
                  "shard_params": bool(shard_params)}
         unsupported = [name for name, set_ in given.items() if set_]
         if unsupported:
-            raise sharding_error(f"parallelize(pipeline=...) does not take {', '.join(unsupported)} yet",
+            what = ("mode='auto' on a mesh with a 'pp' axis pipelines the step, and a pipelined step"
+                    if implied else "parallelize(pipeline=...)")
+            other = "on a mesh without a 'pp' axis" if implied else "without pipeline="
+            raise sharding_error(f"{what} does not take {', '.join(unsupported)} yet",
                                  operator=f"parallelize({getattr(fn, '__name__', 'fn')})", source=caller_source(),
                                  shapes=None, strategy=pipeline,
-                                 fix=f"drop {', '.join(unsupported)}, or parallelize without pipeline=")
+                                 fix=f"drop {', '.join(unsupported)}, or parallelize {other}")
         from .pipeline_step import PipelineFunction
         return PipelineFunction(fn, mesh=mesh, pipeline=pipeline, batch_argnums=batch_argnums, dump_dir=dump_dir,
                                 memory_limit=memory_limit, mode=mode, shard_optimizer_state=shard_optimizer_state,
@@ -459,6 +473,24 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                             shard_optimizer_state=shard_optimizer_state, optimizer_argnums=optimizer_argnums,
                             progress=progress, memory_limit=memory_limit, shard_params=shard_params,
                             param_argnums=param_argnums)
+
+
+def _has_pipeline_axis(mesh, fn) -> bool:
+    """Whether ``mesh`` (as ``parallelize`` takes it) has a ``"pp"`` axis of more than one
+    device: the axis a pipeline's stages run on. A pipeline runs on the devices it is given;
+    planned for absent ones (an abstract mesh) it is ``sp.plan_step``'s work."""
+    initialize_distributed()   # as ParallelFunction does, before resolving asks jax for devices
+    spec = resolve_mesh(mesh)
+    sizes = dict(zip(spec.ir_mesh.axis_names, spec.ir_mesh.axis_sizes))
+    if sizes.get("pp", 1) > 1 and spec.abstract:
+        raise sharding_error(f"mode='auto' on the mesh {sizes} pipelines the step over its 'pp' axis, and a "
+                             "pipelined step runs on devices that are here; this mesh has more devices than "
+                             f"the {len(jax.devices())} present",
+                             operator=f"parallelize({getattr(fn, '__name__', 'fn')})", source=caller_source(),
+                             shapes=None, strategy=None,
+                             fix="plan it for absent devices with sp.plan_step(step, args, mesh=..., mode='auto'), "
+                                 "or use a mesh of the devices present")
+    return sizes.get("pp", 1) > 1
 
 
 def report(plan_or_dump_dir, path) -> str:

@@ -417,13 +417,15 @@ class PipelineFunction:
                          optimizer_argnums=self.optimizer_argnums, batch_argnums=batch_argnums) \
             if self.zero_axes else {}
 
+        replay = {}   # mode="auto": the micro-batch's step is searched, the other traces take its plan
+
         def planned(closed, leaves):
             outs = outs_of(closed)
             return plan_submesh(closed, names, ir_mesh=spec.ir_mesh, jax_mesh=jmesh, batch_mask=mask,
                                 arg_leaves=list(leaves), args_tree=treedef, out_shape=outs, mode=self.mode,
-                                pins=pins, batch_argnums=batch_argnums, cost=self.cost)
-        pg = planned(jg, avals)
-        pm = planned(jm, micro) if jm is not jg else pg
+                                pins=pins, batch_argnums=batch_argnums, cost=self.cost, replay=replay)
+        pm = planned(jm, micro)
+        pg = planned(jg, avals) if jm is not jg else pm
         ps = pg if js is jg else planned(js, doubled)
         for other in (pg, ps):
             self._same_plan(pm, other)
@@ -454,9 +456,10 @@ class PipelineFunction:
             other_op = b[diff].primitive.name if diff < len(b) else "nothing"
             where = f" (first difference: {e.primitive.name} against {other_op} at {source_of(e.source_info)})"
         raise ShardingError("the plan of the pipelined step on the mesh axes beside the pipeline's differs between "
-                            f"a micro-batch and the whole batch{where}: propagation chose differently at the two "
-                            "sizes, and a pipeline needs one per-rank program for both. Fix the layouts there with "
-                            "sp.shard marks, or use another micro-batch count")
+                            f"a micro-batch and the whole batch{where}: propagation (or, with mode='auto', the "
+                            "search) chose differently at the two sizes, and a pipeline needs one per-rank program "
+                            "for both. Fix the layouts there with sp.shard marks, use another micro-batch count, or "
+                            "(under mode='auto') plan with mode='sharding_propagation'")
 
     def _state_ties(self, avals, treedef, jg, out_tree) -> dict:
         """{output leaf: input leaf} of the state the step returns (``compiler/state.py``

@@ -16,6 +16,10 @@ replay binds those copies back as ``stage_boundary`` equations with a ``cut`` pa
 its result on the other, and a copy has one layout in and out: both stages see the same
 layout.
 
+With ``mode="auto"`` the step traced on a micro-batch (the program the stages run) is
+searched, and the traces at the other batch sizes take its strategies op by op
+(:class:`ReplaySearchedPlan`), so the plans the pipeline compares agree by construction.
+
 Pins: the batch leaves split on dim 0 over ``"dp"`` (when the sub-mesh has it); with
 ZeRO-1 (``shard_optimizer_state``) the optimizer state in its parameter's planned layout
 with ``"dp"`` added (:func:`zero_pins`); every state output is tied to the layout of the input it replaces, so the new state
@@ -36,7 +40,7 @@ from ..ir.errors import ShardingError
 from ..ir.graph import is_collective
 from ..runtime.lower import partition_spec, run_op
 from .jaxpr_import import import_jaxpr
-from .pipeline import Options, run_pipeline
+from .pipeline import Options, default_passes, run_pipeline
 from .pipeline_assign import bind_eqn
 from .stages import stage_boundary_p
 from .fsdp import storage_layout
@@ -147,19 +151,92 @@ def zero_pins(closed, names, *, ir_mesh, batch_mask, arg_leaves, args_tree, out_
     return pins
 
 
+@dataclass
+class SearchedPlan:
+    """What ``mode="auto"``'s search chose for one trace of the step, to be written into the
+    traces at the other batch sizes (:class:`ReplaySearchedPlan`): the mesh arrangement it
+    kept, every input's layout, and per op (program order) the primitive and the strategy's
+    factors and passthrough."""
+    mesh: object
+    inputs: list
+    ops: list
+
+
+def searched_plan(graph) -> SearchedPlan:
+    return SearchedPlan(graph.mesh, [v.layout for v in graph.inputs],
+                        [(op.kind, op.strategy.factors, op.strategy.passthrough) for op in graph.ops])
+
+
+class ReplaySearchedPlan:
+    """``mode="auto"`` at a second batch size: the strategies the search chose for the first
+    trace, written op by op into this one (the traces have the same equations), in place of
+    a second search. A pipeline runs one per-rank program for a micro-batch and reads the
+    batch dims off the other traces, so the plans must agree; searched apart, the solver
+    may price a choice differently at other row counts and flip it."""
+    name = "replay-searched-plan"
+
+    def __init__(self, plan: SearchedPlan):
+        self.plan = plan
+
+    def __call__(self, graph):
+        from ..passes.plan_core.context import RuleBook
+        from ..passes.plan_core.write import SEARCHED, write_plan
+        from .source_lines import source_of
+        plan = self.plan
+        if len(graph.ops) != len(plan.ops) or any(op.kind != k for op, (k, _, _) in zip(graph.ops, plan.ops)):
+            raise ShardingError("internal: the traces of a pipelined step at two batch sizes imported to different "
+                                "programs, so the plan mode='auto' searched for one cannot be written into the other")
+        graph.set_mesh(plan.mesh)
+        book, placed = RuleBook(), []
+        for op, (_, factors, passthrough) in zip(graph.ops, plan.ops):
+            st = book.strategy(book(op), factors, passthrough)
+            problems = st.problems(graph.mesh)
+            if problems:
+                src = op.__dict__.get("_source")
+                raise ShardingError(
+                    f"{op.kind} at {source_of(getattr(src, 'info', None)) if src is not None else '<unknown>'}: "
+                    f"mode='auto' chose its strategy on a micro-batch, and at a larger batch its shapes "
+                    f"{[tuple(v.type.shape) for v in op.inputs]} do not take it ({'; '.join(problems)}); use "
+                    "another micro-batch count, or fix the layout there with an sp.shard mark")
+            placed.append((op, st, SEARCHED, None, None))
+        write_plan(graph, dict(enumerate(plan.inputs)), placed)
+        return graph
+
+
+def _run_passes(graph, options: Options, replay: dict):
+    """The non-pipeline passes. ``mode="auto"``: the first trace planned is searched and its
+    plan kept in ``replay["plan"]``; every later one takes that plan (``ReplaySearchedPlan``).
+    A step with loop or cond bodies is searched at every size (the replay writes top-level
+    ops only), and the pipeline then checks that the plans agree."""
+    if options.mode != "auto" or replay is None or any(op.subgraphs for op in graph.ops):
+        return run_pipeline(graph, options).graph
+    passes = default_passes(options)
+    search = next(n for n, p in enumerate(passes) if p.name == "search-strategies")
+    if "plan" in replay:
+        passes[search] = ReplaySearchedPlan(replay["plan"])
+    for n, p in enumerate(passes):
+        graph = p(graph)
+        if n == search and "plan" not in replay:
+            replay["plan"] = searched_plan(graph)
+    return graph
+
+
 def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, args_tree, out_shape,
-                 mode: str = "sharding_propagation", pins=None, batch_argnums=(), cost=None) -> SubmeshProgram:
+                 mode: str = "sharding_propagation", pins=None, batch_argnums=(), cost=None,
+                 replay: dict = None) -> SubmeshProgram:
     """Plan ``closed`` (the step traced at some batch size, calls inlined) on the sub-mesh
     and return its per-rank program. ``arg_leaves``/``args_tree``: the step's arguments
     (abstract), for the pins; ``out_shape``: its outputs' shapes (for the state ties);
     ``pins``: more input layouts (ZeRO-1's, :func:`zero_pins`); ``cost``: the cost model
-    propagation prices its choices by (None: the default)."""
+    propagation prices its choices by (None: the default); ``replay``: one dict shared by
+    the plans of one step's traces: with ``mode="auto"`` the first is searched, the others
+    take its strategies (``_run_passes``)."""
     args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
     graph = _imported(closed, names, ir_mesh, batch_mask, arg_leaves)
     graph.pinned_inputs.update(pins or {})
     state = [a for a in range(len(args)) if a not in batch_argnums]
     graph.tied_outputs = state_ties(args, state, out_shape)
-    graph = run_pipeline(graph, Options(mode=mode, **({} if cost is None else {"cost": cost}))).graph
+    graph = _run_passes(graph, Options(mode=mode, **({} if cost is None else {"cost": cost})), replay)
     if jax_mesh is None:   # the plan only
         return SubmeshProgram(None, [], [], [], [], [], [], graph)
     return SubmeshProgram(per_rank_jaxpr(graph, jax_mesh), [partition_spec(v.layout) for v in graph.inputs],

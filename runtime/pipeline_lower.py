@@ -380,8 +380,9 @@ class PipelineProgram:
         """Once ops that combine stages (REP, ``an.rep_once``) run on every rank. Phase q:
         the REP ops of phase q, then every rank's stage once ops of phase <= q (recomputed:
         each phase's switch is a fresh program), then the stage values a later REP op reads
-        are broadcast (masked psum). A REP op reading a stage value of phase q is phase q+1;
-        a stage op reading a REP value of phase q is phase q."""
+        go where they are needed (``_share``: a ppermute to the ranks that need them, or a
+        masked psum when every rank does). A REP op reading a stage value of phase q is
+        phase q+1; a stage op reading a REP value of phase q is phase q."""
         an, j = self.an, self.j
         home = {}       # var -> stage, or REP
         phase = {}      # var -> phase it is available in (REP vars) or computed in (stage vars)
@@ -461,6 +462,7 @@ class PipelineProgram:
             r = readers[i]
             self.owner.append(None if not r else "batch" if self.batch_mask[i] else
                               next(iter(r)) if len(r) == 1 and -1 not in r else -1)
+        self.share_targets = {}
         if self.ties is not None:
             self._plan_shared(readers, float_read, spec)
         self.out_spec = spec
@@ -521,6 +523,39 @@ class PipelineProgram:
             t = self.ties.get(n)
             if s_[0] == "rep" and t is not None and self.owner[t] not in (-1, None, "batch"):
                 spec[n] = ("shared", self.ranks_of(t))
+        self._plan_share_targets(needed, users)
+
+    def _plan_share_targets(self, needed, users):
+        """Where each stage value that a REP op reads must go (``self.share_targets``: var
+        -> the ranks other than its home that need it, or absent where every rank does).
+        A tied weight's gradient on stage 0 is needed only where the REP ops summing it
+        with stage p-1's are (the owners, ``needed``): it goes to rank p-1 alone by a
+        ``ppermute``, not to every rank by a ``psum`` over the pipeline axis, as Paddle's
+        SharedLayerDesc sums a shared layer's gradients between its owners only."""
+        everywhere = set(range(self.p))
+        for q, vs in self.bcast_at.items():
+            for v in vs:
+                want = set()
+                for e in users.get(v, []):
+                    want |= needed.get(e, everywhere)
+                if want != everywhere:
+                    home = self.rank_of(self.var_home[v])
+                    self.share_targets[v] = tuple(sorted(want - {home}))
+
+    def _share(self, v, b):
+        """Stage value ``v`` (``b``: its value on its home rank, zeros elsewhere) on the
+        ranks that need it: a ``ppermute`` from its home to each of them when those are
+        known (``share_targets``), else a ``psum`` over the pipeline axis (every rank
+        needs it: a global norm). Off its home ``b`` is zeros, so ``b + received`` is
+        the value exactly where it is needed."""
+        targets = self.share_targets.get(v)
+        if targets is None:
+            return lax.psum(b, self.axis)
+        home = self.rank_of(self.var_home[v])
+        out = b
+        for t in targets:
+            out = out + lax.ppermute(b, self.axis, [(home, t)])
+        return out
 
     def ranks_of(self, i) -> tuple:
         """The pipeline ranks that store input ``i`` (one owner, or a tied weight's owners)."""
@@ -912,7 +947,7 @@ class PipelineProgram:
                 bc, packed, bvals = lax.switch(d, [self._once(r, q, keys) for r in range(p)],
                                                (acc, state_row, rep, [env_rep[k] for k in keys]))
                 for v, b in zip(self.bcast_at.get(q, []), bc):
-                    env_rep[v] = lax.psum(b, ax)
+                    env_rep[v] = self._share(v, b)
             bvals = [lax.psum(b, ax) for b in bvals]
             out_buf = lax.psum(out_buf, ax)
             lead = (1, 1) if self.sub else (1,)
@@ -998,4 +1033,48 @@ def zero_filled_concatenates(hlo_text: str) -> list:
             if any(o.strip().lstrip("%") in bcast for o in ops.split(",")):
                 found.append(name)
                 break
+    return found
+
+
+def replica_groups(text: str) -> list:
+    """The device groups of an HLO ``replica_groups=`` value: explicit ``{{0,1},{2,3}}``
+    or the iota form ``[G,S]<=[dims]T(perm)``."""
+    import re
+    if text.startswith("{"):
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", text)]
+    m = re.match(r"\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+    g, s = int(m.group(1)), int(m.group(2))
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+        ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return ids.reshape(g, s).tolist()
+
+
+def collectives_across_pipeline(hlo_text: str, inner: int) -> list:
+    """The collectives of compiled HLO text that cross pipeline ranks, on a mesh whose
+    pipeline axis comes first and the other axes hold ``inner`` devices (device ``n`` is
+    pipeline rank ``n // inner``, sub-mesh rank ``n % inner``): ``(kind, elements, pairs
+    or groups)`` with each device as ``(pipeline rank, sub-mesh rank)``; a
+    collective-permute's ``(source, target)`` pairs, another collective's groups."""
+    import re
+    rank = lambda dev: divmod(dev, inner)   # noqa: E731
+    found = []
+    for line in hlo_text.splitlines():
+        # the result type: one array, or a tuple of them where XLA combined collectives
+        op = re.search(r"= (\([^=]*?\)|\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                       r"(-start)?\(", line)
+        if not op:
+            continue
+        shape = re.findall(r"\[([0-9,]*)\]", op.group(1))
+        elems = max(int(np.prod([int(x) for x in s.split(",") if x])) for s in shape) if shape else 1
+        if op.group(2) == "collective-permute":
+            text = re.search(r"source_target_pairs=\{([{}0-9,]*)\}", line).group(1)
+            pairs = [(rank(int(a)), rank(int(b))) for a, b in re.findall(r"\{(\d+),(\d+)\}", text)]
+            if any(a[0] != b[0] for a, b in pairs):
+                found.append((op.group(2), elems, pairs))
+        else:
+            groups = replica_groups(re.search(r"replica_groups=(\S+?)(?:, [a-z_]+=|$)", line).group(1))
+            if any(len({rank(d)[0] for d in g}) > 1 for g in groups):
+                found.append((op.group(2), elems, [[rank(d) for d in g] for g in groups]))
     return found

@@ -1,7 +1,6 @@
 """Pipeline stages composed with tensor parallelism and ZeRO-1 (issue 26): the step planned
 once on the mesh axes beside ``pp`` (compiler/pipeline_submesh.py), each stage's work run
 tensor parallel, against one device; and the per-rank checks of the compiled program."""
-import re
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardprop as sp
+from shardprop.runtime.pipeline_lower import collectives_across_pipeline
 from tests.test_pipeline_lowering import assert_matches_one_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -141,48 +141,34 @@ def test_fewer_microbatches_than_stages_equals_one_device(m):
     assert pstep.plan(params, opt_state, *data).pipeline.microbatches == m
 
 
-def _replica_groups(text: str) -> list:
-    """The device groups of an HLO ``replica_groups=`` value: explicit ``{{0,1},{2,3}}``
-    or the iota form ``[G,S]<=[dims]T(perm)``."""
-    if text.startswith("{"):
-        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", text)]
-    m = re.match(r"\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
-    g, s = int(m.group(1)), int(m.group(2))
-    dims = [int(x) for x in m.group(3).split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m.group(4):
-        ids = ids.transpose([int(x) for x in m.group(4).split(",")])
-    return ids.reshape(g, s).tolist()
-
-
 @pytest.mark.slow
 def test_per_rank_checks_pp4_mp2():
-    """Exchanges over pp only between neighbours (same mp rank), no parameter gathered or
-    reduced over pp (only scalars cross it), parameter bytes per device at most 1.1 x the
-    stage's parameters / tp."""
-    step, params, opt_state, data = gpt_case(4, 8, 4)
+    """On the tied-embedding GPT: exchanges over pp only between neighbours (same mp rank),
+    but for the tied embedding's gradients, which go between its owners (ranks 0 and 3)
+    only, by collective-permutes of its local block; no parameter gathered or reduced over
+    pp (only scalars cross it); parameter bytes per device at most 1.1 x the stage's
+    parameters / tp."""
+    step, params, opt_state, data = gpt_case(4, 8, 4, tied=True)
     pp, mp = 4, 2
     pstep = sp.parallelize(step, mesh=((pp, mp), ("pp", "mp")), batch_argnums=(2, 3),
                            pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
     hlo = pstep.lower_text(params, opt_state, *data)
-    rank = lambda dev: divmod(dev, mp)   # device id -> (pp rank, mp rank) on the ((4, 2), ("pp", "mp")) mesh
-    pairs = re.findall(r"source_target_pairs=\{([{}0-9,]*)\}", hlo)
-    assert pairs
-    for group in pairs:
-        for a, b in re.findall(r"\{(\d+),(\d+)\}", group):
-            (da, ma), (db, mb) = rank(int(a)), rank(int(b))
-            assert abs(da - db) == 1 and ma == mb, (a, b)
+    crossing = collectives_across_pipeline(hlo, mp)
+    wte_block = int(np.prod(params["wte"].shape)) // mp
+    permutes = [(elems, pairs) for kind, elems, pairs in crossing if kind == "collective-permute"]
+    assert permutes
+    tied = [(elems, pairs) for elems, pairs in permutes if any(abs(a[0] - b[0]) > 1 for a, b in pairs)]
+    assert tied, "no exchange between the tied embedding's owners"
+    for elems, pairs in permutes:
+        assert all(a[1] == b[1] for a, b in pairs), pairs          # within one mp rank
+        if (elems, pairs) in tied:                                  # the tied gradients: owners only
+            assert elems == wte_block and all({a[0], b[0]} == {0, pp - 1} for a, b in pairs), (elems, pairs)
+        else:
+            assert all(abs(a[0] - b[0]) == 1 for a, b in pairs), pairs
     smallest = min(np.size(x) for x in jax.tree.leaves(params))
-    for line in hlo.splitlines():
-        op = re.search(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all)(-start)?\(", line)
-        if not op:
-            continue
-        groups = _replica_groups(re.search(r"replica_groups=(\S+?)(?:, [a-z_]+=|$)", line).group(1))
-        spans_pp = any(len({rank(d)[0] for d in g}) > 1 for g in groups)
-        if spans_pp:
-            shape = re.findall(r"\[([0-9,]*)\]", op.group(1))
-            elems = max(int(np.prod([int(x) for x in s.split(",") if x])) for s in shape) if shape else 1
-            assert op.group(2) == "all-reduce" and elems < smallest, line
+    for kind, elems, groups in crossing:
+        if kind != "collective-permute":
+            assert kind == "all-reduce" and elems < smallest, (kind, elems, groups)
     prog = pstep.plan(params, opt_state, *data).program
     n_params = len(jax.tree.leaves(params))
     assert all(o != -1 for o in prog.owner[:n_params])   # no parameter replicated over pp
@@ -194,7 +180,8 @@ def test_per_rank_checks_pp4_mp2():
 def test_options_with_a_pipeline():
     step, params, opt_state, data = tp_mlp()
     with pytest.raises(sp.ShardingError, match="does not take mode yet"):
-        sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), mode="auto", pipeline=sp.Pipeline(microbatches=2))
+        sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), mode="data_parallel", pipeline=sp.Pipeline(microbatches=2))
+    assert sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), mode="auto", pipeline=sp.Pipeline(microbatches=2)).planned
     with pytest.raises(sp.ShardingError, match="ZeRO-1 splits the optimizer state over data-parallel axes"):
         sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), shard_optimizer_state=True,
                        pipeline=sp.Pipeline(microbatches=2))
