@@ -8,8 +8,8 @@ device; ``sp.parallelize(..., pipeline=sp.Pipeline(microbatches=m, schedule=...)
 the batch into ``m`` micro-batches, runs each stage's forward and backward in the
 schedule's order on its own rank of the ``pp`` axis, accumulates the gradients and
 applies Adam once. With ``tied=True`` the LM head is the embedding's transpose, used by
-the first and the last stage: its two accumulated gradients are summed across the
-pipeline axis and its update runs on every rank (``docs/design/pipeline.md``).
+the first and the last stage: its two accumulated gradients go between those two
+stages' ranks only, and its update runs there (``docs/design/pipeline.md``).
 
 With ``--mp`` every layer is gpt_megatron's, with its two marks per layer: each stage runs
 tensor parallel over the ``mp`` axis (the step is planned once on the axes beside ``pp``).

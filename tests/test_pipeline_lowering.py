@@ -235,7 +235,7 @@ def test_stage_boundary_inside_a_loop_is_an_error():
 def test_options_a_pipeline_does_not_take_yet_are_refused_by_name():
     step, params, opt_state, batch = mlp(2, {0})
     with pytest.raises(sp.ShardingError, match=r"does not take mode, donate_argnums yet(.|\n)*fix: +drop mode"):
-        sp.parallelize(step, mesh=((2,), ("pp",)), mode="auto", donate_argnums=(0, 1),
+        sp.parallelize(step, mesh=((2,), ("pp",)), mode="data_parallel", donate_argnums=(0, 1),
                        pipeline=sp.Pipeline(microbatches=2))
     with pytest.raises(sp.ShardingError, match="does not take shard_params yet"):
         sp.parallelize(step, mesh=((2,), ("pp",)), shard_params=True, pipeline=sp.Pipeline(microbatches=2))
