@@ -211,6 +211,16 @@ def test_mpmd_pp2_dp2_zero1_equals_one_device():
             assert x.sharding.spec == P("dp") and x.devices() == mp.groups[d]
 
 
+@pytest.mark.slow
+def test_mpmd_fewer_microbatches_than_stages_and_automatic_cuts_equal_one_device():
+    step, params, opt_state, batch = mlp(4, {0, 1, 2})
+    pstep = sp.parallelize(step, **mpmd(4, microbatches=2, schedule="1f1b"))
+    assert_matches_one_device(step, params, opt_state, (batch,), pstep, steps=3)
+    step, params, opt_state, batch = mlp(4, set())                 # no marks: the search cuts
+    pstep = sp.parallelize(step, **mpmd(2, microbatches="auto", schedule="auto"))
+    assert_matches_one_device(step, params, opt_state, (batch,), pstep, steps=3)
+
+
 def test_mpmd_refuses_unknown_lowerings():
     with pytest.raises(sp.ShardingError, match=r"lowering='mimd'.*'spmd', 'mpmd'"):
         sp.Pipeline(lowering="mimd")
