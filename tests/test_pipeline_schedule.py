@@ -387,3 +387,90 @@ def test_forward_only():
     r = simulate(s)
     assert r.makespan == 6 + 4 - 1 and r.peak_in_flight == (1, 1, 1, 1)
     check_tick_table(r.tick_table, 4, 6, 1, s.orders, unit_ticks, forward_only=True)
+
+
+# ---- ranks sharing a host's cores (forced CPU devices) ----
+
+def _shared_ticks(r):
+    return lambda a, d: int((r.span(d, a)[1] - r.span(d, a)[0]) / r.tick)
+
+
+def check_shared(r, cores, length):
+    """From the events alone: between any two event times the running stages each
+    progress at min(1, cores / running), and that progress over an action's span is its
+    duration (``length(stage, action)``). Returns the idle core-time (cores unused)."""
+    times = sorted({t for e in r.events for t in (e.start, e.end)})
+    idle, done = Fr(0), {}
+    for t0, t1 in zip(times, times[1:]):
+        on = [e for e in r.events if e.start <= t0 < e.end]
+        rate = min(Fr(1), Fr(cores) / len(on)) if on else Fr(1)
+        idle += max(Fr(0), cores - len(on) * rate) * (t1 - t0)
+        for e in on:
+            done[(e.stage, e.action)] = done.get((e.stage, e.action), 0) + rate * (t1 - t0)
+    for e in r.events:
+        assert done.get((e.stage, e.action), 0) == length(e.stage, e.action), e
+    return idle
+
+
+def test_shared_cores_gpipe_by_hand():
+    """4 ranks on 2 cores, forward only, m = 3: three stages run at 2/3 from t = 2 to 5."""
+    s = build_schedule("gpipe", 4, 3, forward_only=True)
+    r = simulate(s, cores=2)
+    assert r.makespan == 7 and simulate(s).makespan == 6
+    assert r.span(2, Action("forward", 0)) == (2, Fr(7, 2)) and r.span(3, Action("forward", 0)) == (Fr(7, 2), 5)
+    assert r.work == (3, 3, 3, 3) and r.tick == Fr(1, 2) and r.cores == 2
+    # total work 12 over 2 cores, plus the core idle while only the first and the last stage run
+    assert r.makespan * 2 == sum(r.work) + check_shared(r, 2, lambda d, a: 1) == 12 + 2
+
+
+@st.composite
+def small_configs(draw):
+    """(name, p, m, v) over p in 2..6, m in 1..8: the checker below is quadratic in events."""
+    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zero_bubble"]))
+    p = draw(st.integers(2, 6))
+    v = draw(st.integers(1, 2)) if name == "interleaved" else 1
+    m = p * draw(st.integers(1, 2)) if name == "interleaved" else draw(st.integers(1, 8))
+    return name, p, m, v
+
+
+@FAST
+@given(cfg=small_configs(), fb=st.sampled_from([UNIT_FB, UNIT]), data=st.data())
+def test_shared_cores_accounting(cfg, fb, data):
+    """4 ranks or any other count on fewer cores: every action gets exactly its work at
+    the shared rate, dependencies hold, and makespan x cores = total work + idle
+    core-time (so the makespan is total work / cores while the cores are all busy)."""
+    name, p, m, v = cfg
+    s = build_schedule(name, p, m, v)
+    side = simulate(s, fb)
+    for cores in (data.draw(st.integers(1, p - 1)), Fr(p, 3)):
+        if cores >= p:
+            continue
+        r = simulate(s, fb, cores=cores)
+        idle = check_shared(r, cores, lambda d, a: side.span(d, a)[1] - side.span(d, a)[0])
+        assert r.makespan * cores == sum(r.work) + idle
+        assert r.work == side.busy and r.makespan >= max(side.makespan, Fr(sum(r.work), cores))
+        check_tick_table(r.tick_table, p, m, v, s.orders, _shared_ticks(r))
+    # one core: the ranks take turns, and some rank always has work
+    assert simulate(s, fb, cores=1).makespan == sum(side.busy)
+
+
+@FAST
+@given(cfg=valid_configs(), extra=st.integers(0, 3))
+def test_shared_cores_at_least_ranks_is_side_by_side(cfg, extra):
+    """cores >= ranks: the critical path, every event as side by side (the unit-cost
+    bubble formulas are unchanged)."""
+    name, p, m, v = cfg
+    s = build_schedule(name, p, m, v)
+    side, many = simulate(s), simulate(s, cores=p + extra)
+    assert many.events == side.events and many.makespan == side.makespan and many.bubble == side.bubble
+    assert many.cores is None
+
+
+def test_shared_time_and_bad_cores():
+    from shardprop.passes.pipeline.simulate import shared_time
+    assert shared_time([1, 2, 3], 2) == Fr(7, 2)      # 3 at 2/3 until 1 is done, then 2 alone, then 1
+    assert shared_time([1, 2, 3], 3) == 3 and shared_time([1, 2, 3]) == 3 and shared_time([0, 0], 1) == 0
+    assert shared_time([1, 1, 1, 1], 2) == 2 == shared_time([1.0, 1.0, 1.0, 1.0], 2.0)
+    for bad in (0, -1, True, float("inf"), "2"):
+        with pytest.raises(ShardingError, match="cores"):
+            simulate(build_schedule("gpipe", 2, 2), cores=bad)

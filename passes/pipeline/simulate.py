@@ -24,6 +24,16 @@ I = W = B/2, B = I + W), or a callable ``(kind, model_stage) -> number``. ``late
 number or a sequence of ``S-1`` numbers, one per boundary (boundary ``b`` is between model
 stages ``b`` and ``b+1``, used by the F exchange and by the returning gradient).
 
+**Shared cores** (``cores=``): ``None`` (the default) runs the stages side by side, each at
+its full rate. A number ``c`` models ranks that share ``c`` cores (forced CPU devices, all
+threads of one host): at any moment the ``n`` stages running an action each progress at
+``min(1, c / n)`` of their rate (processor sharing), so an action of duration ``t`` takes
+``t`` alone and longer while more than ``c`` stages run. ``c`` counts rank-sized cores
+(a host's cores over the devices a rank's action keeps busy) and may be a Fraction. With
+``c >= p`` nothing is shared and the result is the side-by-side one. Latencies are delays
+that use no core. :func:`shared_time` is the same sharing for independent jobs that start
+together (each rank's once ops after the loop).
+
 Arithmetic is exact: ints and Fractions stay Fractions; with any float input it runs in
 floats. A schedule that cannot proceed raises :class:`DeadlockError` naming each stuck
 stage's next action and what it waits for.
@@ -37,7 +47,8 @@ or nothing. ``SimResult.render()`` draws it as text (one row per stage).
 Bubble conventions: ``bubble`` is idle time over ``p * makespan`` (the fraction of the
 step the stages idle, (p-1)/(m+p-1) for GPipe and 1F1B at unit costs);
 ``idle_time`` is the total idle stage-time; ``bubble_ratio`` is idle over busy time, the
-zero-bubble paper's convention (1F1B: (p-1)/m).
+zero-bubble paper's convention (1F1B: (p-1)/m). Busy time is wall time spent in actions,
+so with shared cores it includes the slowdown; ``work`` is each stage's durations summed.
 """
 from __future__ import annotations
 
@@ -81,6 +92,8 @@ class SimResult:
     peak_in_flight: tuple             # per stage, activations held at once (Schedule.peak_in_flight)
     peak_pending_weight: tuple        # per stage, input-gradients whose weight-gradient waits
     tick: object                      # one tick of the tick table, in duration units
+    work: tuple = ()                  # per stage, its actions' durations summed (busy time at full rate)
+    cores: object = None              # the shared cores simulated (None: side by side)
     _table: Optional[dict] = field(default=None, repr=False)
 
     @property
@@ -203,12 +216,17 @@ def _gcd(values):
     return g
 
 
-def simulate(schedule: Schedule, durations=None, latency=0) -> SimResult:
-    """Run ``schedule`` (see the module docstring for durations, latency and results)."""
+def simulate(schedule: Schedule, durations=None, latency=0, cores=None) -> SimResult:
+    """Run ``schedule`` (see the module docstring for durations, latency, shared cores and
+    results)."""
     p, S = schedule.p, schedule.model_stages
     raw = _duration_table(durations, S)
     lat_raw = _per_stage(latency, max(S - 1, 0), "latency")
-    exact = _exact([x for v in raw.values() for x in v] + lat_raw)
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, numbers.Real) or not cores > 0
+                              or not math.isfinite(cores)):
+        raise ShardingError(f"pipeline simulation: cores must be a finite number > 0 or None, got {cores!r}")
+    shared = cores is not None and cores < p
+    exact = _exact([x for v in raw.values() for x in v] + lat_raw + ([cores] if shared else []))
     dur = {k: [_num(x, exact) for x in v] for k, v in raw.items()}
     lat = [_num(x, exact) for x in lat_raw]
     zero = Fraction(0) if exact else 0.0
@@ -242,6 +260,35 @@ def simulate(schedule: Schedule, durations=None, latency=0) -> SimResult:
             out.append((d, Action(BACKWARD_INPUT, i, a.chunk), zero))
         return out
 
+    def length(d: int, a: Action):
+        return dur[a.kind][schedule.model_stage(d, a.chunk)]
+
+    if shared:
+        events, end, pos = _run_shared(schedule, deps, length, _num(cores, exact), zero)
+    else:
+        events, end, pos = _run_side_by_side(schedule, deps, length, zero)
+
+    if any(pos[d] < len(o) for d, o in enumerate(schedule.orders)):
+        _deadlock(schedule, deps, end, pos)
+
+    busy = tuple(sum((e.end - e.start for e in events if e.stage == d), zero) for d in range(p))
+    work = tuple(sum((length(e.stage, e.action) for e in events if e.stage == d), zero) for d in range(p))
+    makespan = max((e.end for e in events), default=zero)
+    used = [dur[k][s] for k in {a.kind for o in schedule.orders for a in o} for s in range(S)]
+    # shared cores put actions' ends off the durations' grid: the tick divides every event's time too
+    stamps = [t for e in events for t in (e.start, e.end)] if shared else []
+    tick = _gcd(used + lat + stamps) if exact else _gcd([Fraction(x) for x in used + lat + stamps])
+    if not exact:
+        tick = float(tick)
+    events.sort(key=lambda e: (e.stage, e.start))
+    return SimResult(schedule, events, makespan, busy, schedule.peak_in_flight(),
+                     schedule.peak_pending_weight(), tick, work, cores if shared else None)
+
+
+def _run_side_by_side(schedule, deps, length, zero):
+    """Every stage at its full rate: each action starts when its stage is free and its
+    inputs have arrived, and ends its duration later."""
+    p = schedule.p
     end = {}
     stage_time = [zero] * p
     pos = [0] * p
@@ -258,7 +305,7 @@ def simulate(schedule: Schedule, durations=None, latency=0) -> SimResult:
                         break
                     ready = max(ready, end[(ds, dep)] + delay)
                 else:
-                    finish = ready + dur[a.kind][schedule.model_stage(d, a.chunk)]
+                    finish = ready + length(d, a)
                     end[(d, a)] = finish
                     events.append(Event(d, a, ready, finish))
                     stage_time[d] = finish
@@ -266,29 +313,90 @@ def simulate(schedule: Schedule, durations=None, latency=0) -> SimResult:
                     progress = True
                     continue
                 break
+    return events, end, pos
 
-    if any(pos[d] < len(o) for d, o in enumerate(schedule.orders)):
-        stuck, lines = [], []
+
+def _deadlock(schedule, deps, end, pos):
+    p, stuck, lines = schedule.p, [], []
+    for d, order in enumerate(schedule.orders):
+        if pos[d] < len(order):
+            a = order[pos[d]]
+            missing = [(ds, dep) for ds, dep, _ in deps(d, a) if (ds, dep) not in end]
+            stuck.append((d, a, missing))
+            lines.append(f"  stage {d} waits at {a} for " + ", ".join(
+                f"{dep} on stage {ds}" for ds, dep in missing))
+    done = sum(pos)
+    total = sum(len(o) for o in schedule.orders)
+    raise DeadlockError(
+        f"schedule {schedule.name!r} (p={p}, m={schedule.m}, v={schedule.v}) deadlocks after {done} of "
+        f"{total} actions:\n" + "\n".join(lines) +
+        "\n  fix: reorder the stages' lists so that each waited-for action comes earlier", stuck)
+
+
+def _run_shared(schedule, deps, length, cores, zero):
+    """Processor sharing: the stages running an action at a moment share ``cores``; each
+    progresses at ``min(1, cores / running)`` of its rate. Time advances from event to event
+    (an action's end, or an input's arrival after its latency)."""
+    p = schedule.p
+    end, events = {}, []
+    pos = [0] * p
+    free_at = [zero] * p                  # when each stage's last action ended
+    running = {}                          # stage -> [action, start, work left]
+    now = zero
+    while True:
+        waits = []                        # times at which a stage's next inputs arrive
         for d, order in enumerate(schedule.orders):
-            if pos[d] < len(order):
-                a = order[pos[d]]
-                missing = [(ds, dep) for ds, dep, _ in deps(d, a) if (ds, dep) not in end]
-                stuck.append((d, a, missing))
-                lines.append(f"  stage {d} waits at {a} for " + ", ".join(
-                    f"{dep} on stage {ds}" for ds, dep in missing))
-        done = sum(pos)
-        total = sum(len(o) for o in schedule.orders)
-        raise DeadlockError(
-            f"schedule {schedule.name!r} (p={p}, m={schedule.m}, v={schedule.v}) deadlocks after {done} of "
-            f"{total} actions:\n" + "\n".join(lines) +
-            "\n  fix: reorder the stages' lists so that each waited-for action comes earlier", stuck)
+            if d in running or pos[d] >= len(order):
+                continue
+            a, ready = order[pos[d]], free_at[d]
+            for ds, dep, delay in deps(d, a):
+                if (ds, dep) not in end:
+                    break
+                ready = max(ready, end[(ds, dep)] + delay)
+            else:
+                if ready <= now:
+                    running[d] = [a, now, length(d, a)]
+                else:
+                    waits.append(ready)
+        if not running and not waits:
+            return events, end, pos
+        rate = min(1, cores / len(running)) if running else 1
+        finishes = {d: now + left / rate for d, (_, _, left) in running.items()}
+        nxt = min(list(finishes.values()) + waits)
+        step = nxt - now
+        for d in list(running):
+            a, start, left = running[d]
+            if finishes[d] <= nxt or _negligible(left - step * rate, left):
+                end[(d, a)] = nxt
+                events.append(Event(d, a, start, nxt))
+                free_at[d] = nxt
+                pos[d] += 1
+                del running[d]
+            else:
+                running[d][2] = left - step * rate
+        now = nxt
 
-    busy = tuple(sum((e.end - e.start for e in events if e.stage == d), zero) for d in range(p))
-    makespan = max((e.end for e in events), default=zero)
-    used = [dur[k][s] for k in {a.kind for o in schedule.orders for a in o} for s in range(S)]
-    tick = _gcd(used + lat) if exact else _gcd([Fraction(x) for x in used + lat])
-    if not exact:
-        tick = float(tick)
-    events.sort(key=lambda e: (e.stage, e.start))
-    return SimResult(schedule, events, makespan, busy, schedule.peak_in_flight(),
-                     schedule.peak_pending_weight(), tick)
+
+def _negligible(rest, whole) -> bool:
+    """Work left that float rounding leaves (exact Fractions leave none)."""
+    return isinstance(rest, float) and rest <= 1e-12 * max(abs(whole), 1.0)
+
+
+def shared_time(works, cores=None):
+    """Time for independent jobs of durations ``works`` that start together on ranks that
+    share ``cores`` (``None``: side by side, the longest job): processor sharing, as
+    ``simulate(..., cores=)`` runs a schedule's actions."""
+    works = list(works)
+    exact = _exact(works + ([cores] if cores is not None else []))
+    works = sorted(_num(w, exact) for w in works if w > 0)
+    if not works:
+        return 0
+    if cores is None or cores >= len(works):
+        return works[-1]
+    cores = _num(cores, exact)
+    t, done = 0, 0                        # done: work every unfinished job has had so far
+    for i, w in enumerate(works):
+        rate = min(1, cores / (len(works) - i))
+        t += (w - done) / rate
+        done = w
+    return t
