@@ -83,6 +83,10 @@ class PipelineInfo:
     search: Optional[list] = None   # "auto": a SearchRow per candidate, those that fit fastest first, then the rejected
     memory: int = 0         # modeled bytes per device (state, accumulator, activation slots)
     stage_times: list = field(default_factory=list)   # per model stage: {kind: modeled seconds}
+    # modeled seconds of the step as it runs on these devices: stage work at one device's
+    # rate alone, ranks sharing the host's cores where forced CPU devices outnumber them
+    # (host_step), plus the once ops; step_time is the side-by-side model the search uses
+    host_step_time: float = 0.0
 
     def render(self) -> str:
         return self.sim.render()
@@ -184,22 +188,80 @@ def _eqn_time(eqn, cost) -> float:
     return cost.compute_time(float(out), touched)
 
 
-def _modeled_times(prog, cost=None):
+def calibration_contention(cost) -> float:
+    """How many times slower ``cost``'s compute rates are than one device running alone:
+    ``shardprop calibrate`` times compute with every device of the profile busy at once,
+    so where its ``device_count`` forced CPU devices outnumbered the host's cores each ran
+    at cores / devices of a core. The host's core count is the profile's ``host_cores``
+    where it records one; a CPU profile that does not is taken to be calibrated on this
+    machine (its cores, ``os.sched_getaffinity``), as the built-in ``"cpu"`` one was.
+    1 for any other profile (its devices each had their own hardware)."""
+    devices = getattr(cost, "device_count", None)
+    cores = getattr(cost, "host_cores", None)
+    if cores is None and str(getattr(cost, "device_kind", "")).startswith("cpu"):
+        from .calibrate import host_cores
+        cores = host_cores()
+    if not devices or not cores:
+        return 1.0
+    return max(1.0, devices / cores)
+
+
+def shared_cores(mesh, p: int):
+    """Rank-sized cores the ``p`` pipeline ranks of ``mesh`` share, or None when they run
+    side by side: forced CPU devices are threads of this process, so where they outnumber
+    the host's cores the ranks' actions take turns on them (a rank's action keeps its
+    ``devices / p`` devices busy, so the host's cores count ``p / devices`` of a rank each)."""
+    from fractions import Fraction
+    try:
+        devices = list(np.asarray(mesh.devices).reshape(-1))
+    except (AttributeError, TypeError, ValueError):
+        return None                      # an abstract mesh: no host to share
+    if not devices or getattr(devices[0], "platform", "") != "cpu":
+        return None
+    from .calibrate import host_cores
+    cores = host_cores()
+    if len(devices) <= cores:
+        return None
+    return Fraction(cores * p, len(devices))
+
+
+def _modeled_times(prog, cost=None, alone: bool = False):
     """Per model stage, the modeled seconds of each action kind on one micro-batch (the
     roofline of ``cost``, default the default cost model, over its programs' equations),
     and per boundary the exchange time of the activations (alpha-beta over its default
-    link)."""
+    link). ``alone``: at one device's rate running alone, the profile's compute times over
+    the contention its calibration ran under (``calibration_contention``)."""
     if cost is None:
         from ..passes.cost import DEFAULT_COST as cost
     j = prog.j
+    slow = calibration_contention(cost) if alone else 1.0
     times = []
     for k in range(prog.S):
-        times.append({kind: max(1e-9, sum(_eqn_time(j.eqns[i], cost) for i in prog.progs[(kind, k)]["idxs"]))
+        times.append({kind: max(1e-9, sum(_eqn_time(j.eqns[i], cost) for i in prog.progs[(kind, k)]["idxs"]) / slow)
                       for kind in prog.kinds})
     from ..runtime.pipeline_lower import Packing
     latency = [cost.latency_s + 4 * Packing(prog.fwd_out[k]).size / cost.link_bytes_per_s
                for k in range(prog.S - 1)]
     return times, latency
+
+
+def host_step(prog, cost=None, cores=None):
+    """The modeled step of what runs on a host whose ranks share ``cores`` (``shared_cores``;
+    None: side by side): each stage's actions at one device's rate alone
+    (``_modeled_times(alone=True)``) simulated with the ranks sharing the cores, then each
+    rank's once ops (the optimizer), the ranks sharing the cores again. Returns
+    ``(seconds, the SimResult, the once phase's seconds)``."""
+    from ..passes.pipeline.simulate import shared_time
+    if cost is None:
+        from ..passes.cost import DEFAULT_COST as cost
+    times, latency = _modeled_times(prog, cost, alone=True)
+    durations = {kind: [times[k][kind] for k in range(prog.S)] for kind in prog.kinds}
+    sim = simulate(prog.schedule, durations, latency=latency, cores=cores)
+    slow = calibration_contention(cost)
+    once = [sum(_eqn_time(prog.j.eqns[i], cost) for k in range(prog.S) if prog.rank_of(k) == d
+                for i in prog.once[k]["idxs"]) / slow for d in range(prog.p)]
+    tail = float(shared_time(once, cores))
+    return float(sim.makespan) + tail, sim, tail
 
 
 def _modeled_bytes(prog, schedule, scale: float = 1.0, slots=None) -> int:
@@ -872,7 +934,8 @@ class PipelineFunction:
         info = PipelineInfo(stages, dict(prog.sim.tick_table), float(c.model_sim.bubble), prog.T, c.m,
                             sch.name, prog.sim, c.model_sim, prog.nslots, step_time=float(c.model_sim.makespan),
                             unit_bubble=float(simulate(sch).bubble), stage_times=c.stage_times, search=c.search,
-                            memory=_modeled_bytes(prog, sch, slots=prog.nslots))
+                            memory=_modeled_bytes(prog, sch, slots=prog.nslots),
+                            host_step_time=host_step(prog, self.cost, shared_cores(self.mesh, self.p))[0])
         plan = PipelinePlan(info, prog)
         if self.dump_dir:
             import os
