@@ -225,16 +225,16 @@ def shared_cores(mesh, p: int):
     return Fraction(cores * p, len(devices))
 
 
-def _modeled_times(prog, cost=None, alone: bool = False):
+def _modeled_times(prog, cost=None, contention: float = 1.0):
     """Per model stage, the modeled seconds of each action kind on one micro-batch (the
     roofline of ``cost``, default the default cost model, over its programs' equations),
     and per boundary the exchange time of the activations (alpha-beta over its default
-    link). ``alone``: at one device's rate running alone, the profile's compute times over
-    the contention its calibration ran under (``calibration_contention``)."""
+    link). ``contention``: how much slower the profile's compute rates are than a device
+    running alone (``calibration_contention``); the compute times are divided by it."""
     if cost is None:
         from ..passes.cost import DEFAULT_COST as cost
     j = prog.j
-    slow = calibration_contention(cost) if alone else 1.0
+    slow = contention
     times = []
     for k in range(prog.S):
         times.append({kind: max(1e-9, sum(_eqn_time(j.eqns[i], cost) for i in prog.progs[(kind, k)]["idxs"]) / slow)
@@ -245,19 +245,19 @@ def _modeled_times(prog, cost=None, alone: bool = False):
     return times, latency
 
 
-def host_step(prog, cost=None, cores=None):
+def host_step(prog, cost=None, cores=None, contention=None):
     """The modeled step of what runs on a host whose ranks share ``cores`` (``shared_cores``;
-    None: side by side): each stage's actions at one device's rate alone
-    (``_modeled_times(alone=True)``) simulated with the ranks sharing the cores, then each
-    rank's once ops (the optimizer), the ranks sharing the cores again. Returns
-    ``(seconds, the SimResult, the once phase's seconds)``."""
+    None: side by side): each stage's actions at one device's rate alone (the profile's
+    compute times over ``contention``, default ``calibration_contention(cost)``) simulated
+    with the ranks sharing the cores, then each rank's once ops (the optimizer), the ranks
+    sharing the cores again. Returns ``(seconds, the SimResult, the once phase's seconds)``."""
     from ..passes.pipeline.simulate import shared_time
     if cost is None:
         from ..passes.cost import DEFAULT_COST as cost
-    times, latency = _modeled_times(prog, cost, alone=True)
+    slow = calibration_contention(cost) if contention is None else contention
+    times, latency = _modeled_times(prog, cost, contention=slow)
     durations = {kind: [times[k][kind] for k in range(prog.S)] for kind in prog.kinds}
     sim = simulate(prog.schedule, durations, latency=latency, cores=cores)
-    slow = calibration_contention(cost)
     once = [sum(_eqn_time(prog.j.eqns[i], cost) for k in range(prog.S) if prog.rank_of(k) == d
                 for i in prog.once[k]["idxs"]) / slow for d in range(prog.p)]
     tail = float(shared_time(once, cores))
