@@ -394,6 +394,8 @@ class SearchStrategies:
                                    f"a gap of {lag.gap:.2%}, exact rows")
                     sol.bound = max(sol.bound, lag.bound)
                 return sol, smallest
+            if found is not None:
+                break   # (the exact rows' brief try after a rounded plan found none that fits: it stands)
             rows.append(memory.row(at))
             points.add(at)
             if peak < smallest[0]:
@@ -453,6 +455,13 @@ class SearchStrategies:
             sol = milp.Solution(choice, t, self._bound, gap if lp.rounded else 0.0,
                                 f"LP relaxation under {len(rows)} memory rows ({how})", seconds, lp.variables,
                                 lp.binaries)
+            if lp.rounded and warm is not None and new_points and \
+                    (self.relaxed_gap is None or gap > self.relaxed_gap):
+                # (a plan that fits, far from the bound, while the LP's own plans overflow at a
+                # point it has no row for: that row, and the LP again, warm, before the exact rows)
+                rows.append(memory.row(new_points[0]))
+                points.add(new_points[0])
+                return (t, sol), "more", seconds
             return (t, sol), "exact" if lp.rounded else "optimal", seconds
         for at in new_points[:1]:
             rows.append(memory.row(at))
@@ -707,10 +716,12 @@ def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], pr
             trial.update({t: k for _, t, k, _ in batch})
             left = None if deadline is None else max(deadline - time.perf_counter(), 0.5)
             nxt = warm.solve({**red.kept, **{t: np.array([k]) for t, k in trial.items()}}, rows, limit, left)
-            if nxt.choice or len(batch) == 1:
+            if nxt.choice or len(batch) == 1 or getattr(nxt, "timed_out", False):
                 break
             batch = batch[:len(batch) // 2]
         if not nxt.choice:
+            if getattr(nxt, "timed_out", False):
+                return None
             skip.add(batch[0][1])
             continue
         fixed, cur = trial, nxt

@@ -187,14 +187,18 @@ class WarmLP:
             active.add(self.rows[key])
         for key, at in self.rows.items():
             self.h.changeRowBounds(at, -np.inf, float(limit) / self.unit if at in active else np.inf)
-        self.h.setOptionValue("time_limit", float(time_limit) if time_limit is not None else np.inf)
+        # (HiGHS holds time_limit against the instance's run clock, which goes on across runs)
+        self.h.setOptionValue("time_limit", self.h.getRunTime() + float(time_limit) if time_limit is not None
+                              else np.inf)
         self.h.run()
         self.solves += 1
         status = self.h.getModelStatus()
         seconds = time.perf_counter() - t0
         if status != self.core.HighsModelStatus.kOptimal:
-            return milp.Solution({}, float("inf"), float("inf"), float("inf"),
-                                 f"LP: {self.h.modelStatusToString(status)}", seconds, self.ncol, self.nx)
+            out = milp.Solution({}, float("inf"), float("inf"), float("inf"),
+                                f"LP: {self.h.modelStatusToString(status)}", seconds, self.ncol, self.nx)
+            out.timed_out = status == self.core.HighsModelStatus.kTimeLimit
+            return out
         x = np.asarray(self.h.getSolution().col_value)[:self.nx]
         fractions = {t: x[self.xoff[t]:self.xoff[t] + len(red.unary[t])] for t in self.temps}
         choice = {t: int(red.kept[t][int(np.argmax(w))]) for t, w in fractions.items()}
