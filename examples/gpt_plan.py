@@ -68,7 +68,7 @@ def _layer(cfg: GPT, x, p, key):
     dt = jnp.dtype(cfg.compute_dtype)
     b, s, h = x.shape
     w = {k: v.astype(dt) for k, v in p.items()}
-    keys = jax.random.split(key, 3)
+    keys = jax.random.split(key, 3) if cfg.dropout else (None,) * 3
     heads = (P(cfg.dp, None, None), P(None, cfg.mp, None))
     y = _norm(x, p["ln1_g"], p["ln1_b"])
     project = sp.shard(lambda a, wt: jnp.einsum("bse,ehd->bshd", a, wt), heads)
@@ -89,14 +89,14 @@ def _layer(cfg: GPT, x, p, key):
 def loss_fn(params, tokens, targets, cfg: GPT):
     dt = jnp.dtype(cfg.compute_dtype)
     wte = params["wte"].astype(dt)
-    # the masks' key: a constant, since a plan sees shapes only (a training loop would fold
-    # in its step number); each layer folds in its index
-    key = jax.random.key(0)
+    # the masks' key (only with dropout): a constant, since a plan sees shapes only (a
+    # training loop would fold in its step number); each layer folds in its index
+    key = jax.random.key(0) if cfg.dropout else None
     x = _dropout(cfg, (jnp.take(wte, tokens, axis=0) + params["wpe"].astype(dt)[None]).astype(dt), key)
     layer = (jax.checkpoint(lambda x, p, k: _layer(cfg, x, p, k)) if cfg.remat
              else (lambda x, p, k: _layer(cfg, x, p, k)))
     for n, p in enumerate(params["layers"]):
-        x = layer(x, p, jax.random.fold_in(key, n + 1))
+        x = layer(x, p, jax.random.fold_in(key, n + 1) if cfg.dropout else None)
     x = _norm(x, params["lnf_g"], params["lnf_b"])
     logits = sp.shard(lambda a, e: jnp.einsum("bsh,vh->bsv", a, e),
                       (P(cfg.dp, None, None), P(cfg.mp, None)))(x, wte)        # tied head, vocab split
