@@ -264,3 +264,22 @@ def test_lp_dive_meets_the_row_near_the_exact_optimum(frac=0.7):
     assert lp.bound <= problem.objective(exact.choice) * (1 + 1e-9)
     assert problem.objective(exact.choice) * (1 - 1e-9) <= problem.objective(dived) <= \
         problem.objective(exact.choice) * 1.01
+
+
+def test_warm_lp_time_limit_is_per_solve_not_the_instances_clock():
+    """HiGHS holds its time_limit against the instance's run clock, which goes on across
+    runs: a warm model's re-solve given less than the seconds already run must still
+    finish (it timed out at once, and the search fell back to a hand plan)."""
+    from shardprop.passes.auto import milp, warm_lp
+    from shardprop.passes.auto.problem import Problem
+    from shardprop.passes.cost import DEFAULT_COST
+    if not warm_lp.available():
+        pytest.skip("no HiGHS bindings (highspy, or scipy >= 1.15)")
+    params, x, y = problem_data(256, 64, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
+    model = warm_lp.WarmLP(milp.reduce(Problem(g, DEFAULT_COST), memory_matters=True))
+    first = model.solve()
+    assert first.choice and model.h.getRunTime() > 0
+    again = model.solve(time_limit=model.h.getRunTime() / 2)   # (nothing changed: no pivots to make)
+    assert again.choice and not getattr(again, "timed_out", False)
+    assert again.bound == pytest.approx(first.bound, rel=1e-12)
