@@ -228,8 +228,14 @@ class SearchStrategies:
         # with its arguments' layouts narrowed; they matter where memory rows bind)
         fams = hand.families(problem) if hands and limit is not None else []
         warm = _warm_model(problem, memory, fams) if limit is not None else None
+        t_hand = time.perf_counter()
         plans = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, time_limit=self.time_limit,
                                 fams=fams, warm=warm) if fams else []
+        if self._deadline is not None:
+            # (the hand plans are solved in full, each within time_limit: what they compare
+            # with must be there; the budget is for the search's own rounds, which on a
+            # loaded machine found it spent by the hand plans and returned one of them)
+            self._deadline += time.perf_counter() - t_hand
         for h in plans:
             h.axes = f"{h.axes} ({problem.mesh})"
         self._hands = getattr(self, "_hands", []) + plans
