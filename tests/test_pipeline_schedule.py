@@ -474,3 +474,27 @@ def test_shared_time_and_bad_cores():
     for bad in (0, -1, True, float("inf"), "2"):
         with pytest.raises(ShardingError, match="cores"):
             simulate(build_schedule("gpipe", 2, 2), cores=bad)
+
+
+def test_contention_and_shared_cores_of_a_host():
+    """The pipeline model's two host figures (compiler/pipeline_step.py): a CPU profile's
+    rates over the contention its calibration ran under, and the rank-sized cores that
+    forced CPU devices share."""
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    from shardprop.compiler.calibrate import host_cores
+    from shardprop.compiler.pipeline_step import calibration_contention, shared_cores
+    from shardprop.passes.cost import DEFAULT_COST, CostModel
+    cores = host_cores()
+    assert calibration_contention(CostModel.builtin("cpu")) == max(1.0, 8 / cores)
+    assert calibration_contention(DEFAULT_COST) == 1.0                     # no devices measured together
+    assert calibration_contention(NS(device_count=8, device_kind="cpu:cpu", host_cores=2)) == 4.0
+    assert calibration_contention(NS(device_count=8, device_kind="gpu:h100")) == 1.0
+    mesh = lambda n, platform="cpu": NS(devices=np.array([NS(platform=platform)] * n, dtype=object))
+    assert shared_cores(mesh(2 * cores), 2 * cores) == cores               # one device per rank
+    assert shared_cores(mesh(4 * cores), 2 * cores) == Fr(cores, 2)        # two devices per rank: half a core each
+    assert shared_cores(mesh(cores), cores) is None                        # a core per device: side by side
+    assert shared_cores(mesh(2 * cores, "gpu"), 2 * cores) is None
+    assert shared_cores(NS(), 4) is None                                   # an abstract mesh
