@@ -261,49 +261,24 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path):
         model.check_mesh(MESH_8)
 
 
-def test_wait_clock_counts_cpu_where_devices_share_cores(monkeypatch):
-    # forced CPU devices that outnumber the cores: a wait is timed by the CPU it burns (a
-    # waiting device leaves its core to a sibling's work); elsewhere by the wall clock
+def test_wait_clock_counts_cpu_where_asked_and_devices_share_cores(monkeypatch):
+    # --wait-clock cpu, forced CPU devices that outnumber the cores: a wait is timed by
+    # the CPU it burns (a waiting device leaves its core to a sibling's work); otherwise,
+    # and by default, by the wall clock a user waits for
     import time
     from shardprop.compiler import calibrate
     devices = jax.devices()
     monkeypatch.setattr(calibrate, "host_cores", lambda: len(devices) - 1)
-    shared = calibrate.wait_clock(devices)
+    assert calibrate.wait_clock(devices) is time.perf_counter
+    shared = calibrate.wait_clock(devices, "cpu")
     assert shared is not time.perf_counter
     t = shared()
     time.sleep(0.05)   # waiting burns no CPU: the shared clock barely moves
     assert shared() - t < 0.02
     monkeypatch.setattr(calibrate, "host_cores", lambda: len(devices))
-    assert calibrate.wait_clock(devices) is time.perf_counter
-
-
-@pytest.mark.slow
-def test_cpu_profile_prices_megatron_below_data_parallel_on_4x2():
-    # Measured on 8 forced CPU devices sharing 2 cores (docs/results/cost_model.md,
-    # 2026-11-27): the 2-layer GPT step's Megatron marks on a 4 x 2 mesh spend 0.71x the
-    # CPU of data parallel (wall 21.3 against 30.4 ms), its tp+FSDP 0.87x. The profile
-    # measured before charged each collective in the forward and backward a 510 us wait
-    # for its group (a wall-clock probe; the step hides that wait: a waiting device's
-    # core runs a sibling's work) and priced Megatron at 1.005x data parallel and tp+FSDP
-    # at 2.83x; the wait as calibrate now times it puts Megatron below data parallel.
-    from bench import zoo
-    case = zoo.gpt_case(2, 2, (4, 2))
-    shape, names = case.mesh
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(shape), names,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(names))
-    cpu = CostModel.builtin("cpu")
-    args = case.args()
-    times = {}
-    for name, mode, kw in (("marks", "shardprop", {}), ("DP", "plain", dict(mode="data_parallel", batch_argnums=(2, 3)))):
-        zoo.annotate.mode, zoo.annotate.mesh = mode, mesh
-        try:
-            plan = sp.parallelize(lambda *a: case.fn(*a), mesh=mesh, donate_argnums=case.state_argnums,
-                                  progress=False, **kw).plan(*args)
-        finally:
-            zoo.annotate.mode, zoo.annotate.mesh = "shardprop", None
-        times[name] = modeled_step_time(plan.graph, cpu)
-    assert times["marks"]["launched"] > 5 * times["DP"]["launched"]   # the pattern: collectives between compute
-    assert times["marks"]["total"] < 0.9 * times["DP"]["total"]
+    assert calibrate.wait_clock(devices, "cpu") is time.perf_counter
+    with pytest.raises(ValueError, match="wall"):
+        calibrate.wait_clock(devices, "sundial")
 
 
 def test_bench_hlo_sums_a_trace_by_opcode():
