@@ -29,7 +29,7 @@ from . import milp
 
 
 def _bindings():
-    """HiGHS's Python bindings (highspy's ``_core``), or None."""
+    """HiGHS's Python bindings (highspy's ``_core``; a dependency), or None."""
     try:
         from highspy import _core
     except ImportError:
