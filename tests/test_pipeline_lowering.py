@@ -274,10 +274,9 @@ def test_gpt_pipeline_example_pp4_equals_one_device():
     assert_matches_one_device(step, params, state, data, pstep)
 
 
-@pytest.mark.slow
-def test_tied_weights_and_global_norm_clipping_equal_one_device():
-    """A weight used by the first and the last stage and a global gradient norm: once ops
-    that combine stages run on every rank after a broadcast over pp."""
+def tied_and_clipped():
+    """Three stages: a weight used by the first and the last, and Adam after a global
+    gradient-norm clip (once ops that combine stages). Returns step, w, opt state, x."""
     opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
 
     def loss_fn(w, x):
@@ -293,9 +292,17 @@ def test_tied_weights_and_global_norm_clipping_equal_one_device():
     k = jax.random.PRNGKey(0)
     w = {"e": jax.random.normal(k, (D, D)), "m": jax.random.normal(jax.random.fold_in(k, 1), (D, D))}
     x = jax.random.normal(jax.random.fold_in(k, 2), (B, D))
+    return step, w, opt.init(w), x
+
+
+@pytest.mark.slow
+def test_tied_weights_and_global_norm_clipping_equal_one_device():
+    """A weight used by the first and the last stage and a global gradient norm: once ops
+    that combine stages run on every rank after a broadcast over pp."""
+    step, w, o, x = tied_and_clipped()
     pstep = sp.parallelize(step, mesh=((3,), ("pp",)), pipeline=sp.Pipeline(microbatches=4))
-    assert_matches_one_device(step, w, opt.init(w), (x,), pstep, steps=3)
-    assert pstep.plan(w, opt.init(w), x).program.nphases == 2
+    assert_matches_one_device(step, w, o, (x,), pstep, steps=3)
+    assert pstep.plan(w, o, x).program.nphases == 2
 
 
 @pytest.mark.slow
