@@ -30,9 +30,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -41,37 +39,8 @@ import gpt_pipeline  # noqa: E402
 import shardprop as sp  # noqa: E402
 from shardprop.compiler.pipeline_step import unpack  # noqa: E402
 from shardprop.runtime.pipeline_lower import PipelineProgram, collectives_across_pipeline  # noqa: E402
-
-LR = 1e-3
-
-
-def mlp(layers: int, width: int, batch: int, stage_marks: int = 0):
-    """An Adam step of (width -> 4 width -> width) pairs, no sp.shard mark; a stage mark
-    after every ``layers // stage_marks`` pairs when ``stage_marks``."""
-    opt = optax.adam(LR)
-    every = layers // stage_marks if stage_marks else 0
-
-    def loss_fn(params, x, y):
-        h = x
-        for i, (w1, w2) in enumerate(params):
-            h = jnp.tanh(h @ w1) @ w2
-            if every and (i + 1) % every == 0 and i < len(params) - 1:
-                h = sp.stage_boundary(h)
-        return jnp.mean((h - y) ** 2)
-
-    def step(params, opt_state, x, y):
-        loss, g = jax.value_and_grad(loss_fn)(params, x, y)
-        up, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, up), opt_state, loss
-
-    rng = np.random.default_rng(0)
-    params = [(rng.standard_normal((width, 4 * width)).astype(np.float32) / np.sqrt(width),
-               rng.standard_normal((4 * width, width)).astype(np.float32) / np.sqrt(4 * width))
-              for _ in range(layers)]
-    data = (rng.standard_normal((batch, width)).astype(np.float32),
-            rng.standard_normal((batch, width)).astype(np.float32))
-    return step, params, opt.init(params), data
-
+sys.path.insert(0, str(ROOT))
+from tests.test_pipeline_auto_mesh import LR, mlp  # noqa: E402
 
 def crossing_pp(hlo: str, mp: int) -> list:
     """``(kind, elements, devices per group)`` of the collectives that span pipeline ranks
@@ -114,10 +83,10 @@ def tied_exchange(reps: int) -> None:
 
 def auto_mode(steps: int, width: int) -> None:
     print(f"== 2. mode='auto' on ((4, 2), ('pp', 'mp')), Adam lr {LR}, {steps} steps against one device")
-    cases = [("stage marks, no shard mark, no pipeline=", mlp(4, width, 16, stage_marks=4), {}),
-             ("stage marks, no shard mark, no pipeline=", mlp(8, width, 32, stage_marks=4), {}),
-             ("no mark at all, no pipeline=", mlp(8, width // 4, 32), {}),
-             ("stage marks, pipeline=Pipeline(4, '1f1b')", mlp(8, width, 32, stage_marks=4),
+    cases = [("stage marks, no shard mark, no pipeline=", mlp(4, width, 16, stages=4), {}),
+             ("stage marks, no shard mark, no pipeline=", mlp(8, width, 32, stages=4), {}),
+             ("no mark at all, no pipeline=", mlp(8, width // 4, 32, stages=0), {}),
+             ("stage marks, pipeline=Pipeline(4, '1f1b')", mlp(8, width, 32, stages=4),
               dict(pipeline=sp.Pipeline(microbatches=4, schedule="1f1b")))]
     for name, (step, params, state, data), kw in cases:
         t = time.perf_counter()
@@ -144,7 +113,7 @@ def auto_mode(steps: int, width: int) -> None:
 def memory(width: int, batch: int) -> None:
     print(f"== 3. modeled bytes per device against memory_analysis(), MLP width {width}, 8 layers, batch {batch}, "
           "pp=4")
-    step, params, state, data = mlp(8, width, batch, stage_marks=4)
+    step, params, state, data = mlp(8, width, batch, stages=4)
     for schedule in ("gpipe", "1f1b"):
         for m in (4, 8):
             pstep = sp.parallelize(step, mesh=((4,), ("pp",)), batch_argnums=(2, 3),

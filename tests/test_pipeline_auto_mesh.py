@@ -15,16 +15,18 @@ from tests.test_pipeline_compose import tp_mlp
 LR = 1e-3
 
 
-def mlp(layers: int = 4, width: int = 16, batch: int = 16, marks: bool = True):
-    """An MLP of (width -> 4 width -> width) pairs, no ``sp.shard`` mark; a stage mark
-    after every pair but the last when ``marks``."""
+def mlp(layers: int = 4, width: int = 16, batch: int = 16, stages: int = None):
+    """An Adam step of (width -> 4 width -> width) pairs, no ``sp.shard`` mark; a stage mark
+    after every ``layers // stages`` pairs (``stages`` None: after every pair but the
+    last; 0: no mark). bench/pipeline_compose.py builds its cases with it too."""
     opt = optax.adam(LR)
+    every = 1 if stages is None else (layers // stages if stages else 0)
 
     def loss_fn(params, x, y):
         h = x
         for i, (w1, w2) in enumerate(params):
             h = jnp.tanh(h @ w1) @ w2
-            if marks and i < len(params) - 1:
+            if every and (i + 1) % every == 0 and i < len(params) - 1:
                 h = sp.stage_boundary(h)
         return jnp.mean((h - y) ** 2)
 
@@ -113,7 +115,7 @@ def test_auto_without_shard_marks_plans_tensor_parallelism_pp4_mp2():
 def test_auto_cuts_and_submesh_search_pp2_mp2():
     """Neither a stage mark nor a shard mark: the cuts, m and the schedule by the pipeline
     search, the stage programs by the strategy search."""
-    step, params, opt_state, data = mlp(layers=4, marks=False)
+    step, params, opt_state, data = mlp(layers=4, stages=0)
     pstep = sp.parallelize(step, mesh=((2, 2), ("pp", "mp")), mode="auto", batch_argnums=(2, 3))
     assert_equals_one_device(step, params, opt_state, data, pstep, steps=3)
     plan = pstep.plan(params, opt_state, *data)
