@@ -251,6 +251,37 @@ class PackedLeaf:
 
 
 # ---------------------------------------------------------------- the program
+def rep_needed(j, rep_ops, users, once_readers, outs_at, ties, owners, untied) -> dict:
+    """The ranks on which each replicated (REP) once op's results are needed, a fixed point
+    shared by both lowerings: where a stage once op reads them (``once_readers``: var ->
+    ranks), where a later REP op is needed (``users``: var -> REP ops reading it), and for a
+    step output (``outs_at``: var -> output numbers) tied to an input (``ties``: output ->
+    input number), on that input's ``owners`` (input number -> ranks, grown in place by
+    the REP ops reading it); an output tied to no input is needed on ``untied``."""
+    needed = {e: set() for e in rep_ops}
+    changed = True
+    while changed:
+        changed = False
+        for e in reversed(rep_ops):
+            want = set()
+            for o in j.eqns[e].outvars:
+                want |= once_readers.get(o, set())
+                for u in users.get(o, []):
+                    want |= needed[u]
+                for n in outs_at.get(o, []):
+                    t = ties.get(n)
+                    want |= owners[t] if t is not None else untied
+            if not want <= needed[e]:
+                needed[e] |= want
+                changed = True
+        for i, v in enumerate(j.invars):
+            for e in users.get(v, []):
+                if not needed[e] <= owners[i]:
+                    owners[i] |= needed[e]
+                    changed = True
+    return needed
+
+
 class PipelineProgram:
     """Builds and runs the pipelined step for one input signature."""
 
@@ -494,27 +525,7 @@ class PipelineProgram:
                 outs_at.setdefault(v, []).append(n)
         everywhere = set(range(self.p))
         owners = {i: {d for d in readers[i] if d != -1} for i in range(len(j.invars))}
-        needed = {e: set() for e in rep_ops}
-        changed = True
-        while changed:
-            changed = False
-            for e in reversed(rep_ops):
-                want = set()
-                for o in j.eqns[e].outvars:
-                    want |= once_readers.get(o, set())
-                    for u in users.get(o, []):
-                        want |= needed[u]
-                    for n in outs_at.get(o, []):
-                        t = self.ties.get(n)
-                        want |= owners[t] if t is not None else everywhere
-                if not want <= needed[e]:
-                    needed[e] |= want
-                    changed = True
-            for i, v in enumerate(j.invars):
-                for e in users.get(v, []):
-                    if not needed[e] <= owners[i]:
-                        owners[i] |= needed[e]
-                        changed = True
+        needed = rep_needed(j, rep_ops, users, once_readers, outs_at, self.ties, owners, untied=everywhere)
         for i, v in enumerate(j.invars):
             if self.owner[i] != -1 or i in float_read or not owners[i] or owners[i] == everywhere:
                 continue

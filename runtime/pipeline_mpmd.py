@@ -48,6 +48,7 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ..ir.errors import ShardingError
+from .pipeline_lower import rep_needed
 
 F_, B_, I_, W_ = "forward", "backward", "backward_input", "backward_weight"
 
@@ -58,6 +59,17 @@ def _lit(a) -> bool:
 
 def _unique(xs) -> list:
     return list(dict.fromkeys(xs))
+
+
+def _stacked_map(run, mesh, kinds, in_specs, out_spec, donate=0):
+    """``run`` on every device of ``mesh`` (a ``shard_map``): a ``"stacked"`` argument is
+    each device's own value (a leading dim of 1 in its block), the others as ``in_specs``
+    lay them; every result comes back stacked. The first ``donate`` arguments donated."""
+    def per_device(*vals):
+        vals = [x[0] if kd == "stacked" else x for x, kd in zip(vals, kinds)]
+        return [x[None] for x in run(*vals)]
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_spec,
+                                 check_vma=False), donate_argnums=tuple(range(donate)))
 
 
 class MpmdProgram:
@@ -107,7 +119,7 @@ class MpmdProgram:
     def _plan_actions(self):
         """Per (kind, model stage): the program's inputs (in order), where each comes from,
         and its outputs: what it sends, keeps for its backward, accumulates and outputs."""
-        prog, j = self.prog, self.j
+        prog = self.prog
         # what a stage receives, in the order its neighbour sends it (both deduplicated, as
         # the SPMD lowering's packing pairs them)
         self.fwd_in = {k: _unique(prog.fwd_in.get(k, [])) for k in range(self.S)}
@@ -150,14 +162,8 @@ class MpmdProgram:
             # each device of the group runs the per-device program on its rows; what it
             # produces stays its own (stacked on a leading dp dim), summed over dp after the ticks
             kinds = ["stacked"] * nacc + [self._arg_kind(v) for v in reads]
-
-            def per_device(*vals):
-                vals = [x[0] if kd == "stacked" else x for x, kd in zip(vals, kinds)]
-                return [x[None] for x in run(*vals)]
             spec = {"stacked": P("dp"), "rows": P("dp"), "whole": P()}
-            fn = jax.jit(jax.shard_map(per_device, mesh=self.meshes[d], in_specs=tuple(spec[kd] for kd in kinds),
-                                       out_specs=P("dp"), check_vma=False),
-                         donate_argnums=tuple(range(nacc)))
+            fn = _stacked_map(run, self.meshes[d], kinds, [spec[kd] for kd in kinds], P("dp"), donate=nacc)
         a["fns"][first] = fn
         return fn
 
@@ -169,12 +175,7 @@ class MpmdProgram:
         nstack = len(kinds) - len(reads)
         specs = [P(axes)] * nstack + [sub.spec(sub.in_dims[self.prog.invar_index[v]]) if kd != "stacked"
                                       else P(axes) for kd, v in zip(kinds[nstack:], reads)]
-
-        def per_device(*vals):
-            vals = [x[0] if kd == "stacked" else x for x, kd in zip(vals, kinds)]
-            return [x[None] for x in run(*vals)]
-        return jax.jit(jax.shard_map(per_device, mesh=self.meshes[d], in_specs=tuple(specs), out_specs=P(axes),
-                                     check_vma=False), donate_argnums=tuple(range(donate)))
+        return _stacked_map(run, self.meshes[d], kinds, specs, P(axes), donate=donate)
 
     def _out_fn(self, d, n):
         """A stacked value of rank ``d`` -> the step's output ``n`` under its planned layout."""
@@ -240,27 +241,10 @@ class MpmdProgram:
         for a, ds in readers.items():
             if a in invar_index:
                 in_readers.setdefault(a, set()).update(ds)
-        ties = prog.ties or {}
-        # where a REP op runs: every rank that needs one of its results (a fixed point over
-        # the REP ops reading them, and the next step's readers of an input it replaces)
-        run_on = {e: set() for e in rep_ops}
-        changed = True
-        while changed:
-            changed = False
-            for e in reversed(rep_ops):
-                want = set()
-                for o in j.eqns[e].outvars:
-                    want |= readers.get(o, set())
-                    for u in users.get(o, []):
-                        want |= run_on[u]
-                    for n in outs_at.get(o, []):
-                        t = ties.get(n)
-                        if t is not None:
-                            want |= in_readers.get(j.invars[t], set())
-                            want |= {d for u in users.get(j.invars[t], []) for d in run_on[u]}
-                if not want <= run_on[e]:
-                    run_on[e] |= want
-                    changed = True
+        # where a REP op runs: every rank that needs one of its results (the SPMD lowering's
+        # fixed point; a result no rank reads and no input is tied to runs on one rank, below)
+        owners = {i: set(in_readers.get(v, ())) for i, v in enumerate(j.invars)}
+        run_on = rep_needed(j, rep_ops, users, readers, outs_at, prog.ties or {}, owners, untied=set())
         for e in rep_ops:
             if not run_on[e]:
                 # nobody else needs it (a returned metric): the lowest rank among its inputs' homes
