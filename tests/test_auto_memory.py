@@ -208,8 +208,7 @@ def test_warm_lp_narrowed_by_bounds_equals_each_hand_plans_own_solve():
     from shardprop.passes.auto.problem import Problem
     from shardprop.passes.auto.search import _Liveness
     from shardprop.passes.cost import DEFAULT_COST
-    if not warm_lp.available():
-        pytest.skip("no HiGHS bindings (highspy, or scipy >= 1.15)")
+    assert warm_lp.available(), "highspy is a dependency of the package: its HiGHS bindings must load"
     params, x, y = problem_data(256, 64, 2)
     g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
     problem = Problem(g, DEFAULT_COST)
@@ -245,8 +244,7 @@ def test_lp_dive_meets_the_row_near_the_exact_optimum(frac=0.7):
     from shardprop.passes.auto.problem import Problem
     from shardprop.passes.auto.search import _dive, _Liveness
     from shardprop.passes.cost import DEFAULT_COST
-    if not warm_lp.available():
-        pytest.skip("no HiGHS bindings (highspy, or scipy >= 1.15)")
+    assert warm_lp.available(), "highspy is a dependency of the package: its HiGHS bindings must load"
     params, x, y = problem_data(256, 64, 2)
     g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
     problem = Problem(g, DEFAULT_COST)
@@ -273,8 +271,7 @@ def test_warm_lp_time_limit_is_per_solve_not_the_instances_clock():
     from shardprop.passes.auto import hand, milp, warm_lp
     from shardprop.passes.auto.problem import Problem
     from shardprop.passes.cost import DEFAULT_COST
-    if not warm_lp.available():
-        pytest.skip("no HiGHS bindings (highspy, or scipy >= 1.15)")
+    assert warm_lp.available(), "highspy is a dependency of the package: its HiGHS bindings must load"
     params, x, y = problem_data(256, 64, 2)
     g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
     problem = Problem(g, DEFAULT_COST)
