@@ -22,6 +22,7 @@ the memory limit, see ``memory.py``).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -587,6 +588,27 @@ class Problem:
     @property
     def templates(self) -> list[int]:
         return sorted(self.unary)
+
+    @functools.cached_property
+    def edges_at(self) -> dict:
+        """Template node -> the edges touching it (the edges are final once built)."""
+        at: dict = {}
+        for e in self.edges:
+            at.setdefault(e.a, []).append(e)
+            at.setdefault(e.b, []).append(e)
+        return at
+
+    def switch_deltas(self, choice: dict, t: int) -> np.ndarray:
+        """What the objective of ``choice`` gains with decision ``t`` at each of its
+        candidates instead, every other decision kept: its own cost's difference and its
+        edges' against the neighbours' choices (0 at ``choice[t]``; no edge joins a node to
+        itself: ``_add`` folds those into ``unary``)."""
+        k = choice[t]
+        delta = self.unary[t] - self.unary[t][k]
+        for e in self.edges_at.get(t, ()):
+            vec = e.cost[:, e.cols[choice[e.b]]][e.rows] if e.a == t else e.cost[e.rows[choice[e.a]], :][e.cols]
+            delta = delta + vec - vec[k]
+        return delta
 
     def objective(self, choice: dict) -> float:
         """Modeled step time of a choice (template node -> candidate index)."""

@@ -542,10 +542,6 @@ class SearchStrategies:
         counts: dict = {}
         for n in problem.nodes:
             counts[n.template] = counts.get(n.template, 0) + 1
-        touching: dict = {}
-        for e in problem.edges:
-            touching.setdefault(e.a, []).append(e)
-            touching.setdefault(e.b, []).append(e)
         for n in problem.nodes:
             if n.template != n.index or n.is_input or n.root.kind not in DECIDERS:
                 continue
@@ -553,13 +549,7 @@ class SearchStrategies:
             k = sol.choice[t]
             best = None
             # the plan with only this decision changed: its own cost and its edges' differ
-            delta = problem.unary[t] - problem.unary[t][k]
-            for e in touching.get(t, ()):
-                if e.a == t:
-                    col = e.cost[:, e.cols[sol.choice[e.b]]][e.rows]
-                else:
-                    col = e.cost[e.rows[sol.choice[e.a]], :][e.cols]
-                delta = delta + col - col[k]
+            delta = problem.switch_deltas(sol.choice, t)
             for j in np.argsort(delta, kind="stable"):
                 if j != k:
                     best = (base + float(delta[j]), int(j))
@@ -737,24 +727,7 @@ def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], pr
 def _switch_cost(problem: Problem, choice: dict, t: int, k: int) -> float:
     """What the plan ``choice`` gains in modeled time with decision ``t`` at candidate
     ``k`` instead (its own cost and its edges' against its neighbours' choices)."""
-    touching = getattr(problem, "_touching", None)
-    if touching is None:
-        touching = problem._touching = {}
-        for e in problem.edges:
-            touching.setdefault(e.a, []).append(e)
-            touching.setdefault(e.b, []).append(e)
-    j = choice[t]
-    delta = float(problem.unary[t][k] - problem.unary[t][j])
-    for e in touching.get(t, ()):
-        if e.a == t and e.b == t:
-            delta += float(e.cost[e.rows[k], e.cols[k]] - e.cost[e.rows[j], e.cols[j]])
-        elif e.a == t:
-            col = e.cost[:, e.cols[choice[e.b]]]
-            delta += float(col[e.rows[k]] - col[e.rows[j]])
-        else:
-            row = e.cost[e.rows[choice[e.a]], :]
-            delta += float(row[e.cols[k]] - row[e.cols[j]])
-    return delta
+    return float(problem.switch_deltas(choice, t)[k])
 
 
 class _Liveness:
