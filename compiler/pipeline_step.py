@@ -234,10 +234,10 @@ def _modeled_times(prog, cost=None, contention: float = 1.0):
     if cost is None:
         from ..passes.cost import DEFAULT_COST as cost
     j = prog.j
-    slow = contention
     times = []
     for k in range(prog.S):
-        times.append({kind: max(1e-9, sum(_eqn_time(j.eqns[i], cost) for i in prog.progs[(kind, k)]["idxs"]) / slow)
+        times.append({kind: max(1e-9, sum(_eqn_time(j.eqns[i], cost) for i in prog.progs[(kind, k)]["idxs"])
+                                / contention)
                       for kind in prog.kinds})
     from ..runtime.pipeline_lower import Packing
     latency = [cost.latency_s + 4 * Packing(prog.fwd_out[k]).size / cost.link_bytes_per_s
