@@ -18,7 +18,6 @@ are searched at all, and the search never returns a plan the model prices above 
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -208,7 +207,7 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
                                                              f"{floor / 2**20:.2f} MiB per device"))
             continue
         key = tuple(sorted((t, tuple(a)) for t, a in allowed.items()))
-        plan = _solve(problem, name, axes, allowed, peak_of, limit, time_limit, (_fingerprint(problem), key), warm)
+        plan = _solve(problem, name, axes, allowed, peak_of, limit, time_limit, (problem.fingerprint, key), warm)
         same = next((p for p in out if p.choice is not None and p.choice == plan.choice), None)
         if same is not None:   # (tp+FSDP that splits nothing over dp is Megatron)
             same.name += f" = {plan.name}" if plan.name not in same.name else ""
@@ -235,56 +234,33 @@ _SOLVED: dict = {}
 _SOLVED_MAX = 64
 
 
-def _fingerprint(problem) -> tuple:
-    """What a hand plan's solve depends on: the mesh, every decision's costs and bytes,
-    every edge's costs (equal fingerprints: the same problem, numbered alike)."""
-    fp = getattr(problem, "_hand_fingerprint", None)
-    if fp is None:
-        h = hashlib.sha1()
-        for t in sorted(problem.unary):
-            h.update(np.int64(t).tobytes())
-            h.update(np.ascontiguousarray(problem.unary[t]).tobytes())
-        for e in problem.edges:
-            h.update(np.array([e.a, e.b], dtype=np.int64).tobytes())
-            h.update(np.ascontiguousarray(e.rows).tobytes() + np.ascontiguousarray(e.cols).tobytes())
-            h.update(np.ascontiguousarray(e.cost).tobytes())
-        for v, (t, vec) in problem.values.items():
-            h.update(np.int64(t).tobytes())
-            h.update(np.ascontiguousarray(vec).tobytes())
-        fp = problem._hand_fingerprint = (str(problem.mesh), h.hexdigest())
-    return fp
-
-
 def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, warm=None) -> HandPlan:
     plan = HandPlan(name, axes)
     t0 = time.perf_counter()
-    if key is not None and key in _SOLVED:   # (the solve is reused; the plan is priced again)
-        choice = dict(_SOLVED[key])
-        e = problem.evaluate(*problem.op_strategies(choice))
-        plan.time, plan.peak, plan.choice = e["compute"] + e["communication"], peak_of(choice), choice
-        plan.fits = limit is None or plan.peak <= limit
-        plan.note = f"{time.perf_counter() - t0:.2f} s (its solve reused)"
-        return plan
-    sol = warm.solve(allowed, time_limit=time_limit) if warm is not None else None
-    how = "warm LP"
-    if sol is None or not sol.choice or sol.rounded:   # (no model, or a fractional optimum: the MILP)
-        how = ""
-        try:
-            sol = milp.solve(milp.reduce(problem, memory_matters=False, allowed=allowed), time_limit=time_limit)
-        except ShardingError as e:
-            plan.note = str(e).splitlines()[0]
+    reused = _SOLVED.get(key) if key is not None else None
+    if reused is not None:   # (the solve is reused; the plan is priced again)
+        choice, how = dict(reused), "its solve reused"
+    else:
+        sol = warm.solve(allowed, time_limit=time_limit) if warm is not None else None
+        how = "warm LP"
+        if sol is None or not sol.choice or sol.rounded:   # (no model, or a fractional optimum: the MILP)
+            how = ""
+            try:
+                sol = milp.solve(milp.reduce(problem, memory_matters=False, allowed=allowed), time_limit=time_limit)
+            except ShardingError as e:
+                plan.note = str(e).splitlines()[0]
+                return plan
+        if not sol.choice and problem.unary:
+            plan.note = sol.status
             return plan
-    if not sol.choice and problem.unary:
-        plan.note = sol.status
-        return plan
-    choice = {t: sol.choice.get(t, 0) for t in problem.unary}
+        choice = {t: sol.choice.get(t, 0) for t in problem.unary}
     e = problem.evaluate(*problem.op_strategies(choice))
     plan.time = e["compute"] + e["communication"]
     plan.peak = peak_of(choice)
     plan.fits = limit is None or plan.peak <= limit
     plan.choice = choice
     plan.note = f"{time.perf_counter() - t0:.2f} s" + (f" ({how})" if how else "")
-    if key is not None:
+    if key is not None and reused is None:
         if len(_SOLVED) >= _SOLVED_MAX:
             _SOLVED.pop(next(iter(_SOLVED)))
         _SOLVED[key] = dict(choice)

@@ -23,6 +23,7 @@ the memory limit, see ``memory.py``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -588,6 +589,24 @@ class Problem:
     @property
     def templates(self) -> list[int]:
         return sorted(self.unary)
+
+    @functools.cached_property
+    def fingerprint(self) -> tuple:
+        """What a solve of this problem depends on: the mesh, every decision's costs and
+        bytes, every edge's costs (equal fingerprints: the same problem, numbered alike).
+        Keys the hand plans' reused solves and the warm LP models (``passes/auto``)."""
+        h = hashlib.sha1()
+        for t in sorted(self.unary):
+            h.update(np.int64(t).tobytes())
+            h.update(np.ascontiguousarray(self.unary[t]).tobytes())
+        for e in self.edges:
+            h.update(np.array([e.a, e.b], dtype=np.int64).tobytes())
+            h.update(np.ascontiguousarray(e.rows).tobytes() + np.ascontiguousarray(e.cols).tobytes())
+            h.update(np.ascontiguousarray(e.cost).tobytes())
+        for v, (t, vec) in self.values.items():
+            h.update(np.int64(t).tobytes())
+            h.update(np.ascontiguousarray(vec).tobytes())
+        return str(self.mesh), h.hexdigest()
 
     @functools.cached_property
     def edges_at(self) -> dict:

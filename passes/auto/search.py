@@ -592,7 +592,7 @@ def _warm_model(problem: Problem, memory: "_Liveness", fams: list):
     candidates; None without HiGHS's bindings."""
     if not warm_lp.available():
         return None
-    key = (hand._fingerprint(problem), memory.signature())
+    key = (problem.fingerprint, memory.signature())
     model = _WARM.get(key)
     if model is None:
         red = milp.reduce(problem, memory_matters=True, also=[f.allowed for f in fams if f.allowed is not None])
