@@ -69,14 +69,16 @@ class PipelineResult:
     seconds: dict = field(default_factory=dict)   # pass name -> seconds
 
 
-def run_pipeline(graph: Graph, opts: Options, keep_texts: bool = False, on_pass=None) -> PipelineResult:
-    """Run every pass; ``on_pass(name)`` is told as each starts (compile progress)."""
+def run_pipeline(graph: Graph, opts: Options, keep_texts: bool = False, on_pass=None,
+                 passes: Optional[list] = None) -> PipelineResult:
+    """Run every pass (``passes``, default ``default_passes(opts)``); ``on_pass(name)`` is
+    told as each starts (compile progress)."""
     res = PipelineResult(graph)
     if opts.verify:
         verify(graph, "import")
     if keep_texts:
         res.texts["00_import.ir"] = print_graph(graph, title="after import")
-    for i, p in enumerate(default_passes(opts), start=1):
+    for i, p in enumerate(default_passes(opts) if passes is None else passes, start=1):
         if on_pass is not None:
             on_pass(p.name)
         t0 = time.perf_counter()

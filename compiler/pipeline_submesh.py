@@ -212,13 +212,20 @@ def _run_passes(graph, options: Options, replay: dict):
         return run_pipeline(graph, options).graph
     passes = default_passes(options)
     search = next(n for n, p in enumerate(passes) if p.name == "search-strategies")
-    if "plan" in replay:
-        passes[search] = ReplaySearchedPlan(replay["plan"])
-    for n, p in enumerate(passes):
-        graph = p(graph)
-        if n == search and "plan" not in replay:
-            replay["plan"] = searched_plan(graph)
-    return graph
+    passes[search] = ReplaySearchedPlan(replay["plan"]) if "plan" in replay else _Recorded(passes[search], replay)
+    return run_pipeline(graph, options, passes=passes).graph
+
+
+class _Recorded:
+    """A pass that keeps what it planned in ``into["plan"]`` (``searched_plan``)."""
+
+    def __init__(self, inner, into: dict):
+        self.inner, self.into, self.name = inner, into, inner.name
+
+    def __call__(self, graph):
+        graph = self.inner(graph)
+        self.into["plan"] = searched_plan(graph)
+        return graph
 
 
 def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, args_tree, out_shape,
