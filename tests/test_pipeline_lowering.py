@@ -134,7 +134,8 @@ def test_thirty_layers_on_pp4_every_layer_once():
     assert_matches_one_device(step, params, opt_state, (batch,), pstep, steps=3)
 
 
-def test_forward_only_pipeline():
+def forward_only_case():
+    """A four-stage forward (no gradient, no optimizer): infer, its weights, its input."""
     k = jax.random.PRNGKey(1)
     ws = [jax.random.normal(jax.random.fold_in(k, i), (D, D)) for i in range(4)]
 
@@ -146,7 +147,11 @@ def test_forward_only_pipeline():
                 h = sp.stage_boundary(h)
         return h, jnp.sum(h)
 
-    x = jax.random.normal(k, (B, D))
+    return infer, ws, jax.random.normal(k, (B, D))
+
+
+def test_forward_only_pipeline():
+    infer, ws, x = forward_only_case()
     pinf = sp.parallelize(infer, mesh=((4,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="gpipe"))
     out, total = pinf(ws, x)
     ref, rtotal = jax.jit(infer)(ws, x)

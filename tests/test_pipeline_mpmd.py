@@ -10,8 +10,8 @@ import shardprop as sp
 from jax.sharding import PartitionSpec as P
 
 from tests.test_pipeline_compose import tp_mlp
-from tests.test_pipeline_lowering import (B, D, assert_matches_one_device, even_cuts, gpt_pipeline_case, mlp,
-                                         tied_and_clipped)
+from tests.test_pipeline_lowering import (B, D, assert_matches_one_device, even_cuts, forward_only_case,
+                                         gpt_pipeline_case, mlp, tied_and_clipped)
 
 
 def mpmd(p, **kw):
@@ -97,18 +97,7 @@ def test_mpmd_1f1b_holds_fewer_activations_than_gpipe():
 
 
 def test_mpmd_forward_only():
-    k = jax.random.PRNGKey(1)
-    ws = [jax.random.normal(jax.random.fold_in(k, i), (D, D)) for i in range(4)]
-
-    def infer(ws, x):
-        h = x
-        for i, w in enumerate(ws):
-            h = jnp.tanh(h @ w)
-            if i < 3:
-                h = sp.stage_boundary(h)
-        return h, jnp.sum(h)
-
-    x = jax.random.normal(k, (B, D))
+    infer, ws, x = forward_only_case()
     pinf = sp.parallelize(infer, **mpmd(4, schedule="gpipe"))
     out, total = pinf(ws, x)
     ref, rtotal = jax.jit(infer)(ws, x)
