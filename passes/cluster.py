@@ -47,7 +47,7 @@ from ..ir.errors import ShardingError
 from .cost import PROFILES, CostModel, group_shape
 
 GPU_SCHEMA = "shardprop.gpu/1"
-GPUS = ("v100-32gb", "a100-80gb", "h100-80gb")
+GPUS = ("v100-32gb", "a100-80gb", "h100-80gb", "h200-141gb")
 
 
 @dataclass(frozen=True)
