@@ -13,7 +13,8 @@ profile's prediction, so the profile is checked by a run, never fitted to it:
    against ``GpuProfile.streaming_bytes_per_s``;
 4. **a GPT training step** (``examples/gpt_plan.py``: bf16 compute, fp32 master
    weights, Adam) jitted on one GPU, its median step against ``sp.plan_step``'s modeled
-   step on a one-GPU ``sp.Cluster`` of the profile, with and without recomputation.
+   step on a one-GPU ``sp.Cluster`` of the profile, with and without recomputation;
+   with ``--parts`` also its forward and its forward + backward alone.
 
 Every time is the median of ``--reps`` runs after a warm-up.
 
@@ -24,6 +25,7 @@ Every time is the median of ``--reps`` runs after a warm-up.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -83,33 +85,57 @@ def streaming_row(gpu: GpuProfile, elements: int, reps: int) -> tuple:
     return 8.0 * elements / t, gpu.streaming_bytes_per_s
 
 
-def gpt_rows(gpu: GpuProfile, configs, reps: int) -> list:
+def _timed(fn, args, reps: int, feed_back: bool) -> float:
+    """Median seconds of ``fn(*args)``; a training step's new state is fed back."""
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        if feed_back:
+            args = (out[0], out[1]) + tuple(args[2:])
+        t0 = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gpt_rows(gpu: GpuProfile, configs, reps: int, parts: bool) -> list:
+    """Per config: the training step measured and modeled; with ``parts`` also its
+    forward (the loss) and forward + backward (``value_and_grad``), so the gap can be
+    placed."""
     import gpt_plan
     import optax
     rows = []
+    mesh = ((1, 1), ("dp", "mp"))
+    cluster = sp.Cluster(1, 1, gpu)
     for cfg in configs:
         step, args = gpt_plan.train_step_and_args(cfg)
-        est = sp.plan_step(step, args, mesh=((1, 1), ("dp", "mp")), cost_model=sp.Cluster(1, 1, gpu), tokens=cfg.batch * cfg.seq)
         key = jax.random.key(1)
         leaves, tree = jax.tree_util.tree_flatten(args[0])
         params = jax.tree_util.tree_unflatten(tree, [0.02 * jax.random.normal(jax.random.fold_in(key, i), s.shape, s.dtype)
                                                      for i, s in enumerate(leaves)])
-        state = optax.adam(1e-4).init(params)
         tokens = jax.random.randint(key, (cfg.batch, cfg.seq), 0, cfg.vocab, jnp.int32)
-        jitted = jax.jit(step, donate_argnums=(0, 1))
-        params, state, loss = jitted(params, state, tokens, tokens)
-        jax.block_until_ready(loss)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            params, state, loss = jitted(params, state, tokens, tokens)
-            jax.block_until_ready(loss)
-            times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
         label = (f"GPT L{cfg.layers} h{cfg.hidden} s{cfg.seq} b{cfg.batch} {cfg.compute_dtype}"
                  f"{' remat' if cfg.remat else ''}")
-        rows.append((label, est.flops, t, est.step_s, float(loss)))
-        del params, state
+        loss = functools.partial(gpt_plan.loss_fn, cfg=cfg)
+        pieces = []
+        if parts:
+            pieces += [("forward", loss, (args[0], args[2], args[3]), (params, tokens, tokens)),
+                       ("forward+backward", jax.value_and_grad(loss), (args[0], args[2], args[3]),
+                        (params, tokens, tokens))]
+        pieces.append(("step", step, args, None))
+        for part, fn, abstract, real in pieces:
+            is_step = real is None
+            est = sp.plan_step(fn, abstract, mesh=mesh, cost_model=cluster, tokens=cfg.batch * cfg.seq,
+                               **({} if is_step else dict(param_argnums=(), optimizer_argnums=())))
+            if is_step:
+                real = (params, optax.adam(1e-4).init(params), tokens, tokens)
+                t = _timed(jax.jit(fn, donate_argnums=(0, 1)), real, reps, feed_back=True)
+                params = None          # donated
+            else:
+                t = _timed(jax.jit(fn), real, reps, feed_back=False)
+            rows.append((f"{label} {part}", est.flops, t, est.step_s))
     return rows
 
 
@@ -119,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--small", action="store_true", help="tiny sizes (checks the script anywhere)")
     ap.add_argument("--skip-gpt", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="also the GPT's forward and forward+backward alone")
     a = ap.parse_args(argv)
     dev = jax.devices()[0]
     name = a.profile or profile_for(dev)
@@ -143,11 +170,11 @@ def main(argv=None) -> int:
     print(f"\nHBM streaming (x*a+b, {elements * 4 / 2**30:.2f} GiB float32): measured {got / 1e12:.2f} TB/s, "
           f"profile {model / 1e12:.2f} TB/s, measured/profile {got / model:.2f}")
     if not a.skip_gpt:
-        print(f"\n{'training step (one GPU, Adam)':44} {'TFLOP':>7} {'measured':>10} {'model':>10} "
-              f"{'measured/model':>15} {'MFU measured':>13} {'loss':>8}")
-        for label, flops, t, model, loss in gpt_rows(gpu, gpts, a.reps):
-            print(f"{label:44} {flops / 1e12:7.2f} {t * 1e3:8.2f}ms {model * 1e3:8.2f}ms {t / model:15.2f} "
-                  f"{flops / t / gpu.matmul_flops_per_s:13.3f} {loss:8.4f}")
+        print(f"\n{'one GPU (training step: Adam)':54} {'TFLOP':>7} {'measured':>10} {'model':>10} "
+              f"{'measured/model':>15} {'MFU measured':>13}")
+        for label, flops, t, model in gpt_rows(gpu, gpts, a.reps, a.parts):
+            print(f"{label:54} {flops / 1e12:7.2f} {t * 1e3:8.2f}ms {model * 1e3:8.2f}ms {t / model:15.2f} "
+                  f"{flops / t / gpu.matmul_flops_per_s:13.3f}")
     return 0
 
 

@@ -22,7 +22,8 @@ def test_the_profile_is_named_after_the_device():
 
 @pytest.mark.slow
 def test_the_bench_prints_measured_beside_modeled():
-    run = subprocess.run([sys.executable, "bench/gpu_profile.py", "--small", "--reps", "1", "--profile", "h200-141gb"],
+    run = subprocess.run([sys.executable, "bench/gpu_profile.py", "--small", "--reps", "1", "--profile", "h200-141gb",
+                          "--parts"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -31,5 +32,8 @@ def test_the_bench_prints_measured_beside_modeled():
     rows = re.findall(r"bfloat16 \[(\d+),\d+\]@\[\d+,\d+\] +[\d.]+ +([\d.]+)ms .* ([\d.]+)$", text, re.M)
     assert [r[0] for r in rows] == ["64", "128"] and all(float(r[2]) > 0 for r in rows)
     assert re.search(r"HBM streaming .* measured [\d.]+ TB/s, profile 4\.80 TB/s", text)
-    gpt = re.findall(r"^GPT L1 h64 s32 b2 bfloat16( remat)? +[\d.]+ +([\d.]+)ms +([\d.]+)ms", text, re.M)
-    assert len(gpt) == 2 and all(float(m) > 0 and float(p) > 0 for _, m, p in gpt)
+    gpt = re.findall(r"^GPT L1 h64 s32 b2 bfloat16( remat)? (forward|forward\+backward|step) +[\d.]+ +([\d.]+)ms "
+                     r"+([\d.]+)ms", text, re.M)
+    assert [(r, part) for r, part, _, _ in gpt] == [(r, part) for r in ("", " remat")
+                                                   for part in ("forward", "forward+backward", "step")]
+    assert all(float(m) > 0 and float(p) > 0 for _, _, m, p in gpt)
