@@ -35,12 +35,16 @@ from ..passes.pipeline import build_schedule, simulate
 from ..runtime.mesh import resolve_mesh
 from ..runtime.pipeline_lower import PackedLeaf, PipelineProgram, np_to_f32, pack_blocks
 from ..passes.pipeline.cuts import CUT_WINDOWS, STAGE_WINDOWS, cut_windows
+from ..passes.pipeline.search import NoPipelineFits
 from .pipeline_assign import (analyse, auto_stages, inline_calls,
                               layer_bounds, layer_costs, merge_layers)
 from .stages import Pipeline, check_pipeline
 
 # cuts priced within this fraction of the best are a tie, broken toward balanced compute
 TIE_TOLERANCE = 0.01
+# mode="auto" under memory_limit: builds with the sub-mesh search held to what the pipeline
+# leaves of the limit, each counting what the last build's pipeline keeps (_fit_submesh)
+FIT_ROUNDS = 3
 UNIT = {"forward": 1, "backward": 1, "backward_input": 1, "backward_weight": 1}
 
 
@@ -87,6 +91,16 @@ class PipelineInfo:
     # rate alone, ranks sharing the host's cores where forced CPU devices outnumber them
     # (host_step), plus the once ops; step_time is the side-by-side model the search uses
     host_step_time: float = 0.0
+    # mode="auto" beside the pipeline (a searched sub-mesh), bytes per device: the search's
+    # modeled peak of one micro-batch's step (passes/auto's count, every stage's state in
+    # it), less the state a device does not store (_state_elsewhere), plus what the
+    # pipeline keeps beyond one micro-batch (_beyond_one): device_peak, held to
+    # memory_limit; submesh_budget: what the search was held to (None: not limited)
+    submesh_peak: float = 0.0
+    state_elsewhere: float = 0.0
+    beyond_one_microbatch: float = 0.0
+    device_peak: float = 0.0
+    submesh_budget: Optional[int] = None
 
     def render(self) -> str:
         return self.sim.render()
@@ -99,6 +113,12 @@ class PipelineInfo:
             lines.append(f"stage {s.index} (rank {s.rank}, chunk {s.chunk}, devices {list(s.devices)}): "
                          f"{len(s.forward_ops)} forward ops, {len(s.backward_ops)} backward ops, "
                          f"{len(s.once_ops)} once ops; state {s.params}")
+        if self.device_peak:
+            lines.append(f"modeled peak per device {self.device_peak:,.0f} bytes: the sub-mesh plan's "
+                         f"{self.submesh_peak:,.0f} for one micro-batch's step"
+                         + (f" (held to {self.submesh_budget:,})" if self.submesh_budget is not None else "")
+                         + f", less {self.state_elsewhere:,.0f} of other stages' state, plus "
+                         f"{self.beyond_one_microbatch:,.0f} the pipeline keeps beyond one micro-batch")
         lines.append(self.render())
         return "\n".join(lines)
 
@@ -268,10 +288,42 @@ def _modeled_bytes(prog, schedule, scale: float = 1.0, slots=None) -> int:
     """Bytes per device of a pipelined step: its state row, the accumulator, and the
     activation slots it keeps in flight (``slots``, or the schedule's peak per rank),
     each holding a micro-batch's stage input, the forward values kept for the backward
-    and the cotangent received (``scale``: a micro-batch's rows relative to ``prog``'s)."""
+    and the cotangent received (``scale``: a micro-batch's rows relative to ``prog``'s):
+    one micro-batch's work and what the pipeline keeps beside it (``_beyond_one``)."""
+    one = (prog.A + prog.R + prog.G + prog.O) * scale
+    return int(4 * (prog.state_size + one) + _beyond_one(prog, schedule, scale, slots))
+
+
+def _beyond_one(prog, schedule, scale: float = 1.0, slots=None) -> float:
+    """Bytes per device a pipelined step keeps beyond one micro-batch's work (what a plan of
+    the step on one micro-batch counts): the accumulator, the activation slots of the
+    other micro-batches in flight (``slots``, or the schedule's peak per rank,
+    ``Schedule.peak_in_flight``, less the one running) and the other micro-batches'
+    outputs."""
     n = slots if slots is not None else max(schedule.peak_in_flight())
     slot = (prog.A + prog.R + prog.G) * scale
-    return int(4 * (prog.state_size + prog.ACC + n * slot + schedule.m * prog.O * scale))
+    return 4 * (prog.ACC + (n - 1) * slot + (schedule.m - 1) * prog.O * scale)
+
+
+def _state_elsewhere(prog, least: bool = False) -> float:
+    """Bytes per device of the state a pipeline rank does not hold (the inputs other ranks
+    store, the new state other ranks compute), the fewest over the ranks: what a plan of
+    the whole step on one micro-batch counts beyond any one device of the pipeline (its
+    arguments and outputs are alive throughout, ``passes/auto/memory.py``). In the plan's
+    layouts (the per-rank program's local shapes), or with ``least`` at the fewest bytes
+    any layout holds (the global size over every device of the sub-mesh)."""
+    sub = prog.sub
+
+    def nbytes(v, global_shape):
+        shape = global_shape if least else v.aval.shape
+        return math.prod(shape) * v.aval.dtype.itemsize / (sub.ranks if least else 1)
+    held = [(v, sub.in_shapes[i], prog.ranks_of(i)) for i, v in enumerate(prog.j.invars) if prog.ranks_of(i)]
+    seen = set(prog.j.invars)
+    for n, (v, spec) in enumerate(zip(prog.j.outvars, prog.out_spec)):
+        if spec[0] in ("packed", "shared") and v not in seen:
+            seen.add(v)
+            held.append((v, sub.out_shapes[n], (prog.rank_of(spec[1]),) if spec[0] == "packed" else tuple(spec[1])))
+    return min(sum(nbytes(v, shape) for v, shape, ranks in held if d not in ranks) for d in range(prog.p))
 
 
 class SearchRow(tuple):
@@ -287,6 +339,12 @@ class SearchRow(tuple):
 
     def __reduce__(self):
         return (_search_row, (tuple(self), self.reason, self.note, self.bounds))
+
+
+def _primitives(closed) -> list:
+    """The primitives of a traced program's equations, in order (two plans of one step
+    at two batch sizes are the same program where these agree)."""
+    return [e.primitive.name for e in closed.jaxpr.eqns]
 
 
 def _search_row(values, reason, note, bounds):
@@ -306,6 +364,7 @@ class _Traces:
     md: int             # micro-batches times dp: one device's share of the batch
     marks: int          # forward stage_boundary marks
     consts: list        # the planned program's constants (inputs after the user's leaves)
+    auto: object = None  # mode="auto": the sub-mesh search's result on the micro-batch (passes/auto SearchResult)
 
 
 def _sources_in_place(leaves, owned, invars, p):
@@ -381,15 +440,95 @@ class PipelineFunction:
             mask += [a in argnums] * n
         return tuple(mask)
 
-    def _compile(self, args):
+    def _flatten(self, args):
         leaves, treedef = jax.tree.flatten(args)
         per_arg = [len(jax.tree.leaves(a)) for a in args]
         mask = self._batch_mask(args, per_arg)
         avals = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) if isinstance(x, (PackedLeaf, jax.ShapeDtypeStruct))
                       else jax.ShapeDtypeStruct(tuple(np.shape(x)), jnp.result_type(x)) for x in leaves)
+        return leaves, treedef, mask, avals
+
+    def _compile(self, args):
+        leaves, treedef, mask, avals = self._flatten(args)
         key = (treedef, avals, mask)
         if key in self._cache:
             return self._cache[key], leaves, mask
+        if self.mode == "auto" and self.planned and self.memory_limit is not None:
+            c = self._fit_submesh(args)
+        else:
+            c = self._build(args)
+        self._cache[key] = c
+        return c, leaves, mask
+
+    def _fit_submesh(self, args):
+        """``mode="auto"`` beside the pipeline under ``memory_limit``. A build's modeled peak
+        per device (``device_peak``) is the sub-mesh search's peak of one micro-batch's step
+        (every stage's state in it), less the state a device does not hold
+        (``_state_elsewhere``), plus what the pipeline keeps beyond one micro-batch
+        (``_beyond_one``). The step is built with the search free; while the peak is over
+        the limit, it is built again with the search held to the limit less what the
+        pipeline keeps, plus the other stages' state as the last plan laid it out (the
+        cuts, m and the schedule may change with the plan, so each round counts again); the
+        last round credits that state at the fewest bytes any layout gives it, so a plan
+        the search finds there fits. Where the pipeline's own count rejects every
+        configuration under the free plan, the search is held to the whole limit first."""
+        from .pipeline_submesh import SubmeshOverflow
+        limit = self.memory_limit
+        try:
+            c = self._build(args)
+        except NoPipelineFits:
+            c = None                     # (a plan holding fewer bytes per device may fit)
+        budget = None
+        for n in range(FIT_ROUNDS):
+            if c is not None and c.device_peak <= limit:
+                return c
+            credit = 0.0 if c is None else c.least_elsewhere if n == FIT_ROUNDS - 1 else c.elsewhere
+            ask = max(1, int(limit - (c.beyond_one if c is not None else 0.0) + credit))
+            budget = ask if budget is None else min(budget, ask)
+            try:
+                c = self._build(args, submesh_limit=budget)
+            except SubmeshOverflow as e:
+                raise self._submesh_overflow(e, budget, c) from e
+        if c.device_peak <= limit:
+            return c
+        raise ShardingError(
+            f"mode='auto' beside the pipeline: memory_limit={limit:,} bytes per device was not met after "
+            f"{FIT_ROUNDS} rounds of holding the strategy search on the axes beside {self.pipeline.axis!r} to what "
+            f"the pipeline leaves of it (last: {c.device_peak:,.0f} bytes per device): the configuration the "
+            "pipeline search picks changes with the plan. Fix: raise memory_limit, or fix microbatches= and "
+            "schedule= in sp.Pipeline")
+
+    def _submesh_overflow(self, e, budget: int, last) -> ShardingError:
+        """The error where the sub-mesh search finds no plan under ``budget``: the limit, how a
+        device of the pipeline differs from the search's count (as ``last``, the build before,
+        counted it), the least the search found and its own words (the largest tensors at
+        its peak)."""
+        limit = self.memory_limit
+        sizes = dict(zip(self.sub_axes, self.sub_sizes))
+        head = (f"mode='auto' beside the pipeline: the strategy search on the axes beside {self.pipeline.axis!r} "
+                f"{sizes} found no plan under memory_limit={limit:,} bytes per device. It counts one micro-batch's "
+                "step with every stage's state in it")
+        if last is None:
+            what = (f"; held to the limit, the least it found is {e.smallest:,.0f} bytes. Fix: raise memory_limit "
+                    f"to at least {e.smallest:,.0f}")
+        else:
+            least = e.smallest - last.least_elsewhere + last.beyond_one
+            what = (f"; a device of the pipeline holds {last.beyond_one:,.0f} bytes more (the accumulator and up to "
+                    f"{max(last.schedule.peak_in_flight())} micro-batches' activations in flight, schedule "
+                    f"{last.schedule.name!r} with {last.m} micro-batches) and at least {last.least_elsewhere:,.0f} "
+                    f"fewer (other stages' state). Held to {budget:,} bytes, the least it found is "
+                    f"{e.smallest:,.0f}, at most {least:,.0f} per device in the pipeline. Fix: raise memory_limit to "
+                    f"{least:,.0f} or more")
+        return ShardingError(
+            f"{head}{what}, put more devices on the axes beside {self.pipeline.axis!r}, use more pipeline stages, "
+            "keep fewer micro-batches in flight (schedule='1f1b' rather than 'gpipe'), or shrink the batch or the "
+            f"model.\n  the search on one micro-batch's step: {str(e).splitlines()[0]}")
+
+    def _build(self, args, submesh_limit=None):
+        """The compiled step (not cached): its traces planned on the sub-mesh (the search held
+        to ``submesh_limit`` bytes per device with ``mode="auto"``), the pipeline configuration
+        searched where asked, the analysis, the schedule and the program."""
+        leaves, treedef, mask, avals = self._flatten(args)
         pl, p = self.pipeline, self.p
         m = pl.microbatches
         bsizes = {a.shape[0] for a, b in zip(avals, mask) if b and a.shape}
@@ -411,9 +550,9 @@ class PipelineFunction:
         if per_layer:
             # layer counts fix the cuts: only m and the schedule are searched (as with marks)
             if auto:
-                pl, search_rows = self._search(args, B)
+                pl, search_rows = self._search(args, B, submesh_limit)
             m = pl.microbatches
-            tr = self._trace(avals, mask, treedef, B, m)
+            tr = self._trace(avals, mask, treedef, B, m, submesh_limit)
             if tr.marks:
                 raise ShardingError(f"Pipeline(stages={pl.stages}) and {tr.marks} sp.stage_boundary marks: give the "
                                     "cuts one way, by layer counts or by marks")
@@ -421,21 +560,26 @@ class PipelineFunction:
             an = auto_stages(one, p=p, v=v, bounds=layer_bounds(one, pl.stages))
         else:
             ms = self._microbatch_options(B) if m == "auto" else [m]
-            tr = self._trace(avals, mask, treedef, B, ms[len(ms) // 2])
+            tr = self._trace(avals, mask, treedef, B, ms[len(ms) // 2], submesh_limit)
             if tr.marks == 0:
                 # no marks: the cuts, m and the schedule in one search (passes/pipeline/search.py)
                 one = analyse(tr.jg, tr.jm, tr.js, tr.mask, S=1, m=tr.md, global_batch=B, auto=True)
                 best, search_rows = self._search_cuts(one, tr, B, ms)
                 pl = replace(pl, microbatches=best.microbatches, schedule=best.schedule)
                 if best.microbatches != tr.m:
-                    tr = self._trace(avals, mask, treedef, B, best.microbatches)
+                    priced, tr = tr, self._trace(avals, mask, treedef, B, best.microbatches, submesh_limit)
                     one = analyse(tr.jg, tr.jm, tr.js, tr.mask, S=1, m=tr.md, global_batch=B, auto=True)
+                    if _primitives(priced.jm) != _primitives(tr.jm):
+                        # the sub-mesh search planned this micro-batch's step otherwise (a memory budget
+                        # binds at one size and not the other): the cuts are priced on this program
+                        best, again = self._search_cuts(one, tr, B, [best.microbatches], (best.schedule,))
+                        search_rows = again + search_rows
                 an = auto_stages(one, p=p, v=v, bounds=best.cuts.bounds)
             else:
                 if auto:
-                    pl, search_rows = self._search(args, B)
+                    pl, search_rows = self._search(args, B, submesh_limit)
                     if pl.microbatches != tr.m:
-                        tr = self._trace(avals, mask, treedef, B, pl.microbatches)
+                        tr = self._trace(avals, mask, treedef, B, pl.microbatches, submesh_limit)
                 an = analyse(tr.jg, tr.jm, tr.js, tr.mask, S=S, m=tr.md, global_batch=B)
         m, mask, sub = pl.microbatches, tr.mask, tr.sub
         schedule = build_schedule(pl.schedule, p, m, pl.virtual_stages, forward_only=not an.training)
@@ -454,14 +598,24 @@ class PipelineFunction:
         c.paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
         c.sub, c.consts = sub, tr.consts
         c.paths += [f"<constant {n}>" for n in range(len(c.consts))]
-        self._cache[key] = c
-        return c, leaves, mask
+        # mode="auto" beside the pipeline: the search's peak of one micro-batch's step and
+        # what the pipeline keeps beyond it, the schedule's in-flight count as its search's
+        searched = tr.auto is not None
+        c.submesh_budget = submesh_limit
+        c.submesh_peak = float(tr.auto.peak_memory) if searched else 0.0
+        c.beyond_one = _beyond_one(prog, schedule) if searched else 0.0
+        c.elsewhere = _state_elsewhere(prog) if searched else 0.0
+        c.least_elsewhere = _state_elsewhere(prog, least=True) if searched else 0.0
+        c.device_peak = c.submesh_peak - c.elsewhere + c.beyond_one
+        return c
 
-    def _plan_submesh(self, jg, jm, js, avals, micro, doubled, mask, treedef, out_tree):
+    def _plan_submesh(self, jg, jm, js, avals, micro, doubled, mask, treedef, out_tree, limit=None):
         """The three traces (global, micro-batch, shape) planned on the sub-mesh
-        (``compiler/pipeline_submesh.py``): their per-rank programs, the sub-mesh's layouts
-        and the batch mask over the per-rank program's inputs (the graph's constants are
-        inputs after the user's leaves). One plan must serve every batch size."""
+        (``compiler/pipeline_submesh.py``): their per-rank programs, the sub-mesh's layouts,
+        the batch mask over the per-rank program's inputs (the graph's constants are
+        inputs after the user's leaves) and, with ``mode="auto"``, the search's result on
+        the micro-batch (held to ``limit`` bytes per device). One plan must serve every
+        batch size."""
         from ..runtime.mesh import resolve_mesh as _resolve
         from ..runtime.pipeline_lower import SubMesh
         from .pipeline_submesh import plan_submesh, zero_pins
@@ -485,7 +639,8 @@ class PipelineFunction:
             outs = outs_of(closed)
             return plan_submesh(closed, names, ir_mesh=spec.ir_mesh, jax_mesh=jmesh, batch_mask=mask,
                                 arg_leaves=list(leaves), args_tree=treedef, out_shape=outs, mode=self.mode,
-                                pins=pins, batch_argnums=batch_argnums, cost=self.cost, replay=replay)
+                                pins=pins, batch_argnums=batch_argnums, cost=self.cost, replay=replay,
+                                memory_limit=limit)
         pm = planned(jm, micro)
         pg = planned(jg, avals) if jm is not jg else pm
         ps = pg if js is jg else planned(js, doubled)
@@ -498,7 +653,7 @@ class PipelineFunction:
         sub = SubMesh(self.sub_axes, self.sub_sizes, tuple(pm.in_dims), tuple(pm.out_dims),
                       tuple([gshape(a) for a in avals] + [tuple(np.shape(c)) for c in pm.consts]),
                       tuple(pm.global_out_shapes))
-        return pg.jaxpr, pm.jaxpr, ps.jaxpr, sub, full_mask
+        return pg.jaxpr, pm.jaxpr, ps.jaxpr, sub, full_mask, getattr(pm.graph, "auto", None)
 
     @staticmethod
     def _same_plan(pm, other) -> None:
@@ -567,12 +722,13 @@ class PipelineFunction:
                                 f"arguments' dim 0): use a micro-batch count that divides {B}, e.g. {near}, or a "
                                 f"batch that is a multiple of {m}")
 
-    def _trace(self, avals, mask, treedef, B: int, m: int) -> "_Traces":
+    def _trace(self, avals, mask, treedef, B: int, m: int, submesh_limit=None) -> "_Traces":
         """The step traced on the global batch, on one device's micro-batch (the batch over
         ``m`` and dp) and, with one micro-batch of the whole batch, on twice the batch (to
-        find the batch dims); planned on the sub-mesh when it has tensor-parallel axes."""
+        find the batch dims); planned on the sub-mesh when it has tensor-parallel axes (the
+        search held to ``submesh_limit`` bytes per device)."""
         self._check_m(B, m)
-        key = (treedef, tuple(avals), tuple(mask), m)
+        key = (treedef, tuple(avals), tuple(mask), m, submesh_limit)
         if key in self._traces:
             return self._traces[key]
         out_tree = []
@@ -593,14 +749,15 @@ class PipelineFunction:
         jm = inline_calls(jax.make_jaxpr(flat_fn)(*micro)) if md > 1 else jg
         js = jg if md > 1 else inline_calls(jax.make_jaxpr(flat_fn)(*scaled(2)))
         sub, ties = None, self._state_ties(avals, treedef, jg, out_tree[0])   # (global shapes: before planning)
-        tmask = mask
+        tmask, auto = mask, None
         if self.planned:
-            jg, jm, js, sub, tmask = self._plan_submesh(jg, jm, js, avals, micro, scaled(2) if md == 1 else None,
-                                                        mask, treedef, out_tree[0])
+            jg, jm, js, sub, tmask, auto = self._plan_submesh(jg, jm, js, avals, micro,
+                                                              scaled(2) if md == 1 else None, mask, treedef,
+                                                              out_tree[0], submesh_limit)
         marks = sum(1 for e in jm.jaxpr.eqns
                     if e.primitive.name == "stage_boundary" and e.params["direction"] == "forward")
         self._traces[key] = _Traces(jg, jm, js, sub, tmask, out_tree[0], ties, m, md, marks,
-                                    list(getattr(self, "_consts", [])) if self.planned else [])
+                                    list(getattr(self, "_consts", [])) if self.planned else [], auto)
         return self._traces[key]
 
     def _microbatch_options(self, B: int) -> list:
@@ -624,13 +781,14 @@ class PipelineFunction:
             return (pl.schedule,)
         return ("interleaved",) if pl.virtual_stages > 1 else ("gpipe", "1f1b", "zero_bubble")
 
-    def _search_cuts(self, one, tr, B: int, ms: list):
+    def _search_cuts(self, one, tr, B: int, ms: list, schedules=None):
         """No marks: the cuts, the micro-batch count and the schedule chosen together by
         ``passes/pipeline/search.py`` ``search_pipeline`` on the mesh's pp x dp x tp, every
         forward op a layer (``pipeline_assign.layer_costs``, priced by the step's cost
         model on the traced micro-batch; pp's exchanges with their latency, the schedule's
         bubble by the simulator, the activations in flight under ``memory_limit``).
-        Returns the best ``Candidate`` and every candidate as ``SearchRow``s."""
+        ``schedules``: the schedules to search (default: as the pipeline asks). Returns the
+        best ``Candidate`` and every candidate as ``SearchRow``s."""
         from ..passes.pipeline.search import search_pipeline
         p, v = self.p, self.pipeline.virtual_stages
         dp = max(self.dp, self.planned_dp)
@@ -661,7 +819,7 @@ class PipelineFunction:
             if costs.layers < p * v:
                 raise ShardingError(f"automatic cuts: only {costs.layers - 1} places to cut the forward for "
                                     f"{p * v} stages; mark the cuts with sp.stage_boundary")
-        schedules = self._schedule_options()
+        schedules = schedules or self._schedule_options()
         if not one.training and self.pipeline.schedule == "auto" and v == 1:
             schedules = ("gpipe",)       # forward only: every schedule runs GPipe's forward half
         res = search_pipeline(costs, devices=p * dp * tp, batch=B, cost=self.cost, pp=p, dp=dp, tp=tp,
@@ -717,7 +875,7 @@ class PipelineFunction:
         from dataclasses import replace as _replace
         return _replace(c, cuts=_replace(c.cuts, bounds=bounds))
 
-    def _search(self, args, B: int):
+    def _search(self, args, B: int, submesh_limit=None):
         """With the cuts fixed (marks, or layer counts): the (schedule, m) of least modeled
         step time. One trace at a base micro-batch count gives each stage's per-micro-batch
         times; a micro-batch of ``1/m`` of the batch takes them scaled by ``m0/m`` (its rows),
@@ -732,7 +890,7 @@ class PipelineFunction:
             shard_optimizer_state=self.zero_axes or False, optimizer_argnums=self.optimizer_argnums,
             cost_model=self.cost_model)
         base._traces = self._traces          # the same step, mesh and options: the same traces
-        c0, _, _ = base._compile(args)
+        c0 = base._build(args, submesh_limit)
         rows = []
         for name in names:
             for m in ms:
@@ -756,9 +914,9 @@ class PipelineFunction:
         fits = [r for r in rows if not r.reason]
         if not fits:
             least = min(rows, key=lambda r: r[3])
-            raise ShardingError(f"no pipeline fits memory_limit={self.memory_limit} bytes per device: the least, "
-                                f"{least[3]} bytes (microbatches={least[1]}, schedule={least[2]!r}); raise the limit, "
-                                "use more pipeline stages or a smaller batch")
+            raise NoPipelineFits(f"no pipeline fits memory_limit={self.memory_limit} bytes per device: the least, "
+                                 f"{least[3]} bytes (microbatches={least[1]}, schedule={least[2]!r}); raise the "
+                                 "limit, use more pipeline stages or a smaller batch")
         best = fits[0]
         return replace(pl, microbatches=best[1], schedule=best[2]), fits + [r for r in rows if r.reason]
 
@@ -935,7 +1093,10 @@ class PipelineFunction:
                             sch.name, prog.sim, c.model_sim, prog.nslots, step_time=float(c.model_sim.makespan),
                             unit_bubble=float(simulate(sch).bubble), stage_times=c.stage_times, search=c.search,
                             memory=_modeled_bytes(prog, sch, slots=prog.nslots),
-                            host_step_time=host_step(prog, self.cost, shared_cores(self.mesh, self.p))[0])
+                            host_step_time=host_step(prog, self.cost, shared_cores(self.mesh, self.p))[0],
+                            submesh_peak=c.submesh_peak, state_elsewhere=c.elsewhere,
+                            beyond_one_microbatch=c.beyond_one, device_peak=c.device_peak,
+                            submesh_budget=c.submesh_budget)
         plan = PipelinePlan(info, prog)
         if self.dump_dir:
             import os

@@ -19,6 +19,9 @@ layout.
 With ``mode="auto"`` the step traced on a micro-batch (the program the stages run) is
 searched, and the traces at the other batch sizes take its strategies op by op
 (:class:`ReplaySearchedPlan`), so the plans the pipeline compares agree by construction.
+Under ``memory_limit`` that search is given a budget (``plan_submesh(memory_limit=)``):
+what the pipeline leaves of the limit once it has kept its micro-batches in flight and
+its accumulator (``compiler/pipeline_step.py`` ``PipelineFunction._fit_submesh``).
 
 Pins: the batch leaves split on dim 0 over ``"dp"`` (when the sub-mesh has it); with
 ZeRO-1 (``shard_optimizer_state``) the optimizer state in its parameter's planned layout
@@ -51,6 +54,19 @@ TAG = "sp_stage_boundary"
 # micro-batch's rows to this rank's block is a layout move, not a batch-mixing op
 LAYOUT_MOVE = "sp_layout_move"
 _TAG_RE = re.compile(TAG + r"\.(forward|backward)\.(\d+)")
+# the least modeled peak in passes/auto's error when no plan fits its memory limit
+# (search.SearchStrategies._overflow)
+_SMALLEST_RE = re.compile(r"no plan fits memory_limit=[\d,]+ bytes per device.*?the smallest modeled peak found "
+                          r"is ([\d,]+) bytes", re.S)
+
+
+class SubmeshOverflow(ShardingError):
+    """The strategy search on the sub-mesh found no plan under its memory budget;
+    ``smallest``: the least modeled peak per device it met (bytes)."""
+
+    def __init__(self, message: str, smallest: float):
+        super().__init__(message)
+        self.smallest = smallest
 
 
 def marks_as_copies(closed):
@@ -230,20 +246,28 @@ class _Recorded:
 
 def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, args_tree, out_shape,
                  mode: str = "sharding_propagation", pins=None, batch_argnums=(), cost=None,
-                 replay: dict = None) -> SubmeshProgram:
+                 replay: dict = None, memory_limit=None) -> SubmeshProgram:
     """Plan ``closed`` (the step traced at some batch size, calls inlined) on the sub-mesh
     and return its per-rank program. ``arg_leaves``/``args_tree``: the step's arguments
     (abstract), for the pins; ``out_shape``: its outputs' shapes (for the state ties);
     ``pins``: more input layouts (ZeRO-1's, :func:`zero_pins`); ``cost``: the cost model
     propagation prices its choices by (None: the default); ``replay``: one dict shared by
     the plans of one step's traces: with ``mode="auto"`` the first is searched, the others
-    take its strategies (``_run_passes``)."""
+    take its strategies (``_run_passes``); ``memory_limit``: with ``mode="auto"``, bytes per
+    device the searched plan's modeled peak must fit (a ``SubmeshOverflow`` where none does)."""
     args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
     graph = _imported(closed, names, ir_mesh, batch_mask, arg_leaves)
     graph.pinned_inputs.update(pins or {})
     state = [a for a in range(len(args)) if a not in batch_argnums]
     graph.tied_outputs = state_ties(args, state, out_shape)
-    graph = _run_passes(graph, Options(mode=mode, **({} if cost is None else {"cost": cost})), replay)
+    options = Options(mode=mode, memory_limit=memory_limit, **({} if cost is None else {"cost": cost}))
+    try:
+        graph = _run_passes(graph, options, replay)
+    except ShardingError as e:
+        found = _SMALLEST_RE.search(str(e)) if memory_limit is not None else None
+        if found is None:
+            raise
+        raise SubmeshOverflow(str(e), float(found.group(1).replace(",", ""))) from e
     if jax_mesh is None:   # the plan only
         return SubmeshProgram(None, [], [], [], [], [], [], graph)
     return SubmeshProgram(per_rank_jaxpr(graph, jax_mesh), [partition_spec(v.layout) for v in graph.inputs],

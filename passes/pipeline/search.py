@@ -67,6 +67,12 @@ from .cuts import StageCuts, evaluate_cuts, plan_cuts
 FLAT_SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 
 
+class NoPipelineFits(ShardingError):
+    """No pipeline configuration fits ``memory_limit`` by the pipeline's own count (each
+    stage's state and the activations its schedule keeps in flight): a plan of the stages'
+    work that holds fewer bytes per device may still fit."""
+
+
 @dataclass(frozen=True)
 class LayerCosts:
     """Per-layer costs of one stage configuration (see the module docstring)."""
@@ -367,7 +373,7 @@ def search_pipeline(costs: Union[LayerCosts, Callable[[int], LayerCosts]], devic
     if not final:
         mem = [c for c in rejected if c.reason.startswith("memory")]
         why = (mem or rejected or [None])[0]
-        raise ShardingError("pipeline search: no configuration fits" + (
+        raise (NoPipelineFits if mem else ShardingError)("pipeline search: no configuration fits" + (
             f" memory_limit={memory_limit:.6g} bytes" if memory_limit else "") + f" on {devices} devices"
             + (f"; for example {why.describe()}" if why else "") + "; raise the memory limit, allow more "
             "pipeline stages or tensor parallelism, or recompute activations")
@@ -393,4 +399,4 @@ def equal_layer_candidate(costs: LayerCosts, devices: int, batch: int, cost, *, 
                      cuts.simulated_time, sync, _device_memory(cuts, pp), cuts, simulated=True)
 
 
-__all__ = ["LayerCosts", "Candidate", "SearchResult", "search_pipeline", "equal_layer_candidate"]
+__all__ = ["LayerCosts", "Candidate", "SearchResult", "NoPipelineFits", "search_pipeline", "equal_layer_candidate"]
