@@ -7,8 +7,14 @@ and adds the data-parallel axes it does not already use on the first dim they
 divide: that is how it lives between steps. Each read of a parameter by an op
 that computes with it (a matmul, a bias add, a lookup) reads it through a layout
 request for the planned layout, so the compiler all-gathers it right before that
-use, once per use: forward and backward each gather their own copy and XLA may
-free it after. The gradient of a stored-split parameter meets the stored split in
+use, once per use: forward and backward each gather their own copy, freed after
+the use. So that XLA keeps each gather at its use, the stored split first passes
+through a tie (``TIE``, one per use): an identity that the lowering writes as a
+data dependence on what the use reads besides (``runtime/lower.py``). Without
+it XLA merges the forward's and the backward's gather of a weight (one operand)
+and runs every gather at the program's start, so every layer's gathered weights
+live through the whole step (docs/results/fsdp_memory.md). The gradient of a
+stored-split parameter meets the stored split in
 the optimizer's update, so its partial sum is completed by a reduce_scatter.
 What reads a parameter elementwise at its own shape (the optimizer's update,
 weight decay) reads the stored split, with no gather.
@@ -23,10 +29,23 @@ from typing import Sequence
 from ..ir.graph import CONSTRAINT, Graph, Op, Value
 from ..ir.layout import Layout
 from ..ir.mesh import Mesh
+from ..passes.rules.base import FactorBuilder, FactorRule, register
 from ..passes.rules.elementwise import KINDS as ELEMENTWISE
 from .pipeline import Options, default_passes
 
 GATHER_ROLE = "gather_at_use"   # the role of the layout requests FSDP adds (dumps show it)
+STORED_ROLE = "stored_split"    # ... and of those that keep a tie's parameter split as stored
+# tie(stored split) -> the same value, one per use; the lowering makes it depend on
+# what the use reads besides (runtime/lower.py)
+TIE = "gather_tie"
+
+
+@register(TIE)
+def _tie_rule(op: Op) -> FactorRule:
+    """An identity: the result keeps the operand's layout, no work."""
+    fb = FactorBuilder()
+    dims = fb.dims(op.inputs[0].type.shape)
+    return FactorRule(tuple(fb.sizes), (dims,), (dims,), flops=0.0)
 
 
 def storage_layout(use: Layout, shape: Sequence[int], mesh: Mesh, axes: Sequence[str]) -> Layout:
@@ -55,18 +74,30 @@ def gathers_at_use(op: Op, v: Value) -> bool:
     return True
 
 
-def planned_input_layouts(graph: Graph, options: Options) -> dict:
-    """Input index -> the layout the plan without FSDP gives it (the strategy passes only)."""
+class PlannedLayouts(dict):
+    """Input index -> the layout the plan without FSDP gives it; ``marks``: the layout
+    each layout request (a ``CONSTRAINT`` op of the graph, in program order) makes."""
+    marks: list = []
+
+
+def planned_input_layouts(graph: Graph, options: Options) -> PlannedLayouts:
+    """Input index -> the layout the plan without FSDP gives it (the strategy passes only),
+    and the layouts its layout requests make (``PlannedLayouts.marks``)."""
     bind, choose = default_passes(options)[:2]
     graph = choose(bind(graph))
-    return {i: v.layout for i, v in enumerate(graph.inputs)}
+    out = PlannedLayouts({i: v.layout for i, v in enumerate(graph.inputs)})
+    out.marks = [op.outputs[0].layout.without_partial() for op in graph.ops if op.kind == CONSTRAINT]
+    return out
 
 
 def apply_fsdp(graph: Graph, planned: dict, params: Sequence[int], state: Sequence[int],
                  axes: Sequence[str]) -> dict:
     """Store the leaves ``params`` and ``state`` (input indices) split over ``axes``
     and gather each parameter at every use to its ``planned`` layout (input index ->
-    Layout in the plan without FSDP). Returns {input index: storage layout}."""
+    Layout in the plan without FSDP). A user's layout request on a parameter (a
+    shard() mark) gathers it for the first use of its result; each later use (the
+    backward's) gathers it again, to the request's planned layout
+    (``PlannedLayouts.marks``). Returns {input index: storage layout}."""
     mesh = graph.mesh
     stored = {}
     for i in list(params) + list(state):
@@ -76,15 +107,46 @@ def apply_fsdp(graph: Graph, planned: dict, params: Sequence[int], state: Sequen
         if store != use:
             stored[i] = store
             graph.pinned_inputs[i] = store
-    gathered = {graph.inputs[i]: planned[i].without_partial() for i in params if i in stored}
+    # value -> (the parameter it is, the layout a use reads it in): the parameters, and
+    # the results of layout requests on them
+    gathered = {graph.inputs[i]: (graph.inputs[i], planned[i].without_partial()) for i in params if i in stored}
+    split = {graph.inputs[i]: stored[i] for i in params if i in stored}
+    marks = iter(getattr(planned, "marks", ()))
+    fresh = set()      # requests' results whose first use reads the request itself
     ops = []
     for op in graph.ops:
-        for k, v in enumerate(op.inputs):
-            if v in gathered and gathers_at_use(op, v):
-                use = Value(v.type, name_hint=v.name_hint)
-                ops.append(Op(CONSTRAINT, [v], [use], {"role": GATHER_ROLE, "user_spec": gathered[v].dims},
-                              op.source))
-                op.inputs[k] = use
+        if op.kind == CONSTRAINT:
+            mark = next(marks, None)
+            v = op.inputs[0]
+            if v in gathered:
+                param = gathered[v][0]
+                ties = _tie(param, split[param], op.source)
+                op.inputs[0] = ties[-1].outputs[0]
+                ops.extend(ties)
+                if mark is not None:
+                    gathered[op.outputs[0]] = (param, mark)
+                    fresh.add(op.outputs[0])
+            ops.append(op)
+            continue
+        uses = [k for k, v in enumerate(op.inputs) if v in gathered and v not in fresh and gathers_at_use(op, v)]
+        for k in uses:
+            param, layout = gathered[op.inputs[k]]
+            ties = _tie(param, split[param], op.source)
+            use = Value(param.type, name_hint=param.name_hint)
+            ops.extend(ties)
+            ops.append(Op(CONSTRAINT, [ties[-1].outputs[0]], [use], {"role": GATHER_ROLE, "user_spec": layout.dims},
+                          op.source))
+            op.inputs[k] = use
+        fresh.difference_update(v for v in op.inputs if gathers_at_use(op, v))
         ops.append(op)
     graph.ops = ops
     return stored
+
+
+def _tie(param: Value, stored: Layout, source) -> list:
+    """A tie of ``param``'s stored split (its own copy for one use, so that use gets its
+    own gather) and a request for the stored layout (the tie runs on the split, the
+    gather after it): the ops, the last one's result is what to gather from."""
+    tied, split = Value(param.type, name_hint=param.name_hint), Value(param.type, name_hint=param.name_hint)
+    return [Op(TIE, [param], [tied], {}, source),
+            Op(CONSTRAINT, [tied], [split], {"role": STORED_ROLE, "user_spec": stored.dims}, source)]

@@ -199,8 +199,12 @@ def run_graph(graph: Graph, args: Sequence) -> list:
     env = {v.id: x for v, x in zip(graph.inputs, args)}
     # a user's shard_map body has no mesh of its own, and holds no planned collective
     axes = graph.mesh.axis_names if graph.mesh is not None else ()
+    waits = _tie_waits(graph)
     for op in graph.ops:
-        outs = run_op(op, [_read(env, v) for v in op.inputs], axes)
+        if op in waits:
+            outs = [_run_gather_tie(_read(env, op.inputs[0]), [_read(env, v) for v in waits[op]])]
+        else:
+            outs = run_op(op, [_read(env, v) for v in op.inputs], axes)
         for v, x in zip(op.outputs, outs):
             env[v.id] = x
     return [_read(env, v) for v in graph.outputs]
@@ -213,7 +217,69 @@ def run_op(op: Op, ins: list, mesh_axes: tuple) -> list:
         return [_run_collective(op, ins[0], mesh_axes)]
     if op.kind in _CONTROL_FLOW:
         return _CONTROL_FLOW[op.kind](op, ins)
+    if op.kind == GATHER_TIE:    # (replayed without the graph around it: no activation to wait for)
+        return list(ins)
     return _run_primitive(op, ins)
+
+
+GATHER_TIE = "gather_tie"     # compiler/fsdp.py TIE
+
+
+def _tie_waits(graph: Graph) -> dict:
+    """For each FSDP tie (compiler/fsdp.py ``TIE``): what the use its gather serves
+    reads besides, each as the value it is redistributed from that exists where the
+    tie runs (a use that reads nothing else: the last value computed before the
+    tie). The use is found by following the tie's result through the
+    redistributions (the gather) to the first op that computes with it."""
+    ties = [t for t, op in enumerate(graph.ops) if op.kind == GATHER_TIE]
+    if not ties:
+        return {}
+    made, readers = {}, {}
+    for t, op in enumerate(graph.ops):
+        for v in op.outputs:
+            made[v.id] = (t, op)
+        for v in op.inputs:
+            readers.setdefault(v.id, []).append(op)
+    out = {}
+    for t in ties:
+        tie = graph.ops[t]
+        chain, use = {tie.outputs[0].id}, None
+        at = tie.outputs[0]
+        while use is None and readers.get(at.id):
+            nxt = readers[at.id][0]
+            if is_collective(nxt):
+                at = nxt.outputs[0]
+                chain.add(at.id)
+            else:
+                use = nxt
+        waits = []
+        for v in (use.inputs if use is not None else ()):
+            if v.id in chain or v.literal is not None:
+                continue
+            while v.id in made and made[v.id][0] > t and is_collective(made[v.id][1]):
+                v = made[v.id][1].inputs[0]
+            if v.id not in made or made[v.id][0] < t:
+                waits.append(v)
+        if not waits:
+            waits = [v for op in reversed(graph.ops[:t]) if op.kind != GATHER_TIE and not is_collective(op)
+                     for v in op.outputs if v.literal is None][:1]
+        out[tie] = waits
+    return out
+
+
+def _run_gather_tie(stored, waits: list):
+    """FSDP's tie: ``stored`` (the split of a parameter about to be gathered) unchanged,
+    through a select on a test of ``waits`` (what the gather's use reads besides)
+    that is never true, so the gather depends on them. XLA then neither runs it at
+    the program's start nor merges it with another gather of the same parameter
+    (XLA:CPU turns an ``optimization_barrier`` into nothing before it schedules: no
+    dependence would be left)."""
+    never = jnp.zeros((), bool)
+    for x in waits:
+        first = jnp.reshape(x, (-1,))[0] if x.size else jnp.zeros((), jnp.float32)
+        # a float of any value, NaN included, is never above +inf
+        never = never | (lax.convert_element_type(jnp.real(first), jnp.float32) > np.float32(np.inf))
+    return jnp.where(never, jnp.zeros_like(stored), stored)
 
 
 def _run_scan(op: Op, args: list) -> list:

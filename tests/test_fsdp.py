@@ -61,12 +61,13 @@ def test_fsdp_data_parallel_gathers_each_weight_and_reduce_scatters_its_gradient
     for v in list(params.values()) + list(stored(plan, "st[0].mu").values()) + list(stored(plan, "st[0].nu").values()):
         assert np.prod(v.layout.local_shape(v.type.shape, mesh)) * 8 == np.prod(v.type.shape), (v, v.layout)
     counts = plan.counts()
-    # one gather per parameter (forward and backward share it), one reduce_scatter per
-    # gradient, and no all_reduce but the loss's
-    assert counts["all_gather"] == 4 and counts["reduce_scatter"] == 4, counts
+    # one gather per use (forward and backward each gather their own copy: w2 twice, as
+    # the backward's dh = dy @ w2.T reads it too), one reduce_scatter per gradient, and no
+    # all_reduce but the loss's
+    assert counts["all_gather"] == 5 and counts["reduce_scatter"] == 4, counts
     assert counts.get("all_reduce", 0) == 1, counts
     gathered = sorted(c.out_shape for c in plan.collectives if c.kind == "all_gather")
-    assert gathered == sorted(v.type.shape for v in params.values())
+    assert gathered == sorted([v.type.shape for v in params.values()] + [params["p['w2']"].type.shape])
     for out_index, in_index in plan.graph.tied_outputs.items():   # state comes back as it is stored
         assert plan.graph.outputs[out_index].layout == plan.graph.inputs[in_index].layout
     got, want = run_steps(pf, p, st, (batch,)), run_steps(jax.jit(step), p, st, (batch,))
