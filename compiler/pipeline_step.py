@@ -470,20 +470,22 @@ class PipelineFunction:
         pipeline keeps, plus the other stages' state as the last plan laid it out (the
         cuts, m and the schedule may change with the plan, so each round counts again); the
         last round credits that state at the fewest bytes any layout gives it, so a plan
-        the search finds there fits. Where the pipeline's own count rejects every
-        configuration under the free plan, the search is held to the whole limit first."""
+        the search finds there fits. Where the pipeline's own count (its state and slots)
+        rejects every configuration under the free plan, a plan holding fewer bytes per
+        device may still fit: the first rounds count from the free plan's build with the
+        pipeline search not held to the limit."""
         from .pipeline_submesh import SubmeshOverflow
         limit = self.memory_limit
         try:
             c = self._build(args)
         except NoPipelineFits:
-            c = None                     # (a plan holding fewer bytes per device may fit)
+            c = self._build(args, hold_pipeline=False)
         budget = None
         for n in range(FIT_ROUNDS):
-            if c is not None and c.device_peak <= limit:
+            if c.device_peak <= limit and c.pipeline_held:
                 return c
-            credit = 0.0 if c is None else c.least_elsewhere if n == FIT_ROUNDS - 1 else c.elsewhere
-            ask = max(1, int(limit - (c.beyond_one if c is not None else 0.0) + credit))
+            credit = c.least_elsewhere if n == FIT_ROUNDS - 1 else c.elsewhere
+            ask = max(1, int(limit - c.beyond_one + credit))
             budget = ask if budget is None else min(budget, ask)
             try:
                 c = self._build(args, submesh_limit=budget)
@@ -505,29 +507,25 @@ class PipelineFunction:
         its peak)."""
         limit = self.memory_limit
         sizes = dict(zip(self.sub_axes, self.sub_sizes))
-        head = (f"mode='auto' beside the pipeline: the strategy search on the axes beside {self.pipeline.axis!r} "
-                f"{sizes} found no plan under memory_limit={limit:,} bytes per device. It counts one micro-batch's "
-                "step with every stage's state in it")
-        if last is None:
-            what = (f"; held to the limit, the least it found is {e.smallest:,.0f} bytes. Fix: raise memory_limit "
-                    f"to at least {e.smallest:,.0f}")
-        else:
-            least = e.smallest - last.least_elsewhere + last.beyond_one
-            what = (f"; a device of the pipeline holds {last.beyond_one:,.0f} bytes more (the accumulator and up to "
-                    f"{max(last.schedule.peak_in_flight())} micro-batches' activations in flight, schedule "
-                    f"{last.schedule.name!r} with {last.m} micro-batches) and at least {last.least_elsewhere:,.0f} "
-                    f"fewer (other stages' state). Held to {budget:,} bytes, the least it found is "
-                    f"{e.smallest:,.0f}, at most {least:,.0f} per device in the pipeline. Fix: raise memory_limit to "
-                    f"{least:,.0f} or more")
+        least = e.smallest - last.least_elsewhere + last.beyond_one
         return ShardingError(
-            f"{head}{what}, put more devices on the axes beside {self.pipeline.axis!r}, use more pipeline stages, "
-            "keep fewer micro-batches in flight (schedule='1f1b' rather than 'gpipe'), or shrink the batch or the "
-            f"model.\n  the search on one micro-batch's step: {str(e).splitlines()[0]}")
+            f"mode='auto' beside the pipeline: the strategy search on the axes beside {self.pipeline.axis!r} "
+            f"{sizes} found no plan under memory_limit={limit:,} bytes per device. It counts one micro-batch's step "
+            f"with every stage's state in it; a device of the pipeline holds {last.beyond_one:,.0f} bytes more (the "
+            f"accumulator and up to {max(last.schedule.peak_in_flight())} micro-batches' activations in flight, "
+            f"schedule {last.schedule.name!r} with {last.m} micro-batches) and at least "
+            f"{last.least_elsewhere:,.0f} fewer (other stages' state). Held to {budget:,} bytes, the least it found "
+            f"is {e.smallest:,.0f}, at most {least:,.0f} per device in the pipeline. Fix: raise memory_limit to "
+            f"{least:,.0f} or more, put more devices on the axes beside {self.pipeline.axis!r}, use more pipeline "
+            "stages, keep fewer micro-batches in flight (schedule='1f1b' rather than 'gpipe'), or shrink the batch "
+            f"or the model.\n  the search on one micro-batch's step: {str(e).splitlines()[0]}")
 
-    def _build(self, args, submesh_limit=None):
+    def _build(self, args, submesh_limit=None, hold_pipeline: bool = True):
         """The compiled step (not cached): its traces planned on the sub-mesh (the search held
         to ``submesh_limit`` bytes per device with ``mode="auto"``), the pipeline configuration
-        searched where asked, the analysis, the schedule and the program."""
+        searched where asked (its own count held to ``memory_limit`` unless ``hold_pipeline``
+        is False), the analysis, the schedule and the program."""
+        limit = self.memory_limit if hold_pipeline else None
         leaves, treedef, mask, avals = self._flatten(args)
         pl, p = self.pipeline, self.p
         m = pl.microbatches
@@ -550,7 +548,7 @@ class PipelineFunction:
         if per_layer:
             # layer counts fix the cuts: only m and the schedule are searched (as with marks)
             if auto:
-                pl, search_rows = self._search(args, B, submesh_limit)
+                pl, search_rows = self._search(args, B, submesh_limit, limit)
             m = pl.microbatches
             tr = self._trace(avals, mask, treedef, B, m, submesh_limit)
             if tr.marks:
@@ -564,7 +562,7 @@ class PipelineFunction:
             if tr.marks == 0:
                 # no marks: the cuts, m and the schedule in one search (passes/pipeline/search.py)
                 one = analyse(tr.jg, tr.jm, tr.js, tr.mask, S=1, m=tr.md, global_batch=B, auto=True)
-                best, search_rows = self._search_cuts(one, tr, B, ms)
+                best, search_rows = self._search_cuts(one, tr, B, ms, limit=limit)
                 pl = replace(pl, microbatches=best.microbatches, schedule=best.schedule)
                 if best.microbatches != tr.m:
                     priced, tr = tr, self._trace(avals, mask, treedef, B, best.microbatches, submesh_limit)
@@ -572,12 +570,12 @@ class PipelineFunction:
                     if _primitives(priced.jm) != _primitives(tr.jm):
                         # the sub-mesh search planned this micro-batch's step otherwise (a memory budget
                         # binds at one size and not the other): the cuts are priced on this program
-                        best, again = self._search_cuts(one, tr, B, [best.microbatches], (best.schedule,))
+                        best, again = self._search_cuts(one, tr, B, [best.microbatches], (best.schedule,), limit)
                         search_rows = again + search_rows
                 an = auto_stages(one, p=p, v=v, bounds=best.cuts.bounds)
             else:
                 if auto:
-                    pl, search_rows = self._search(args, B, submesh_limit)
+                    pl, search_rows = self._search(args, B, submesh_limit, limit)
                     if pl.microbatches != tr.m:
                         tr = self._trace(avals, mask, treedef, B, pl.microbatches, submesh_limit)
                 an = analyse(tr.jg, tr.jm, tr.js, tr.mask, S=S, m=tr.md, global_batch=B)
@@ -601,7 +599,7 @@ class PipelineFunction:
         # mode="auto" beside the pipeline: the search's peak of one micro-batch's step and
         # what the pipeline keeps beyond it, the schedule's in-flight count as its search's
         searched = tr.auto is not None
-        c.submesh_budget = submesh_limit
+        c.submesh_budget, c.pipeline_held = submesh_limit, hold_pipeline
         c.submesh_peak = float(tr.auto.peak_memory) if searched else 0.0
         c.beyond_one = _beyond_one(prog, schedule) if searched else 0.0
         c.elsewhere = _state_elsewhere(prog) if searched else 0.0
@@ -781,14 +779,15 @@ class PipelineFunction:
             return (pl.schedule,)
         return ("interleaved",) if pl.virtual_stages > 1 else ("gpipe", "1f1b", "zero_bubble")
 
-    def _search_cuts(self, one, tr, B: int, ms: list, schedules=None):
+    def _search_cuts(self, one, tr, B: int, ms: list, schedules=None, limit=None):
         """No marks: the cuts, the micro-batch count and the schedule chosen together by
         ``passes/pipeline/search.py`` ``search_pipeline`` on the mesh's pp x dp x tp, every
         forward op a layer (``pipeline_assign.layer_costs``, priced by the step's cost
         model on the traced micro-batch; pp's exchanges with their latency, the schedule's
         bubble by the simulator, the activations in flight under ``memory_limit``).
-        ``schedules``: the schedules to search (default: as the pipeline asks). Returns the
-        best ``Candidate`` and every candidate as ``SearchRow``s."""
+        ``schedules``: the schedules to search (default: as the pipeline asks); ``limit``: the
+        bytes per device its count is held to. Returns the best ``Candidate`` and every
+        candidate as ``SearchRow``s."""
         from ..passes.pipeline.search import search_pipeline
         p, v = self.p, self.pipeline.virtual_stages
         dp = max(self.dp, self.planned_dp)
@@ -824,10 +823,10 @@ class PipelineFunction:
             schedules = ("gpipe",)       # forward only: every schedule runs GPipe's forward half
         res = search_pipeline(costs, devices=p * dp * tp, batch=B, cost=self.cost, pp=p, dp=dp, tp=tp,
                               microbatches=ms, schedules=schedules,
-                              virtual_stages=(v,) if v > 1 else (2,), memory_limit=self.memory_limit,
+                              virtual_stages=(v,) if v > 1 else (2,), memory_limit=limit,
                               axis_names=(self.pipeline.axis, "dp", "mp"))
         best = res.best
-        balanced = self._balanced_cuts(costs, best, B=B, dp=dp, tp=tp)
+        balanced = self._balanced_cuts(costs, best, B=B, dp=dp, tp=tp, limit=limit)
         rows = [SearchRow(c.step_s, c.microbatches, c.schedule, int(c.memory_bytes),
                           note=c.describe(), bounds=c.cuts.bounds if c.cuts is not None else None)
                 for c in res.ranked]
@@ -847,7 +846,7 @@ class PipelineFunction:
         best = replace(best, cuts=replace(best.cuts, bounds=to_ops(best.cuts.bounds)))
         return best, rows
 
-    def _balanced_cuts(self, costs, best, *, B: int, dp: int, tp: int):
+    def _balanced_cuts(self, costs, best, *, B: int, dp: int, tp: int, limit=None):
         """The compute-balanced cuts for the search's best (m, schedule) when they are
         priced within ``TIE_TOLERANCE`` of its own cuts, else None. A model whose exchange
         latency dwarfs the ops (small layers on a GPU-like model) prices every cut almost
@@ -867,7 +866,7 @@ class PipelineFunction:
         try:
             c = search_pipeline(merged, devices=p * dp * tp, batch=B, cost=self.cost, pp=p, dp=dp, tp=tp,
                                 microbatches=m, schedules=(best.schedule,), virtual_stages=(max(v, 2),),
-                                memory_limit=self.memory_limit, axis_names=(self.pipeline.axis, "dp", "mp")).best
+                                memory_limit=limit, axis_names=(self.pipeline.axis, "dp", "mp")).best
         except ShardingError:
             return None           # the balanced cuts break the memory limit
         if c.step_s > best.step_s * (1 + TIE_TOLERANCE):
@@ -875,12 +874,13 @@ class PipelineFunction:
         from dataclasses import replace as _replace
         return _replace(c, cuts=_replace(c.cuts, bounds=bounds))
 
-    def _search(self, args, B: int, submesh_limit=None):
+    def _search(self, args, B: int, submesh_limit=None, limit=None):
         """With the cuts fixed (marks, or layer counts): the (schedule, m) of least modeled
         step time. One trace at a base micro-batch count gives each stage's per-micro-batch
         times; a micro-batch of ``1/m`` of the batch takes them scaled by ``m0/m`` (its rows),
-        the exchanges' bytes likewise (their latency stays); each candidate is simulated.
-        Returns the chosen ``Pipeline`` and every candidate as ``SearchRow``s."""
+        the exchanges' bytes likewise (their latency stays); each candidate is simulated, its
+        modeled bytes per device held to ``limit``. Returns the chosen ``Pipeline`` and every
+        candidate as ``SearchRow``s."""
         pl, p, v = self.pipeline, self.p, self.pipeline.virtual_stages
         ms = [pl.microbatches] if pl.microbatches != "auto" else self._microbatch_options(B)
         names = self._schedule_options()
@@ -906,15 +906,15 @@ class PipelineFunction:
                     dur["backward_weight"] = [b / 2 for b in dur["backward"]]
                 lat = [self.cost.latency_s + (x - self.cost.latency_s) * scale for x in c0.latency]
                 nbytes = _modeled_bytes(c0.prog, sch, scale)
-                over = self.memory_limit is not None and nbytes > self.memory_limit
+                over = limit is not None and nbytes > limit
                 rows.append(SearchRow(float(simulate(sch, dur, latency=lat).makespan), m, name, nbytes,
                                       reason=f"memory: {nbytes} bytes per device > memory_limit="
-                                             f"{self.memory_limit}" if over else ""))
+                                             f"{limit}" if over else ""))
         rows.sort()
         fits = [r for r in rows if not r.reason]
         if not fits:
             least = min(rows, key=lambda r: r[3])
-            raise NoPipelineFits(f"no pipeline fits memory_limit={self.memory_limit} bytes per device: the least, "
+            raise NoPipelineFits(f"no pipeline fits memory_limit={limit} bytes per device: the least, "
                                  f"{least[3]} bytes (microbatches={least[1]}, schedule={least[2]!r}); raise the "
                                  "limit, use more pipeline stages or a smaller batch")
         best = fits[0]

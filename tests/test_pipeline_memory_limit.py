@@ -4,6 +4,8 @@ on the axes beside ``pp`` is held to what the pipeline leaves of the limit (the
 accumulator and the micro-batches its schedule keeps in flight; other stages' state,
 which the search counts and a device does not hold, given back), and the plan reports
 the modeled peak per device that the limit holds (``PipelineInfo.device_peak``)."""
+import re
+
 import pytest
 
 import shardprop as sp
@@ -69,3 +71,20 @@ def test_an_impossible_limit_names_the_limit_the_least_found_and_the_fix():
                                                r"pipeline\. Fix: raise memory_limit to [\d,]+ or more.*largest "
                                                r"tensors alive there: params"):
         _parallelize(step, memory_limit=10_000).plan(params, opt_state, *data)
+
+
+@pytest.mark.slow
+def test_the_pipelines_own_count_is_tried_again_on_a_split_plan():
+    """A limit under the pipeline's own count (its state row and slots) for every schedule
+    with the free plan: the sub-mesh search is held to a budget all the same, and the
+    pipeline's count, still over the limit, is given on that plan (fewer bytes than any
+    candidate of the free plan)."""
+    step, params, opt_state, data = mlp(stages=4)
+    pipeline = sp.Pipeline(microbatches=4, schedule="auto")
+    free = _parallelize(step, pipeline=pipeline).plan(params, opt_state, *data).pipeline
+    least_free = min(row[3] for row in free.search)
+    with pytest.raises(sp.ShardingError, match=r"no pipeline fits memory_limit=30000 bytes per device: the least, "
+                                               r"(\d+) bytes") as err:
+        _parallelize(step, memory_limit=30_000, pipeline=pipeline).plan(params, opt_state, *data)
+    least = int(re.search(r"the least, (\d+) bytes", str(err.value)).group(1))
+    assert 30_000 < least < least_free
