@@ -480,6 +480,7 @@ class PipelineFunction:
             c = self._build(args)
         except NoPipelineFits:
             c = self._build(args, hold_pipeline=False)
+        free = c.device_peak if c.pipeline_held else None
         budget = None
         for n in range(FIT_ROUNDS):
             if c.device_peak <= limit and c.pipeline_held:
@@ -490,7 +491,7 @@ class PipelineFunction:
             try:
                 c = self._build(args, submesh_limit=budget)
             except SubmeshOverflow as e:
-                raise self._submesh_overflow(e, budget, c) from e
+                raise self._submesh_overflow(e, budget, c, free) from e
         if c.device_peak <= limit:
             return c
         raise ShardingError(
@@ -500,14 +501,16 @@ class PipelineFunction:
             "pipeline search picks changes with the plan. Fix: raise memory_limit, or fix microbatches= and "
             "schedule= in sp.Pipeline")
 
-    def _submesh_overflow(self, e, budget: int, last) -> ShardingError:
+    def _submesh_overflow(self, e, budget: int, last, free=None) -> ShardingError:
         """The error where the sub-mesh search finds no plan under ``budget``: the limit, how a
         device of the pipeline differs from the search's count (as ``last``, the build before,
-        counted it), the least the search found and its own words (the largest tensors at
-        its peak)."""
+        counted it), the least the search found, the free plan's peak per device (``free``,
+        where the pipeline's own count took it) and the search's own words (the largest
+        tensors at its peak)."""
         limit = self.memory_limit
         sizes = dict(zip(self.sub_axes, self.sub_sizes))
         least = e.smallest - last.least_elsewhere + last.beyond_one
+        enough = least if free is None else min(least, free)
         return ShardingError(
             f"mode='auto' beside the pipeline: the strategy search on the axes beside {self.pipeline.axis!r} "
             f"{sizes} found no plan under memory_limit={limit:,} bytes per device. It counts one micro-batch's step "
@@ -515,10 +518,12 @@ class PipelineFunction:
             f"accumulator and up to {max(last.schedule.peak_in_flight())} micro-batches' activations in flight, "
             f"schedule {last.schedule.name!r} with {last.m} micro-batches) and at least "
             f"{last.least_elsewhere:,.0f} fewer (other stages' state). Held to {budget:,} bytes, the least it found "
-            f"is {e.smallest:,.0f}, at most {least:,.0f} per device in the pipeline. Fix: raise memory_limit to "
-            f"{least:,.0f} or more, put more devices on the axes beside {self.pipeline.axis!r}, use more pipeline "
-            "stages, keep fewer micro-batches in flight (schedule='1f1b' rather than 'gpipe'), or shrink the batch "
-            f"or the model.\n  the search on one micro-batch's step: {str(e).splitlines()[0]}")
+            f"is {e.smallest:,.0f}, at most {least:,.0f} per device in the pipeline"
+            + (f" (the plan without a budget: {free:,.0f})" if free is not None else "")
+            + f". Fix: raise memory_limit to {enough:,.0f} or more, put more devices on the axes beside "
+            f"{self.pipeline.axis!r}, use more pipeline stages, keep fewer micro-batches in flight (schedule='1f1b' "
+            "rather than 'gpipe'), or shrink the batch or the model.\n  the search on one micro-batch's step: "
+            f"{str(e).splitlines()[0]}")
 
     def _build(self, args, submesh_limit=None, hold_pipeline: bool = True):
         """The compiled step (not cached): its traces planned on the sub-mesh (the search held

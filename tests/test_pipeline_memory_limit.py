@@ -68,8 +68,9 @@ def test_an_impossible_limit_names_the_limit_the_least_found_and_the_fix():
     step, params, opt_state, data = mlp(stages=4)
     with pytest.raises(sp.ShardingError, match=r"(?s)found no plan under memory_limit=10,000 bytes per device.*"
                                                r"the least it found is [\d,]+, at most [\d,]+ per device in the "
-                                               r"pipeline\. Fix: raise memory_limit to [\d,]+ or more.*largest "
-                                               r"tensors alive there: params"):
+                                               r"pipeline \(the plan without a budget: [\d,]+\)\. Fix: raise "
+                                               r"memory_limit to [\d,]+ or more.*largest tensors alive there: "
+                                               r"params"):
         _parallelize(step, memory_limit=10_000).plan(params, opt_state, *data)
 
 
