@@ -23,7 +23,7 @@ time is not the bubble. What the CPU can show, each figure next to its target:
    alone (``alone_cost``: the rates ``shardprop calibrate`` measured on one device alone,
    or for a profile without them the rates over the contention derived from its devices
    and the host's cores), the ranks sharing what the host runs at once (``shared_cores``:
-   the profile's measured ``devices_at_once``, or the host's cores). For the SPMD
+   the profile's measured ``at_once`` curve, or the host's cores). For the SPMD
    lowering (``host_step``) the tick table simulated so, then the ranks' once ops sharing
    the cores too; for the MPMD lowering (``mpmd_host_step``) the same with each action
    released when the Python driver has issued it (the profile's ``dispatch_s`` per
@@ -81,7 +81,7 @@ from shardprop.compiler.pipeline_step import (_eqn_time, _modeled_times, alone_c
                                               mpmd_host_step, shared_cores)
 from shardprop.passes.cost import CostModel  # noqa: E402
 from shardprop.passes.pipeline import simulate  # noqa: E402
-from shardprop.passes.pipeline.simulate import shared_time  # noqa: E402
+from shardprop.passes.pipeline.simulate import _capacity, shared_time  # noqa: E402
 from shardprop.runtime.pipeline_lower import bubble_computes_nothing, noop_branch_opcodes  # noqa: E402
 
 
@@ -453,8 +453,9 @@ def main(argv=None):
     together = min(p, max(1.0, p * med[("threads", 1)] / med[("threads", p)]))
     contention = calibration_contention(cost)
     at_once = devices_at_once(cost)
+    curve = ", ".join(f"{k} busy -> {c:.2f}" for k, c in cost.at_once)
     how = (f"measured by its calibration: one device alone {contention:.2f} x as fast as with all "
-           f"{cost.device_count} busy, which got {at_once:.2f} devices' work done at once"
+           f"{cost.device_count} busy; devices' work done at once: {curve or f'{at_once:.2f} with all busy'}"
            if at_once is not None else
            f"derived, not measured: its {cost.device_count} devices on this host's {host_cores()} cores")
     driver = (f"; the MPMD driver's {cost.dispatch_s * 1e6:.1f} us per program dispatched and "
@@ -463,7 +464,7 @@ def main(argv=None):
     lines.append(f"4. step time / the cost model's (target: 0.80 to 1.20); model: {cost.name}'s stage times at one "
                  f"device's rate alone (contention {contention:.2f}, {how}), the tick table simulated with "
                  f"the {p} ranks sharing the host "
-                 f"({'side by side' if cores is None else f'{float(cores):.2f} rank-sized cores'}), then the once "
+                 f"({'side by side' if cores is None else f'{float(_capacity(cores, p)):.2f} ranks of work done with all {p} running'}), then the once "
                  f"ops sharing it{driver}. Measured here: a matmul program on one device {med[('threads', 1)] * 1e3:.2f} "
                  f"ms, on {p} devices at once {med[('threads', p)] * 1e3:.2f} ms, so {p} devices progress as "
                  f"{together:.2f} alone (at least 1); 'measured cores' is the same model with that in place of the "
@@ -477,7 +478,7 @@ def main(argv=None):
                                       contention=max(1.0, (cost.device_count or 1) / together))
         # the model before calibrate measured the host: contention from devices over cores, the
         # host's cores shared, both lowerings priced as the SPMD one (host_step)
-        derived = replace(cost, alone=None, dispatch_s=None, transfer_s=None)
+        derived = replace(cost, alone=None, dispatch_s=None, transfer_s=None, at_once=())
         model_derived, _, _ = host_step(prog, derived, shared_cores(mesh, p, derived))
         contended, _ = cost_model_step(prog, cost, {k: works_[("once", k)] for k in range(prog.S)})
         # the same simulation on the stage programs measured above (one device, alone)

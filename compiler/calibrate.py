@@ -20,7 +20,10 @@ is how much the devices slow each other, measured rather than assumed from devic
 cores (on a 16-core host, 8 forced devices each ran matmuls at a third of one device's
 rate alone). A Python driver's cost per jitted program dispatched, and per
 ``jax.device_put`` to another device, neither waited for, is timed too (``dispatch_s``,
-``transfer_s``: what the MPMD pipeline's driver pays per instruction). Each time is the
+``transfer_s``: what the MPMD pipeline's driver pays per instruction), and the same
+matmul chain on 1, 2, 4, ... and all devices at once gives how many devices' work the host
+gets done with that many busy (``at_once``: 8 forced devices on 2 shared cores did about
+one device's work, whatever the count). Each time is the
 median of repetitions; a
 collective's is the difference between a program that runs it 9 times in a row and
 one that runs it once, over 8 (what a program costs to start is no collective's), the
@@ -60,6 +63,7 @@ CHAIN = 8                            # collectives in a row, against one alone
 PHASE_SHAPE = (32, 128)
 PHASE_BLOCKS = (1, 4, 16)
 KIND_APART = 0.5                     # a kind gets its own fit where the group's misses it by more
+AT_ONCE_SHAPE = (256, 256, 256)      # the matmul whose chain times devices running at once
 DISPATCHES = 200                     # programs (and transfers) the driver issues per timed sample
 
 
@@ -193,10 +197,13 @@ def _miss(link: Link, samples) -> float:
 
 def _rate(samples) -> float:
     """Work per second from (work, seconds) samples: the slope, past a fixed cost, and
-    never below what the largest sample did outright (where noise flattens the slope)."""
+    never below what the largest sample did outright (where noise flattens the slope).
+    Where noise leaves no slope at all (the fit all fixed cost), what the largest sample
+    did outright."""
     link = _fit(samples)
-    work, seconds = max(samples)
-    return max(link.bytes_per_s, work / max(seconds, 1e-12))
+    work, seconds = max([x for x in samples if x[1] > 0] or samples)   # the largest that took any time
+    outright = work / max(seconds, 1e-12)
+    return outright if link.bytes_per_s >= 1e15 else max(link.bytes_per_s, outright)
 
 
 def _contraction_rates(samples) -> tuple[float, float]:
@@ -294,6 +301,9 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
     say(f"  one device alone: matmul {alone.flops_per_s / 1e9:.2f} GFLOP/s + {alone.contraction_bytes_per_s / 1e9:.2f}"
         f" GB/s streamed, elementwise {alone.memory_bytes_per_s / 1e9:.2f} GB/s ({alone.flops_per_s / together.flops_per_s:.2f}"
         f" and {alone.memory_bytes_per_s / together.memory_bytes_per_s:.2f} x the rates with all {n} busy)")
+    at_once = _at_once(devices[:n], reps)
+    say("  devices busy at once -> devices' work done (one alone = 1): "
+        + ", ".join(f"{k} -> {c:.2f}" for k, c in at_once))
     dispatch_s, transfer_s = _driver_costs(devices[:n], reps)
     say(f"  a Python driver dispatches a jitted program in {dispatch_s * 1e6:.1f} us and a device_put to another "
         f"device in {transfer_s * 1e6:.1f} us (neither waited for)")
@@ -302,7 +312,7 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
     return CostModel(latency_s=default.latency_s, link_bytes_per_s=default.bytes_per_s,
                      flops_per_s=together.flops_per_s, memory_bytes_per_s=together.memory_bytes_per_s,
                      contraction_bytes_per_s=together.contraction_bytes_per_s, sync_s=sync,
-                     alone=alone, dispatch_s=dispatch_s, transfer_s=transfer_s,
+                     alone=alone, dispatch_s=dispatch_s, transfer_s=transfer_s, at_once=at_once,
                      combined_kinds=combined,
                      memory_capacity_bytes=_memory_capacity(device),
                      links=tuple(links), device_count=n, mesh_shape=tuple(mesh_shape), mesh_axes=names,
@@ -349,6 +359,24 @@ def _compute_rates(jmesh, one, reps: int) -> tuple:
                          for i, s in enumerate(ELEMENTWISE_SIZES)])
         rates.append(ComputeRates(flops, touched, streamed))
     return tuple(rates)
+
+
+def _at_once(devices, reps: int, shape=AT_ONCE_SHAPE) -> tuple:
+    """``((k, work), ...)`` for k = 1, 2, 4, ... and every device: the same chain of
+    matmuls per device on k devices at once (one ``shard_map``), timed in turns; ``work``
+    is k times one device's time alone over the k devices' time, the devices' work alone
+    that k of them busy get done at once."""
+    import jax
+    from jax.sharding import Mesh as JaxMesh, NamedSharding, PartitionSpec
+    m, k, n = shape
+    counts = sorted({min(2 ** i, len(devices)) for i in range(len(devices).bit_length())} | {len(devices)})
+    calls = []
+    for c in counts:
+        jm = JaxMesh(np.array(devices[:c]), ("d",))
+        x = jax.device_put(np.ones(c * max(m * k, k * n), np.float32), NamedSharding(jm, PartitionSpec("d")))
+        calls.append((_program(jm, _matmul_body(m, k, n, 1 + CHAIN)), x))
+    times = _median_times(calls, reps)
+    return tuple((c, c * times[0] / t) for c, t in zip(counts, times))
 
 
 def _driver_costs(devices, reps: int, calls: int = DISPATCHES) -> tuple:

@@ -227,15 +227,22 @@ def alone_cost(cost):
                    contraction_bytes_per_s=None if streaming is None else streaming * slow)
 
 
-def devices_at_once(cost):
-    """How many devices' worth of work a host gets done with all of ``cost``'s devices busy
-    at once, as the profile measured it: its ``device_count`` times the matmul rate with all
-    busy over the rate alone (at least 1). None where the profile did not measure alone."""
-    alone = getattr(cost, "alone", None)
+def devices_at_once(cost, busy=None):
+    """How many devices' work alone a host gets done with ``busy`` (default: all) of
+    ``cost``'s devices running at once, as its calibration measured it: its ``at_once``
+    curve where it has one (linear between the counts measured), else from the rates of
+    one device alone and of all busy (``device_count`` times their ratio, as a fixed
+    number of cores: at most ``busy``). At least 1. None where the profile measured
+    neither."""
+    from ..passes.pipeline.simulate import Capacity
     devices = getattr(cost, "device_count", None)
+    busy = devices if busy is None else busy
+    if getattr(cost, "at_once", ()):
+        return float(Capacity(tuple(cost.at_once))(busy))
+    alone = getattr(cost, "alone", None)
     if alone is None or not devices:
         return None
-    return min(float(devices), max(1.0, devices * cost.flops_per_s / alone.flops_per_s))
+    return min(float(busy), max(1.0, devices * cost.flops_per_s / alone.flops_per_s))
 
 
 def shared_cores(mesh, p: int, cost=None):
@@ -243,15 +250,22 @@ def shared_cores(mesh, p: int, cost=None):
     side by side: forced CPU devices are threads of this process, so where they outnumber
     what the host runs at once the ranks' actions take turns (a rank's action keeps its
     ``devices / p`` devices busy, so a device's worth of the host counts ``p / devices`` of
-    a rank). What the host runs at once: ``devices_at_once(cost)`` where the profile
-    measured it, else the host's cores."""
+    a rank). What the host runs at once: the profile's measured ``at_once`` curve (a
+    ``Capacity``: n ranks running get ``devices_at_once(cost, n * devices / p)`` devices'
+    work done), or the single figure ``devices_at_once(cost)``, or the host's cores."""
     from fractions import Fraction
+
+    from ..passes.pipeline.simulate import Capacity
     try:
         devices = list(np.asarray(mesh.devices).reshape(-1))
     except (AttributeError, TypeError, ValueError):
         return None                      # an abstract mesh: no host to share
     if not devices or getattr(devices[0], "platform", "") != "cpu":
         return None
+    per_rank = len(devices) / p
+    if cost is not None and getattr(cost, "at_once", ()):
+        capacity = Capacity(tuple((n, devices_at_once(cost, n * per_rank) / per_rank) for n in range(1, p + 1)))
+        return capacity if capacity.shares(p) else None
     measured = devices_at_once(cost) if cost is not None else None
     if measured is not None:
         return None if len(devices) <= measured else measured * p / len(devices)

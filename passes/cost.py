@@ -27,7 +27,8 @@ A calibrated profile's compute rates are per device with all its devices busy at
 Where forced CPU devices share a host's cores that is not one device's rate alone, so
 ``shardprop calibrate`` also measures the rates of one device alone (``alone``) and what
 the driver of a Python-dispatched step pays per program and per transfer
-(``dispatch_s``, ``transfer_s``); the pipeline's host model reads them
+(``dispatch_s``, ``transfer_s``), and how many devices' work the host gets done with 1, 2,
+4, ... of them busy at once (``at_once``); the pipeline's host model reads them
 (``compiler/pipeline_step.py``). The search does not.
 
 The defaults describe one modern GPU node with no per-group terms; only their
@@ -129,6 +130,9 @@ class CostModel:
     # another device, without waiting for either (calibrate; None: not measured)
     dispatch_s: Optional[float] = None
     transfer_s: Optional[float] = None
+    # ((devices busy, devices' work alone they get done at once), ...) with 1, 2, 4, ... of
+    # the devices running the same matmuls (calibrate; (): not measured)
+    at_once: tuple = ()
     # whether ``compute_time`` reads each op's ``compute_unit`` (a cluster's GPU model does;
     # this model prices every op on one roofline)
     prices_units = False
@@ -143,7 +147,7 @@ class CostModel:
         return hash((self.latency_s, self.link_bytes_per_s, self.flops_per_s, self.memory_bytes_per_s,
                      self.contraction_bytes_per_s, self.sync_s, self.memory_capacity_bytes, self.links, self.device_count,
                      self.device_kind, self.name, self.combined_kinds, self.launch_share, self.alone,
-                     self.dispatch_s, self.transfer_s))
+                     self.dispatch_s, self.transfer_s, self.at_once))
 
     # -- time ----------------------------------------------------------------
     def collective_time(self, wire_bytes: float, kind: Optional[str] = None, axes=None, mesh=None) -> float:
@@ -267,6 +271,7 @@ class CostModel:
                if self.alone is not None else {}),
             **({"driver": {"dispatch_s": self.dispatch_s, "transfer_s": self.transfer_s}}
                if self.dispatch_s is not None or self.transfer_s is not None else {}),
+            **({"at_once": [list(x) for x in self.at_once]} if self.at_once else {}),
             "memory_capacity_bytes": self.memory_capacity_bytes,
             "links": [{"group": [list(p) for p in group], "kind": kind or "*", **asdict(link)}
                       for group, kind, link in self.links],
@@ -304,7 +309,8 @@ class CostModel:
                        mesh_shape=tuple(data["mesh"]["shape"]), mesh_axes=tuple(data["mesh"]["axes"]),
                        device_kind=data.get("device_kind", ""), name=data.get("name", ""),
                        notes=data.get("notes", ""), alone=alone, dispatch_s=opt(driver.get("dispatch_s")),
-                       transfer_s=opt(driver.get("transfer_s")))
+                       transfer_s=opt(driver.get("transfer_s")),
+                       at_once=tuple((int(k), float(c)) for k, c in data.get("at_once", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ShardingError(f"{source}: malformed cost profile ({type(e).__name__}: {e}); "
                                 f"write a fresh one with `shardprop calibrate -o profile.json`") from None

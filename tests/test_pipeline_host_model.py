@@ -181,3 +181,29 @@ def test_mpmd_host_step_prices_the_driver(pipelined):
     base, _, zero = mpmd_host_step(prog, none)
     step, _, issued = mpmd_host_step(prog, MEASURED)
     assert zero == 0 and base < step <= base + issued
+
+
+def test_capacity_curve_shares_as_measured():
+    """A host that gets 1.5 devices' work done with 2 busy and 2 with 4 (the calibration's
+    ``at_once``): 4 one-device ranks of a 4-device mesh share that curve, unit jobs
+    finish as processor sharing at those rates, and a curve at the diagonal is no sharing."""
+    from shardprop.passes.pipeline.simulate import Capacity
+    curved = replace(MEASURED, at_once=((1, 1.0), (2, 1.5), (4, 2.0), (8, 2.0)))
+    assert devices_at_once(curved) == 2.0 and devices_at_once(curved, 3) == 1.75
+    cap = shared_cores(cpu_mesh(4), 4, curved)
+    assert [cap(n) for n in (1, 2, 3, 4)] == [1.0, 1.5, 1.75, 2.0]
+    # two ranks of two devices each: 2 devices' work done by 4 devices busy is one rank's
+    assert shared_cores(cpu_mesh(8), 4, curved)(2) == 1.0
+    # 4 unit jobs: all 4 at 2/4 until t = 2, when every job is done
+    assert shared_time([1, 1, 1, 1], Capacity(((1, 1), (2, Fr(3, 2)), (4, 2)))) == 2
+    # 2 jobs of 1 and 2: both at 3/4 until the first is done at 4/3, then the other's last 1 alone
+    assert shared_time([1, 2], Capacity(((1, 1), (2, Fr(3, 2))))) == Fr(7, 3)
+    assert shared_finish([(0, 1), (0, 2)], Capacity(((1, 1), (2, Fr(3, 2))))) == Fr(7, 3)
+    assert shared_cores(cpu_mesh(4), 4, replace(MEASURED, at_once=((1, 1.0), (8, 8.0)))) is None
+    s = build_schedule("gpipe", 4, 4)
+    assert simulate(s, cores=Capacity(((1, 1), (4, 4)))).events == simulate(s).events
+    assert simulate(s, cores=Capacity(((1, 1), (4, 2)))).makespan >= simulate(s, cores=2).makespan
+    back = CostModel.from_dict(curved.to_dict())
+    assert back.at_once == curved.at_once and back == curved
+    with pytest.raises(sp.ShardingError, match="cores"):
+        simulate(s, cores=Capacity(()))
