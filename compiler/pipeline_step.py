@@ -280,18 +280,29 @@ def _modeled_times(prog, cost=None, contention: float = 1.0):
     """Per model stage, the modeled seconds of each action kind on one micro-batch (the
     roofline of ``cost``, default the default cost model, over its programs' equations),
     and per boundary the exchange time of the activations (alpha-beta over its default
-    link). ``contention``: how much slower the profile's compute rates are than a device
-    running alone (``calibration_contention``); the compute times are divided by it."""
+    link). An action that accumulates (a backward's weight gradients) also pays the
+    lowering's add of its partial sums into the accumulator (``_accumulation_time``).
+    ``contention``: how much slower the profile's compute rates are than a device running
+    alone (``calibration_contention``); the compute times are divided by it."""
     if cost is None:
         from ..passes.cost import DEFAULT_COST as cost
     j = prog.j
     times = []
     for k in range(prog.S):
-        times.append({kind: max(1e-9, sum(_eqn_time(j.eqns[i], cost) for i in prog.progs[(kind, k)]["idxs"])
-                                / contention)
+        times.append({kind: max(1e-9, (sum(_eqn_time(j.eqns[i], cost) for i in prog.progs[(kind, k)]["idxs"])
+                                       + _accumulation_time(prog.progs[(kind, k)]["accs"], cost)) / contention)
                       for kind in prog.kinds})
     latency = [cost.latency_s + 4 * _boundary_floats(prog, k) / cost.link_bytes_per_s for k in range(prog.S - 1)]
     return times, latency
+
+
+def _accumulation_time(accs, cost) -> float:
+    """Adding an action's partial sums ``accs`` into its accumulator, once per micro-batch
+    (both lowerings do; the traced program does not): one elementwise add per value, the
+    accumulator and the partial sum read and the accumulator written."""
+    n = sum(int(np.prod(getattr(v.aval, "shape", ()))) for v in accs)
+    nbytes = sum(int(np.prod(getattr(v.aval, "shape", ()))) * np.dtype(v.aval.dtype).itemsize for v in accs)
+    return cost.compute_time(float(n), 3.0 * nbytes) if n else 0.0
 
 
 def _boundary_floats(prog, k: int) -> int:

@@ -207,3 +207,20 @@ def test_capacity_curve_shares_as_measured():
     assert back.at_once == curved.at_once and back == curved
     with pytest.raises(sp.ShardingError, match="cores"):
         simulate(s, cores=Capacity(()))
+
+
+def test_accumulating_actions_pay_the_add_into_the_accumulator(pipelined):
+    """A backward's partial sums are added into its accumulator once per micro-batch by
+    either lowering: its modeled time is its equations' plus that add (read the
+    accumulator and the partial sum, write the accumulator); the last stage's forward sums
+    its loss (a scalar) so."""
+    from shardprop.compiler.pipeline_step import _eqn_time, _modeled_times
+    prog, _ = pipelined
+    times, _ = _modeled_times(prog, MEASURED)
+    for k in range(prog.S):
+        for kind in prog.kinds:
+            pr = prog.progs[(kind, k)]
+            own = sum(_eqn_time(prog.j.eqns[i], MEASURED) for i in pr["idxs"])
+            floats = sum(int(np.prod(v.aval.shape)) for v in pr["accs"])
+            assert floats > (1 if kind == "backward" else 0) or (kind, k) == ("forward", 0)
+            assert times[k][kind] == pytest.approx(own + MEASURED.compute_time(floats, 12.0 * floats))
