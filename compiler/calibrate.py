@@ -63,7 +63,11 @@ CHAIN = 8                            # collectives in a row, against one alone
 PHASE_SHAPE = (32, 128)
 PHASE_BLOCKS = (1, 4, 16)
 KIND_APART = 0.5                     # a kind gets its own fit where the group's misses it by more
-AT_ONCE_SHAPE = (256, 256, 256)      # the matmul whose chain times devices running at once
+# the matmul whose chain times devices running at once: a micro-batch's few rows against a
+# whole 4 MiB weight, as a pipeline stage runs (the host model is at_once's only reader);
+# streaming the weight, it shares the memory system as a stage does, where a square
+# in-cache matmul would show more devices' work done at once than a stage gets
+AT_ONCE_SHAPE = (32, 1024, 1024)
 DISPATCHES = 200                     # programs (and transfers) the driver issues per timed sample
 
 
