@@ -238,7 +238,7 @@ def devices_at_once(cost, busy=None):
     devices = getattr(cost, "device_count", None)
     busy = devices if busy is None else busy
     if getattr(cost, "at_once", ()):
-        return float(Capacity(tuple(cost.at_once))(busy))
+        return max(1.0, float(Capacity(tuple(cost.at_once))(busy)))
     alone = getattr(cost, "alone", None)
     if alone is None or not devices:
         return None
@@ -352,7 +352,7 @@ def mpmd_host_step(prog, cost=None, cores=None, contention=None):
     durations = {kind: [times[k][kind] for k in range(prog.S)] for kind in prog.kinds}
     copies = [8 * _boundary_floats(prog, k) / priced.memory_bytes_per_s / slow for k in range(prog.S - 1)]
     return mpmd_step(prog, durations, copies, _once_times(prog, priced, slow), cores,
-                     priced.dispatch_s or 0.0, priced.transfer_s or 0.0)
+                     getattr(priced, "dispatch_s", None) or 0.0, getattr(priced, "transfer_s", None) or 0.0)
 
 
 def mpmd_step(prog, durations, latency, once, cores=None, dispatch_s=0, transfer_s=0):

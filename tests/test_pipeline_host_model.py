@@ -192,8 +192,9 @@ def test_capacity_curve_shares_as_measured():
     assert devices_at_once(curved) == 2.0 and devices_at_once(curved, 3) == 1.75
     cap = shared_cores(cpu_mesh(4), 4, curved)
     assert [cap(n) for n in (1, 2, 3, 4)] == [1.0, 1.5, 1.75, 2.0]
-    # two ranks of two devices each: 2 devices' work done by 4 devices busy is one rank's
-    assert shared_cores(cpu_mesh(8), 4, curved)(2) == 1.0
+    # ranks of two devices each: 2 devices' work done by 4 devices busy is one rank's;
+    # one rank alone, its two devices do 1.5 devices' work: 3/4 of the rank's alone rate
+    assert shared_cores(cpu_mesh(8), 4, curved)(2) == 1.0 and shared_cores(cpu_mesh(8), 4, curved)(1) == 0.75
     # 4 unit jobs: all 4 at 2/4 until t = 2, when every job is done
     assert shared_time([1, 1, 1, 1], Capacity(((1, 1), (2, Fr(3, 2)), (4, 2)))) == 2
     # 2 jobs of 1 and 2: both at 3/4 until the first is done at 4/3, then the other's last 1 alone

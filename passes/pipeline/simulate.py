@@ -87,7 +87,8 @@ class DeadlockError(ShardingError):
 class Capacity:
     """What ``n`` ranks running at once get done, in ranks' work alone, at each ``n``:
     ``points`` ``((n, work), ...)`` as measured, linear between them, flat past the last,
-    never more than ``n`` and never less than 1 (a rank alone runs at its alone rate)."""
+    never more than ``n``. (Below 1 at ``n = 1`` where a rank's own devices slow each
+    other: a rank of two forced devices on a host that runs one at a time.)"""
     points: tuple
 
     def __call__(self, n):
@@ -99,7 +100,7 @@ class Capacity:
         else:
             (n0, c0), (n1, c1) = next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= n <= b[0])
             c = c0 + (c1 - c0) * (n - n0) / (n1 - n0)
-        return min(n, max(1, c))
+        return min(n, c)
 
     def __float__(self) -> float:
         return float(self(max(n for n, _ in self.points)))
