@@ -17,15 +17,22 @@ time is not the bubble. What the CPU can show, each figure next to its target:
 3. **1F1B's compiled peak below GPipe's**, activations near ``p/m`` of GPipe's: the
    compiled programs' temp bytes (``memory_analysis()``) and the activation slot buffers
    (slots x the stage input, the kept forward values and the cotangent);
-4. **step time against the cost model's**: the model of what runs here
-   (``compiler/pipeline_step.py`` ``host_step``, the plan's ``host_step_time``): each
-   stage's programs priced by the cost model given (default the calibrated ``"cpu"``
-   profile) at one device's rate alone (the profile's rates over the contention its
-   calibration ran under, ``calibration_contention``), the tick table simulated with the
-   ranks sharing this host's cores (``shared_cores``), then the ranks' once ops sharing
-   them too. Target: within 20%. Beside it, the side-by-side model at the profile's
-   contended rates (the plan's ``step_time`` plus the slowest rank's once ops), and the
-   shared-cores simulation fed the measured stage programs instead of the cost model.
+4. **step time against the cost model's**: the model of what runs here, the plan's
+   ``host_step_time`` (``compiler/pipeline_step.py``): each stage's programs priced by
+   the cost model given (default the calibrated ``"cpu"`` profile) at one device's rate
+   alone (``alone_cost``: the rates ``shardprop calibrate`` measured on one device alone,
+   or for a profile without them the rates over the contention derived from its devices
+   and the host's cores), the ranks sharing what the host runs at once (``shared_cores``:
+   the profile's measured ``at_once`` curve, or the host's cores). For the SPMD
+   lowering (``host_step``) the tick table simulated so, then the ranks' once ops sharing
+   the cores too; for the MPMD lowering (``mpmd_host_step``) the same with each action
+   released when the Python driver has issued it (the profile's ``dispatch_s`` per
+   program, ``transfer_s`` per value moved), each rank's once ops starting when its
+   actions are done. Target: within 20%. Beside it, the side-by-side model at the
+   profile's contended rates (the plan's ``step_time`` plus the slowest rank's once ops),
+   and the shared-cores simulation fed the measured stage programs instead of the cost
+   model. A profile from ``shardprop calibrate`` on the host that runs the bench is the
+   one to pass (``--cost-model profile.json``).
 
 Every time is a median over ``--reps`` repetitions, taken round-robin over every
 program (one-device step, each schedule, each stage program), so that the machine's load
@@ -53,6 +60,7 @@ heavy layers").
 """
 import argparse
 import os
+from dataclasses import replace
 import statistics
 import sys
 import time
@@ -68,11 +76,12 @@ from jax.extend import core as jcore  # noqa: E402
 
 import shardprop as sp  # noqa: E402
 from shardprop.compiler.calibrate import host_cores  # noqa: E402
-from shardprop.compiler.pipeline_step import (_eqn_time, _modeled_times, calibration_contention,  # noqa: E402
-                                              host_step, shared_cores)
+from shardprop.compiler.pipeline_step import (_eqn_time, _modeled_times, alone_cost,  # noqa: E402
+                                              calibration_contention, devices_at_once, host_step,
+                                              mpmd_host_step, shared_cores)
 from shardprop.passes.cost import CostModel  # noqa: E402
 from shardprop.passes.pipeline import simulate  # noqa: E402
-from shardprop.passes.pipeline.simulate import shared_time  # noqa: E402
+from shardprop.passes.pipeline.simulate import _capacity, shared_time  # noqa: E402
 from shardprop.runtime.pipeline_lower import bubble_computes_nothing, noop_branch_opcodes  # noqa: E402
 
 
@@ -437,26 +446,40 @@ def main(argv=None):
 
     lines.append("")
     mesh = next(iter(runs.values()))["plan"].program.mesh if runs else None
-    cores = shared_cores(mesh, p) if mesh is not None else None
+    cores = shared_cores(mesh, p, cost) if mesh is not None else None
     # measured: p devices running one program at once take tp against t1 alone, so p * t1 / tp
     # of them progress at once (this process's share of the host's cores, under its load);
     # at least one, as a rank running alone is at its alone rate by definition
     together = min(p, max(1.0, p * med[("threads", 1)] / med[("threads", p)]))
     contention = calibration_contention(cost)
+    at_once = devices_at_once(cost)
+    curve = ", ".join(f"{k} busy -> {c:.2f}" for k, c in cost.at_once)
+    how = (f"measured by its calibration: one device alone {contention:.2f} x as fast as with all "
+           f"{cost.device_count} busy; devices' work done at once: {curve or f'{at_once:.2f} with all busy'}"
+           if at_once is not None else
+           f"derived, not measured: its {cost.device_count} devices on this host's {host_cores()} cores")
+    driver = (f"; the MPMD driver's {cost.dispatch_s * 1e6:.1f} us per program dispatched and "
+              f"{(cost.transfer_s or 0) * 1e6:.1f} us per value moved" if cost.dispatch_s is not None else
+              "; no driver costs in the profile (MPMD dispatch priced at 0)")
     lines.append(f"4. step time / the cost model's (target: 0.80 to 1.20); model: {cost.name}'s stage times at one "
-                 f"device's rate alone (its compute times / {contention:.2f}, the contention it was calibrated "
-                 f"under: its {cost.device_count} devices on {host_cores()} cores), the tick table simulated with "
-                 f"the {p} ranks sharing {host_cores()} cores "
-                 f"({'side by side' if cores is None else f'{float(cores):.2f} rank-sized cores'}), then the once "
-                 f"ops sharing them. Measured here: a matmul program on one device {med[('threads', 1)] * 1e3:.2f} "
+                 f"device's rate alone (contention {contention:.2f}, {how}), the tick table simulated with "
+                 f"the {p} ranks sharing the host "
+                 f"({'side by side' if cores is None else f'{float(_capacity(cores, p)):.2f} ranks of work done with all {p} running'}), then the once "
+                 f"ops sharing it{driver}. Measured here: a matmul program on one device {med[('threads', 1)] * 1e3:.2f} "
                  f"ms, on {p} devices at once {med[('threads', p)] * 1e3:.2f} ms, so {p} devices progress as "
                  f"{together:.2f} alone (at least 1); 'measured cores' is the same model with that in place of the "
                  f"{host_cores()} cores, in the sharing and in the calibration's contention ({cost.device_count} / "
                  f"{together:.2f}: as if calibrated under this run's load)")
     for name, r in runs.items():
         prog, works_ = r["prog"], works[r["wkey"]]
-        model, _, _ = host_step(prog, cost, cores)
-        model_here, _, _ = host_step(prog, cost, together, contention=max(1.0, (cost.device_count or 1) / together))
+        host_model = mpmd_host_step if "mpmd" in r else host_step
+        model, _, _ = host_model(prog, cost, cores)
+        model_here, _, _ = host_model(prog, cost, together,
+                                      contention=max(1.0, (cost.device_count or 1) / together))
+        # the model before calibrate measured the host: contention from devices over cores, the
+        # host's cores shared, both lowerings priced as the SPMD one (host_step)
+        derived = replace(cost, alone=None, dispatch_s=None, transfer_s=None, at_once=())
+        model_derived, _, _ = host_step(prog, derived, shared_cores(mesh, p, derived))
         contended, _ = cost_model_step(prog, cost, {k: works_[("once", k)] for k in range(prog.S)})
         # the same simulation on the stage programs measured above (one device, alone)
         measured = {kind: [med[("work", r["wkey"], (kind, k))] / m for k in range(prog.S)] for kind in prog.kinds}
@@ -465,12 +488,15 @@ def main(argv=None):
         sim_meas = modeled_step(prog, measured, 0.0, once_meas, cores)
         sim_here = modeled_step(prog, measured, 0.0, once_meas, together)
         modeled_fb = sum(works_[(kind, k)].modeled(cost) for k in range(prog.S) for kind in prog.kinds) * m
+        alone_fb = sum(works_[(kind, k)].modeled(alone_cost(cost)) for k in range(prog.S) for kind in prog.kinds) * m
         meas_fb = sum(med[("work", r["wkey"], (kind, k))] for k in range(prog.S) for kind in prog.kinds)
         t = med[name]
         lines.append(f"   {name:<17} step {t * 1e3:7.1f} ms, modeled {model * 1e3:7.1f} ms: {t / model:5.2f}   "
+                     f"[the model before: contention from devices / cores, MPMD as SPMD: modeled {model_derived * 1e3:.1f} "
+                     f"ms, {t / model_derived:.2f}] "
                      f"[measured cores: modeled {model_here * 1e3:.1f} ms, {t / model_here:.2f}; side by side at the "
                      f"contended rates {contended * 1e3:.1f} ms, {t / contended:.2f}]")
-        lines.append(f"   {'':<17} where it misses: {cost.name}'s F+B x m alone {modeled_fb / contention * 1e3:.1f} ms "
+        lines.append(f"   {'':<17} where it misses: {cost.name}'s F+B x m alone {alone_fb * 1e3:.1f} ms "
                      f"({modeled_fb * 1e3:.1f} contended) against {meas_fb * 1e3:.1f} measured alone; the shared-cores "
                      f"simulation on the measured stage programs {sim_meas * 1e3:.1f} ms (step / that "
                      f"{t / sim_meas:.2f}), on measured cores {sim_here * 1e3:.1f} ms ({t / sim_here:.2f})")

@@ -13,7 +13,17 @@ every device at once, give the contraction's two rates: time = flops / matmul ra
 operand and result bytes / streaming rate (a skinny matmul does little arithmetic per
 byte it packs); fused loops of elementwise ops (one more in a row against one, at
 three sizes) give the memory rate, counted as the model counts a fused loop: its input
-read and its output written once (``passes/fusion.py``). Each time is the
+read and its output written once (``passes/fusion.py``). The same matmuls and loops
+run on one device alone, in turns with the all-devices runs, give one device's rates
+alone (``CostModel.alone``): where the devices share a host's cores, the ratio of the two
+is how much the devices slow each other, measured rather than assumed from devices over
+cores (on a 16-core host, 8 forced devices each ran matmuls at a third of one device's
+rate alone). A Python driver's cost per jitted program dispatched, and per
+``jax.device_put`` to another device, neither waited for, is timed too (``dispatch_s``,
+``transfer_s``: what the MPMD pipeline's driver pays per instruction), and the same
+matmul chain on 1, 2, 4, ... and all devices at once gives how many devices' work the host
+gets done with that many busy (``at_once``: 8 forced devices on 2 shared cores did about
+one device's work, whatever the count). Each time is the
 median of repetitions; a
 collective's is the difference between a program that runs it 9 times in a row and
 one that runs it once, over 8 (what a program costs to start is no collective's), the
@@ -37,7 +47,7 @@ import time
 
 import numpy as np
 
-from ..passes.cost import COLLECTIVES, CostModel, Link, group_shape, wire_bytes
+from ..passes.cost import COLLECTIVES, ComputeRates, CostModel, Link, group_shape, wire_bytes
 
 SIZES = (256, 4096, 32768)          # float32 elements per device per collective
 # (m, k, n) of an [m, k] @ [k, n] matmul per device: square ones, and skinny ones whose
@@ -53,6 +63,12 @@ CHAIN = 8                            # collectives in a row, against one alone
 PHASE_SHAPE = (32, 128)
 PHASE_BLOCKS = (1, 4, 16)
 KIND_APART = 0.5                     # a kind gets its own fit where the group's misses it by more
+# the matmul whose chain times devices running at once: a micro-batch's few rows against a
+# whole 4 MiB weight, as a pipeline stage runs (the host model is at_once's only reader);
+# streaming the weight, it shares the memory system as a stage does, where a square
+# in-cache matmul would show more devices' work done at once than a stage gets
+AT_ONCE_SHAPE = (32, 1024, 1024)
+DISPATCHES = 200                     # programs (and transfers) the driver issues per timed sample
 
 
 def parse_mesh(text: str) -> tuple:
@@ -94,13 +110,18 @@ def wait_clock(devices, clock: str = "wall"):
 def _median_time(fns, x, reps: int, clock=time.perf_counter) -> list:
     """Median seconds of each of ``fns`` on ``x`` by ``clock``, run in turns (A, B, A, B,
     ...) so that a busy spell of the machine hits them alike."""
+    return _median_times([(f, x) for f in fns], reps, clock)
+
+
+def _median_times(calls, reps: int, clock=time.perf_counter) -> list:
+    """Median seconds of each ``(f, x)`` call in ``calls``, run in turns."""
     import jax
-    for f in fns:
+    for f, x in calls:
         for _ in range(2):
             jax.block_until_ready(f(x))
-    times = [[] for _ in fns]
+    times = [[] for _ in calls]
     for _ in range(reps):
-        for f, ts in zip(fns, times):
+        for (f, x), ts in zip(calls, times):
             t = clock()
             jax.block_until_ready(f(x))
             ts.append(clock() - t)
@@ -180,10 +201,13 @@ def _miss(link: Link, samples) -> float:
 
 def _rate(samples) -> float:
     """Work per second from (work, seconds) samples: the slope, past a fixed cost, and
-    never below what the largest sample did outright (where noise flattens the slope)."""
+    never below what the largest sample did outright (where noise flattens the slope).
+    Where noise leaves no slope at all (the fit all fixed cost), what the largest sample
+    did outright."""
     link = _fit(samples)
-    work, seconds = max(samples)
-    return max(link.bytes_per_s, work / max(seconds, 1e-12))
+    work, seconds = max([x for x in samples if x[1] > 0] or samples)   # the largest that took any time
+    outright = work / max(seconds, 1e-12)
+    return outright if link.bytes_per_s >= 1e15 else max(link.bytes_per_s, outright)
 
 
 def _contraction_rates(samples) -> tuple[float, float]:
@@ -273,28 +297,26 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
     combined = _combined_kinds(jmesh)
     say(f"  the compiler combines independent {', '.join(combined) or 'collectives of no kind'} into one launch")
 
-    # operand and result bytes as the model counts a contraction's: each at its local size
-    # (one more matmul in a row is what one matmul costs, as for collectives)
-    # every shape in turns on one buffer, so that a busy spell of the machine hits them alike
-    bodies = [b for m, k, n in MATMUL_SHAPES for b in (_matmul_body(m, k, n, 1 + CHAIN), _matmul_body(m, k, n, 1))]
-    times = timed(*bodies[:1], max(max(m * k, k * n) for m, k, n in MATMUL_SHAPES), *bodies[1:])
-    flops, streamed = _contraction_rates([(2.0 * m * k * n, 4.0 * (m * k + k * n + m * n),
-                                           max(times[2 * i] - times[2 * i + 1], 0.0) / CHAIN)
-                                          for i, (m, k, n) in enumerate(MATMUL_SHAPES)])
-    # a chain of elementwise ops, which XLA fuses into one pass over memory, counted as the
-    # model counts it (passes/fusion.py): the loop's input read and its output written once,
-    # the values between them in registers; one more loop in a row is what one loop costs
-    # (the program's dispatch cancels), the sizes in turns on one buffer
-    bodies = [b for s in ELEMENTWISE_SIZES for b in (_prefix(_fused_loops(1 + CHAIN), s), _prefix(_fused_loops(1), s))]
-    times = timed(bodies[0], max(ELEMENTWISE_SIZES), *bodies[1:])
-    touched = _rate([(8.0 * s, max(times[2 * i] - times[2 * i + 1], 0.0) / CHAIN)
-                     for i, s in enumerate(ELEMENTWISE_SIZES)])
-    say(f"  matmul {flops / 1e9:.2f} GFLOP/s + its operands streamed at {streamed / 1e9:.2f} GB/s per device, "
-        f"elementwise {touched / 1e9:.2f} GB/s per device (all devices busy at once)")
+    together, alone = _compute_rates(jmesh, JaxMesh(np.array(devices[:1]).reshape((1,) * len(names)), names),
+                                     reps)
+    say(f"  matmul {together.flops_per_s / 1e9:.2f} GFLOP/s + its operands streamed at "
+        f"{together.contraction_bytes_per_s / 1e9:.2f} GB/s per device, elementwise "
+        f"{together.memory_bytes_per_s / 1e9:.2f} GB/s per device (all devices busy at once)")
+    say(f"  one device alone: matmul {alone.flops_per_s / 1e9:.2f} GFLOP/s + {alone.contraction_bytes_per_s / 1e9:.2f}"
+        f" GB/s streamed, elementwise {alone.memory_bytes_per_s / 1e9:.2f} GB/s ({alone.flops_per_s / together.flops_per_s:.2f}"
+        f" and {alone.memory_bytes_per_s / together.memory_bytes_per_s:.2f} x the rates with all {n} busy)")
+    at_once = _at_once(devices[:n], reps)
+    say("  devices busy at once -> devices' work done (one alone = 1): "
+        + ", ".join(f"{k} -> {c:.2f}" for k, c in at_once))
+    dispatch_s, transfer_s = _driver_costs(devices[:n], reps)
+    say(f"  a Python driver dispatches a jitted program in {dispatch_s * 1e6:.1f} us and a device_put to another "
+        f"device in {transfer_s * 1e6:.1f} us (neither waited for)")
     device = devices[0]
     kind = getattr(device, "device_kind", device.platform)
-    return CostModel(latency_s=default.latency_s, link_bytes_per_s=default.bytes_per_s, flops_per_s=flops,
-                     memory_bytes_per_s=touched, contraction_bytes_per_s=streamed, sync_s=sync,
+    return CostModel(latency_s=default.latency_s, link_bytes_per_s=default.bytes_per_s,
+                     flops_per_s=together.flops_per_s, memory_bytes_per_s=together.memory_bytes_per_s,
+                     contraction_bytes_per_s=together.contraction_bytes_per_s, sync_s=sync,
+                     alone=alone, dispatch_s=dispatch_s, transfer_s=transfer_s, at_once=at_once,
                      combined_kinds=combined,
                      memory_capacity_bytes=_memory_capacity(device),
                      links=tuple(links), device_count=n, mesh_shape=tuple(mesh_shape), mesh_axes=names,
@@ -302,6 +324,88 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
                      notes=f"measured by shardprop calibrate with jax {jax.__version__} in "
                            f"{time.perf_counter() - t_start:.0f} s, {time.strftime('%Y-%m-%d', time.gmtime())}; "
                            f"median of {reps} runs")
+
+
+def _compute_rates(jmesh, one, reps: int) -> tuple:
+    """(all devices of ``jmesh`` busy at once, ``one``'s single device alone): each a
+    ``ComputeRates`` from the same matmuls and fused loops, the two meshes' programs timed
+    in turns so that a busy spell of the machine hits both alike."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    names = tuple(jmesh.axis_names)
+
+    def timed_on_both(bodies, local_elems):
+        calls = []
+        for jm in (jmesh, one):
+            x = jax.device_put(np.ones(jm.devices.size * local_elems, np.float32),
+                               NamedSharding(jm, PartitionSpec(names)))
+            calls += [(_program(jm, b), x) for b in bodies]
+        t = _median_times(calls, reps)
+        return t[:len(bodies)], t[len(bodies):]
+
+    # operand and result bytes as the model counts a contraction's: each at its local size
+    # (one more matmul in a row is what one matmul costs, as for collectives)
+    # every shape in turns on one buffer, so that a busy spell of the machine hits them alike
+    bodies = [b for m, k, n in MATMUL_SHAPES for b in (_matmul_body(m, k, n, 1 + CHAIN), _matmul_body(m, k, n, 1))]
+    matmuls = timed_on_both(bodies, max(max(m * k, k * n) for m, k, n in MATMUL_SHAPES))
+    # a chain of elementwise ops, which XLA fuses into one pass over memory, counted as the
+    # model counts it (passes/fusion.py): the loop's input read and its output written once,
+    # the values between them in registers; one more loop in a row is what one loop costs
+    # (the program's dispatch cancels), the sizes in turns on one buffer
+    bodies = [b for s in ELEMENTWISE_SIZES for b in (_prefix(_fused_loops(1 + CHAIN), s), _prefix(_fused_loops(1), s))]
+    loops = timed_on_both(bodies, max(ELEMENTWISE_SIZES))
+    rates = []
+    for times, loop_times in zip(matmuls, loops):
+        flops, streamed = _contraction_rates([(2.0 * m * k * n, 4.0 * (m * k + k * n + m * n),
+                                               max(times[2 * i] - times[2 * i + 1], 0.0) / CHAIN)
+                                              for i, (m, k, n) in enumerate(MATMUL_SHAPES)])
+        touched = _rate([(8.0 * s, max(loop_times[2 * i] - loop_times[2 * i + 1], 0.0) / CHAIN)
+                         for i, s in enumerate(ELEMENTWISE_SIZES)])
+        rates.append(ComputeRates(flops, touched, streamed))
+    return tuple(rates)
+
+
+def _at_once(devices, reps: int, shape=AT_ONCE_SHAPE) -> tuple:
+    """``((k, work), ...)`` for k = 1, 2, 4, ... and every device: the same chain of
+    matmuls per device on k devices at once (one ``shard_map``), timed in turns; ``work``
+    is k times one device's time alone over the k devices' time, the devices' work alone
+    that k of them busy get done at once."""
+    import jax
+    from jax.sharding import Mesh as JaxMesh, NamedSharding, PartitionSpec
+    m, k, n = shape
+    counts = sorted({min(2 ** i, len(devices)) for i in range(len(devices).bit_length())} | {len(devices)})
+    calls = []
+    for c in counts:
+        jm = JaxMesh(np.array(devices[:c]), ("d",))
+        x = jax.device_put(np.ones(c * max(m * k, k * n), np.float32), NamedSharding(jm, PartitionSpec("d")))
+        calls.append((_program(jm, _matmul_body(m, k, n, 1 + CHAIN)), x))
+    times = _median_times(calls, reps)
+    return tuple((c, c * times[0] / t) for c, t in zip(counts, times))
+
+
+def _driver_costs(devices, reps: int, calls: int = DISPATCHES) -> tuple:
+    """(seconds per jitted program dispatched, per ``jax.device_put`` to another device)
+    as a Python driver issues them, neither waited for (jax dispatches asynchronously): the
+    program takes 4 small arrays and returns 4, as a stage's action takes its weights and
+    activations; each sample issues ``calls`` of them in a row, and the median is taken."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+    program = jax.jit(lambda a, b, c, d: (a + 1.0, b * 0.5, c + b, d - a))
+    args = [jax.device_put(np.ones(64, np.float32), devices[0]) for _ in range(4)]
+    there = [SingleDeviceSharding(devices[min(1, len(devices) - 1)]), SingleDeviceSharding(devices[0])]
+    dispatch, transfer = [], []
+    for _ in range(1 + reps):       # the first round compiles and warms up
+        x, t = args, time.perf_counter()
+        for _ in range(calls):
+            x = program(*x)
+        dispatch.append((time.perf_counter() - t) / calls)
+        jax.block_until_ready(x)
+        y, t = [x[0]], time.perf_counter()
+        for i in range(calls):      # back and forth, so that each put moves the value
+            y = jax.device_put(y, [there[i % 2]])
+        transfer.append((time.perf_counter() - t) / calls)
+        jax.block_until_ready(y)
+    return statistics.median(dispatch[1:]), statistics.median(transfer[1:])
 
 
 def _phase(a, w, blocks: int):

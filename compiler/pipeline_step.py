@@ -210,12 +210,17 @@ def _eqn_time(eqn, cost) -> float:
 
 def calibration_contention(cost) -> float:
     """How many times slower ``cost``'s compute rates are than one device running alone:
-    ``shardprop calibrate`` times compute with every device of the profile busy at once,
-    so where its ``device_count`` forced CPU devices outnumbered the host's cores each ran
-    at cores / devices of a core. The host's core count is the profile's ``host_cores``
-    where it records one; a CPU profile that does not is taken to be calibrated on this
-    machine (its cores, ``os.sched_getaffinity``), as the built-in ``"cpu"`` one was.
-    1 for any other profile (its devices each had their own hardware)."""
+    ``shardprop calibrate`` times compute with every device of the profile busy at once.
+    Where the profile measured one device alone too (``cost.alone``), the ratio of the two
+    matmul rates. Otherwise derived: where its ``device_count`` forced CPU devices
+    outnumbered the host's cores each ran at cores / devices of a core. The host's core
+    count is the profile's ``host_cores`` where it records one; a CPU profile that does not
+    is taken to be calibrated on this machine (its cores, ``os.sched_getaffinity``), as the
+    built-in ``"cpu"`` one was. 1 for any other profile (its devices each had their own
+    hardware)."""
+    alone = getattr(cost, "alone", None)
+    if alone is not None and getattr(cost, "flops_per_s", 0):
+        return max(1.0, alone.flops_per_s / cost.flops_per_s)
     devices = getattr(cost, "device_count", None)
     cores = getattr(cost, "host_cores", None)
     if cores is None and str(getattr(cost, "device_kind", "")).startswith("cpu"):
@@ -226,18 +231,64 @@ def calibration_contention(cost) -> float:
     return max(1.0, devices / cores)
 
 
-def shared_cores(mesh, p: int):
+def alone_cost(cost):
+    """``cost`` at one device's rates alone: the profile's measured ``alone`` rates, or its
+    rates times ``calibration_contention`` where it did not measure them."""
+    from dataclasses import replace
+    alone = getattr(cost, "alone", None)
+    if alone is not None:
+        return replace(cost, flops_per_s=alone.flops_per_s, memory_bytes_per_s=alone.memory_bytes_per_s,
+                       contraction_bytes_per_s=alone.contraction_bytes_per_s or cost.contraction_bytes_per_s)
+    slow = calibration_contention(cost)
+    if slow == 1.0:
+        return cost
+    streaming = cost.contraction_bytes_per_s
+    return replace(cost, flops_per_s=cost.flops_per_s * slow, memory_bytes_per_s=cost.memory_bytes_per_s * slow,
+                   contraction_bytes_per_s=None if streaming is None else streaming * slow)
+
+
+def devices_at_once(cost, busy=None):
+    """How many devices' work alone a host gets done with ``busy`` (default: all) of
+    ``cost``'s devices running at once, as its calibration measured it: its ``at_once``
+    curve where it has one (linear between the counts measured), else from the rates of
+    one device alone and of all busy (``device_count`` times their ratio, as a fixed
+    number of cores: at most ``busy``). At least 1. None where the profile measured
+    neither."""
+    from ..passes.pipeline.simulate import Capacity
+    devices = getattr(cost, "device_count", None)
+    busy = devices if busy is None else busy
+    if getattr(cost, "at_once", ()):
+        return max(1.0, float(Capacity(tuple(cost.at_once))(busy)))
+    alone = getattr(cost, "alone", None)
+    if alone is None or not devices:
+        return None
+    return min(float(busy), max(1.0, devices * cost.flops_per_s / alone.flops_per_s))
+
+
+def shared_cores(mesh, p: int, cost=None):
     """Rank-sized cores the ``p`` pipeline ranks of ``mesh`` share, or None when they run
     side by side: forced CPU devices are threads of this process, so where they outnumber
-    the host's cores the ranks' actions take turns on them (a rank's action keeps its
-    ``devices / p`` devices busy, so the host's cores count ``p / devices`` of a rank each)."""
+    what the host runs at once the ranks' actions take turns (a rank's action keeps its
+    ``devices / p`` devices busy, so a device's worth of the host counts ``p / devices`` of
+    a rank). What the host runs at once: the profile's measured ``at_once`` curve (a
+    ``Capacity``: n ranks running get ``devices_at_once(cost, n * devices / p)`` devices'
+    work done), or the single figure ``devices_at_once(cost)``, or the host's cores."""
     from fractions import Fraction
+
+    from ..passes.pipeline.simulate import Capacity
     try:
         devices = list(np.asarray(mesh.devices).reshape(-1))
     except (AttributeError, TypeError, ValueError):
         return None                      # an abstract mesh: no host to share
     if not devices or getattr(devices[0], "platform", "") != "cpu":
         return None
+    per_rank = len(devices) / p
+    if cost is not None and getattr(cost, "at_once", ()):
+        capacity = Capacity(tuple((n, devices_at_once(cost, n * per_rank) / per_rank) for n in range(1, p + 1)))
+        return capacity if capacity.shares(p) else None
+    measured = devices_at_once(cost) if cost is not None else None
+    if measured is not None:
+        return None if len(devices) <= measured else measured * p / len(devices)
     from .calibrate import host_cores
     cores = host_cores()
     if len(devices) <= cores:
@@ -249,39 +300,103 @@ def _modeled_times(prog, cost=None, contention: float = 1.0):
     """Per model stage, the modeled seconds of each action kind on one micro-batch (the
     roofline of ``cost``, default the default cost model, over its programs' equations),
     and per boundary the exchange time of the activations (alpha-beta over its default
-    link). ``contention``: how much slower the profile's compute rates are than a device
-    running alone (``calibration_contention``); the compute times are divided by it."""
+    link). An action that accumulates (a backward's weight gradients) also pays the
+    lowering's add of its partial sums into the accumulator (``_accumulation_time``).
+    ``contention``: how much slower the profile's compute rates are than a device running
+    alone (``calibration_contention``); the compute times are divided by it."""
     if cost is None:
         from ..passes.cost import DEFAULT_COST as cost
     j = prog.j
     times = []
     for k in range(prog.S):
-        times.append({kind: max(1e-9, sum(_eqn_time(j.eqns[i], cost) for i in prog.progs[(kind, k)]["idxs"])
-                                / contention)
+        times.append({kind: max(1e-9, (sum(_eqn_time(j.eqns[i], cost) for i in prog.progs[(kind, k)]["idxs"])
+                                       + _accumulation_time(prog.progs[(kind, k)]["accs"], cost)) / contention)
                       for kind in prog.kinds})
-    from ..runtime.pipeline_lower import Packing
-    latency = [cost.latency_s + 4 * Packing(prog.fwd_out[k]).size / cost.link_bytes_per_s
-               for k in range(prog.S - 1)]
+    latency = [cost.latency_s + 4 * _boundary_floats(prog, k) / cost.link_bytes_per_s for k in range(prog.S - 1)]
     return times, latency
 
 
+def _accumulation_time(accs, cost) -> float:
+    """Adding an action's partial sums ``accs`` into its accumulator, once per micro-batch
+    (both lowerings do; the traced program does not): one elementwise add per value, the
+    accumulator and the partial sum read and the accumulator written."""
+    n = sum(int(np.prod(getattr(v.aval, "shape", ()))) for v in accs)
+    nbytes = sum(int(np.prod(getattr(v.aval, "shape", ()))) * np.dtype(v.aval.dtype).itemsize for v in accs)
+    return cost.compute_time(float(n), 3.0 * nbytes) if n else 0.0
+
+
+def _boundary_floats(prog, k: int) -> int:
+    """Floats an action of model stage ``k`` sends to ``k + 1`` (its packed activations)."""
+    from ..runtime.pipeline_lower import Packing
+    return Packing(prog.fwd_out[k]).size
+
+
+def _once_times(prog, cost, contention: float = 1.0) -> list:
+    """Per rank, the modeled seconds of its stages' once ops (the optimizer)."""
+    return [sum(_eqn_time(prog.j.eqns[i], cost) for k in range(prog.S) if prog.rank_of(k) == d
+                for i in prog.once[k]["idxs"]) / contention for d in range(prog.p)]
+
+
+def _priced(cost, contention):
+    """(the cost model to price with, the contention to divide its times by): one
+    device's rates alone (``alone_cost``), or ``cost`` over an explicit ``contention``."""
+    if cost is None:
+        from ..passes.cost import DEFAULT_COST as cost
+    return (alone_cost(cost), 1.0) if contention is None else (cost, contention)
+
+
 def host_step(prog, cost=None, cores=None, contention=None):
-    """The modeled step of what runs on a host whose ranks share ``cores`` (``shared_cores``;
-    None: side by side): each stage's actions at one device's rate alone (the profile's
-    compute times over ``contention``, default ``calibration_contention(cost)``) simulated
+    """The modeled step of the SPMD lowering on a host whose ranks share ``cores``
+    (``shared_cores``; None: side by side): each stage's actions at one device's rate
+    alone (``alone_cost``; or the profile's compute times over ``contention``) simulated
     with the ranks sharing the cores, then each rank's once ops (the optimizer), the ranks
     sharing the cores again. Returns ``(seconds, the SimResult, the once phase's seconds)``."""
     from ..passes.pipeline.simulate import shared_time
-    if cost is None:
-        from ..passes.cost import DEFAULT_COST as cost
-    slow = calibration_contention(cost) if contention is None else contention
-    times, latency = _modeled_times(prog, cost, contention=slow)
+    priced, slow = _priced(cost, contention)
+    times, latency = _modeled_times(prog, priced, contention=slow)
     durations = {kind: [times[k][kind] for k in range(prog.S)] for kind in prog.kinds}
     sim = simulate(prog.schedule, durations, latency=latency, cores=cores)
-    once = [sum(_eqn_time(prog.j.eqns[i], cost) for k in range(prog.S) if prog.rank_of(k) == d
-                for i in prog.once[k]["idxs"]) / slow for d in range(prog.p)]
-    tail = float(shared_time(once, cores))
+    tail = float(shared_time(_once_times(prog, priced, slow), cores))
     return float(sim.makespan) + tail, sim, tail
+
+
+def mpmd_host_step(prog, cost=None, cores=None, contention=None):
+    """The modeled step of the MPMD lowering (``runtime/pipeline_mpmd.py``) on a host whose
+    ranks share ``cores``: the stages priced as ``host_step`` prices them, an exchange a
+    copy of the activations at the memory rate (a ``jax.device_put``), the profile's
+    ``dispatch_s`` per program and ``transfer_s`` per value moved as the driver's costs (0
+    where it did not measure them), run by ``mpmd_step``. Returns ``(seconds, the
+    SimResult, the driver's seconds)``."""
+    priced, slow = _priced(cost, contention)
+    times, _ = _modeled_times(prog, priced, contention=slow)
+    durations = {kind: [times[k][kind] for k in range(prog.S)] for kind in prog.kinds}
+    copies = [8 * _boundary_floats(prog, k) / priced.memory_bytes_per_s / slow for k in range(prog.S - 1)]
+    return mpmd_step(prog, durations, copies, _once_times(prog, priced, slow), cores,
+                     getattr(priced, "dispatch_s", None) or 0.0, getattr(priced, "transfer_s", None) or 0.0)
+
+
+def mpmd_step(prog, durations, latency, once, cores=None, dispatch_s=0, transfer_s=0):
+    """The MPMD step of ``prog`` with these stage ``durations`` and exchange ``latency``
+    (as ``simulate`` takes them) and per rank its ``once`` ops' time: one Python driver
+    issues the instructions of ``driver_order`` one after another, ``dispatch_s`` per
+    program and ``transfer_s`` per value moved, and no action starts before it is issued;
+    each rank then runs its actions as soon as their inputs are there (the tick table
+    simulated with those release times, the ranks sharing ``cores``). Each rank's once ops
+    start when its last action has ended and they are issued, and share the cores with the
+    other ranks'. Returns ``(the step's time, the SimResult, the driver's time)``."""
+    from ..passes.pipeline.simulate import shared_finish
+    from ..runtime.pipeline_mpmd import driver_order
+    release, once_release, issued = {}, {}, 0
+    for ins in driver_order(prog):
+        issued += dispatch_s if ins[0] in ("run", "once") else transfer_s * ins[1]
+        if ins[0] == "run":
+            release[(ins[1], ins[2])] = issued
+        elif ins[0] == "once":
+            once_release[ins[1]] = issued
+    sim = simulate(prog.schedule, durations, latency=latency, cores=cores, release=lambda d, a: release[(d, a)])
+    last = [max((e.end for e in sim.events if e.stage == d), default=0) for d in range(prog.p)]
+    end = shared_finish([(max(last[d], once_release[d]), once[d]) for d in range(prog.p)], cores)
+    return max(end, sim.makespan, issued), sim, issued
 
 
 def _modeled_bytes(prog, schedule, scale: float = 1.0, slots=None) -> int:
@@ -1098,7 +1213,8 @@ class PipelineFunction:
                             sch.name, prog.sim, c.model_sim, prog.nslots, step_time=float(c.model_sim.makespan),
                             unit_bubble=float(simulate(sch).bubble), stage_times=c.stage_times, search=c.search,
                             memory=_modeled_bytes(prog, sch, slots=prog.nslots),
-                            host_step_time=host_step(prog, self.cost, shared_cores(self.mesh, self.p))[0],
+                            host_step_time=(mpmd_host_step if self.pipeline.lowering == "mpmd" else host_step)(
+                                prog, self.cost, shared_cores(self.mesh, self.p, self.cost))[0],
                             submesh_peak=c.submesh_peak, state_elsewhere=c.elsewhere,
                             beyond_one_microbatch=c.beyond_one, device_peak=c.device_peak,
                             submesh_budget=c.submesh_budget)

@@ -23,6 +23,14 @@ slower. So communication and compute are both priced in seconds:
   waits for the slowest device (on devices that share cores, for the scheduler);
 - ``memory_capacity_bytes`` is what one device holds (None: unlimited).
 
+A calibrated profile's compute rates are per device with all its devices busy at once.
+Where forced CPU devices share a host's cores that is not one device's rate alone, so
+``shardprop calibrate`` also measures the rates of one device alone (``alone``) and what
+the driver of a Python-dispatched step pays per program and per transfer
+(``dispatch_s``, ``transfer_s``), and how many devices' work the host gets done with 1, 2,
+4, ... of them busy at once (``at_once``); the pipeline's host model reads them
+(``compiler/pipeline_step.py``). The search does not.
+
 The defaults describe one modern GPU node with no per-group terms; only their
 ratios steer decisions, and the golden dumps are planned with them. A measured
 profile (``shardprop calibrate``) or a built-in one (``CostModel.builtin``) adds
@@ -82,6 +90,14 @@ IMPOSSIBLE = 1e6   # seconds: the price of a redistribution that cannot exist (n
 
 
 @dataclass(frozen=True)
+class ComputeRates:
+    """One device's compute rates (``CostModel``'s three, under other conditions)."""
+    flops_per_s: float
+    memory_bytes_per_s: float
+    contraction_bytes_per_s: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class CostModel:
     latency_s: float = 5e-6          # fixed cost of one collective (where no link says otherwise)
     link_bytes_per_s: float = 100e9  # per-device collective bandwidth (likewise)
@@ -106,6 +122,17 @@ class CostModel:
     # the share of its launch a collective of those kinds pays: 1/n where n ride one launch
     # (``at_step_end(n)``); not a profile's
     launch_share: float = 1.0
+    # the rates of one device computing alone, where the rates above were measured with
+    # every device busy at once (calibrate; None: not measured, see
+    # pipeline_step.calibration_contention)
+    alone: Optional[ComputeRates] = None
+    # a Python driver's cost to dispatch one jitted program, and one jax.device_put to
+    # another device, without waiting for either (calibrate; None: not measured)
+    dispatch_s: Optional[float] = None
+    transfer_s: Optional[float] = None
+    # ((devices busy, devices' work alone they get done at once), ...) with 1, 2, 4, ... of
+    # the devices running the same matmuls (calibrate; (): not measured)
+    at_once: tuple = ()
     # whether ``compute_time`` reads each op's ``compute_unit`` (a cluster's GPU model does;
     # this model prices every op on one roofline)
     prices_units = False
@@ -119,7 +146,8 @@ class CostModel:
     def _hash(self) -> int:
         return hash((self.latency_s, self.link_bytes_per_s, self.flops_per_s, self.memory_bytes_per_s,
                      self.contraction_bytes_per_s, self.sync_s, self.memory_capacity_bytes, self.links, self.device_count,
-                     self.device_kind, self.name, self.combined_kinds, self.launch_share))
+                     self.device_kind, self.name, self.combined_kinds, self.launch_share, self.alone,
+                     self.dispatch_s, self.transfer_s, self.at_once))
 
     # -- time ----------------------------------------------------------------
     def collective_time(self, wire_bytes: float, kind: Optional[str] = None, axes=None, mesh=None) -> float:
@@ -237,6 +265,13 @@ class CostModel:
             "combined_kinds": list(self.combined_kinds),
             "compute": {"matmul_flops_per_s": self.flops_per_s, "elementwise_bytes_per_s": self.memory_bytes_per_s,
                         "contraction_bytes_per_s": self.contraction_bytes_per_s},
+            **({"alone": {"matmul_flops_per_s": self.alone.flops_per_s,
+                          "elementwise_bytes_per_s": self.alone.memory_bytes_per_s,
+                          "contraction_bytes_per_s": self.alone.contraction_bytes_per_s}}
+               if self.alone is not None else {}),
+            **({"driver": {"dispatch_s": self.dispatch_s, "transfer_s": self.transfer_s}}
+               if self.dispatch_s is not None or self.transfer_s is not None else {}),
+            **({"at_once": [list(x) for x in self.at_once]} if self.at_once else {}),
             "memory_capacity_bytes": self.memory_capacity_bytes,
             "links": [{"group": [list(p) for p in group], "kind": kind or "*", **asdict(link)}
                       for group, kind, link in self.links],
@@ -255,6 +290,12 @@ class CostModel:
                            Link(float(e["latency_s"]), float(e["bytes_per_s"]))) for e in data["links"])
             cap = data.get("memory_capacity_bytes")
             streaming = data["compute"].get("contraction_bytes_per_s")   # absent in older profiles
+            alone, driver = data.get("alone"), data.get("driver") or {}      # absent in older profiles
+            if alone is not None:
+                alone_streaming = alone.get("contraction_bytes_per_s")
+                alone = ComputeRates(float(alone["matmul_flops_per_s"]), float(alone["elementwise_bytes_per_s"]),
+                                     None if alone_streaming is None else float(alone_streaming))
+            opt = lambda x: None if x is None else float(x)
             return cls(latency_s=float(data["default_link"]["latency_s"]),
                        link_bytes_per_s=float(data["default_link"]["bytes_per_s"]),
                        flops_per_s=float(data["compute"]["matmul_flops_per_s"]),
@@ -267,7 +308,9 @@ class CostModel:
                        device_count=data.get("device_count"),
                        mesh_shape=tuple(data["mesh"]["shape"]), mesh_axes=tuple(data["mesh"]["axes"]),
                        device_kind=data.get("device_kind", ""), name=data.get("name", ""),
-                       notes=data.get("notes", ""))
+                       notes=data.get("notes", ""), alone=alone, dispatch_s=opt(driver.get("dispatch_s")),
+                       transfer_s=opt(driver.get("transfer_s")),
+                       at_once=tuple((int(k), float(c)) for k, c in data.get("at_once", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ShardingError(f"{source}: malformed cost profile ({type(e).__name__}: {e}); "
                                 f"write a fresh one with `shardprop calibrate -o profile.json`") from None

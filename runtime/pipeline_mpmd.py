@@ -53,6 +53,31 @@ from .pipeline_lower import rep_needed
 F_, B_, I_, W_ = "forward", "backward", "backward_input", "backward_weight"
 
 
+def tick_actions(prog) -> list:
+    """Per tick of ``prog``'s unit-cost tick table, its ``(rank, Action)`` pairs by rank:
+    the order in which the driver issues the actions (``MpmdProgram._compile_code``)."""
+    table = prog.sim.tick_table
+    return [[(d, table[(t, d)]) for d in range(prog.p) if (t, d) in table] for t in range(int(prog.sim.makespan))]
+
+
+def driver_order(prog) -> list:
+    """The instructions the MPMD driver issues for ``prog``, in order, without building
+    the programs (what the pipeline's host model, ``pipeline_step.mpmd_host_step``, needs):
+    ``("run", rank, Action)`` per action, ``("move", n)`` after each tick in which ``n``
+    actions send to a neighbour (one ``jax.device_put`` for the tick's values), then
+    ``("once", rank)`` per rank for its once ops (the optimizer: at least one program each)."""
+    order, S = [], prog.S
+    for tick in tick_actions(prog):
+        sends = 0
+        for d, act in tick:
+            order.append(("run", d, act))
+            k = prog.schedule.model_stage(d, act.chunk)
+            sends += (act.kind == F_ and k + 1 < S) or (act.kind in (B_, I_) and k > 0)
+        if sends:
+            order.append(("move", sends))
+    return order + [("once", d) for d in range(prog.p)]
+
+
 def _lit(a) -> bool:
     return isinstance(a, jcore.Literal)
 
@@ -340,12 +365,8 @@ class MpmdProgram:
                 pending.clear()
 
         acts, cts, kept, acc, outs_b = {}, {}, {}, {}, {}
-        sim = prog.sim
-        for t in range(int(sim.makespan)):
-            for d in range(p):
-                act = sim.tick_table.get((t, d))
-                if act is None:
-                    continue
+        for tick in tick_actions(prog):
+            for d, act in tick:
                 k = prog.schedule.model_stage(d, act.chunk)
                 kind, mb = act.kind, act.microbatch
                 a = self.actions[(kind, k)]

@@ -29,10 +29,18 @@ its full rate. A number ``c`` models ranks that share ``c`` cores (forced CPU de
 threads of one host): at any moment the ``n`` stages running an action each progress at
 ``min(1, c / n)`` of their rate (processor sharing), so an action of duration ``t`` takes
 ``t`` alone and longer while more than ``c`` stages run. ``c`` counts rank-sized cores
-(a host's cores over the devices a rank's action keeps busy) and may be a Fraction. With
+(a host's cores over the devices a rank's action keeps busy) and may be a Fraction, or a
+:class:`Capacity`: the cores' worth of work measured at several counts of ranks running
+(a host whose throughput does not grow as a fixed number of cores would give), each of
+the ``n`` running then at ``min(1, capacity(n) / n)``. With
 ``c >= p`` nothing is shared and the result is the side-by-side one. Latencies are delays
 that use no core. :func:`shared_time` is the same sharing for independent jobs that start
-together (each rank's once ops after the loop).
+together (each rank's once ops after the loop), :func:`shared_finish` for jobs that start
+at given times.
+
+**Release times** (``release=``): a callable ``(stage, action) -> time`` before which the
+action may not start, whatever its inputs (a driver that issues the actions one after
+another: the MPMD lowering's); ``None``, every action may start at 0.
 
 Arithmetic is exact: ints and Fractions stay Fractions; with any float input it runs in
 floats. A schedule that cannot proceed raises :class:`DeadlockError` naming each stuck
@@ -73,6 +81,57 @@ class DeadlockError(ShardingError):
     def __init__(self, message: str, stuck: list):
         super().__init__(message)
         self.stuck = stuck
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What ``n`` ranks running at once get done, in ranks' work alone, at each ``n``:
+    ``points`` ``((n, work), ...)`` as measured, linear between them, flat past the last,
+    never more than ``n``. (Below 1 at ``n = 1`` where a rank's own devices slow each
+    other: a rank of two forced devices on a host that runs one at a time.)"""
+    points: tuple
+
+    def __call__(self, n):
+        pts = sorted(self.points)
+        if n <= pts[0][0]:
+            c = pts[0][1]
+        elif n >= pts[-1][0]:
+            c = pts[-1][1]
+        else:
+            (n0, c0), (n1, c1) = next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= n <= b[0])
+            c = c0 + (c1 - c0) * (n - n0) / (n1 - n0)
+        return min(n, c)
+
+    def __float__(self) -> float:
+        return float(self(max(n for n, _ in self.points)))
+
+    def shares(self, p: int) -> bool:
+        """Whether ``p`` ranks or fewer ever run below their alone rate."""
+        return any(self(n) < n for n in range(1, p + 1))
+
+
+def _capacity(cores, n):
+    """Rank-sized cores ``n`` running ranks share: ``cores`` itself, or a Capacity's at n."""
+    return cores(n) if isinstance(cores, Capacity) else cores
+
+
+def _check_cores(cores):
+    if isinstance(cores, Capacity):
+        bad = not cores.points or any(isinstance(x, bool) or not isinstance(x, numbers.Real) or not x > 0
+                                      or not math.isfinite(x) for pt in cores.points for x in pt)
+    else:
+        bad = (isinstance(cores, bool) or not isinstance(cores, numbers.Real) or not cores > 0
+               or not math.isfinite(cores))
+    if bad:
+        raise ShardingError(f"pipeline simulation: cores must be a finite number > 0, a Capacity of such "
+                            f"points, or None, got {cores!r}")
+
+
+def _core_values(cores) -> list:
+    """The numbers in ``cores`` (for exact arithmetic's check)."""
+    if cores is None:
+        return []
+    return [x for pt in cores.points for x in pt] if isinstance(cores, Capacity) else [cores]
 
 
 @dataclass(frozen=True)
@@ -216,20 +275,23 @@ def _gcd(values):
     return g
 
 
-def simulate(schedule: Schedule, durations=None, latency=0, cores=None) -> SimResult:
-    """Run ``schedule`` (see the module docstring for durations, latency, shared cores and
-    results)."""
+def simulate(schedule: Schedule, durations=None, latency=0, cores=None, release=None) -> SimResult:
+    """Run ``schedule`` (see the module docstring for durations, latency, shared cores,
+    release times and results)."""
     p, S = schedule.p, schedule.model_stages
     raw = _duration_table(durations, S)
     lat_raw = _per_stage(latency, max(S - 1, 0), "latency")
-    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, numbers.Real) or not cores > 0
-                              or not math.isfinite(cores)):
-        raise ShardingError(f"pipeline simulation: cores must be a finite number > 0 or None, got {cores!r}")
-    shared = cores is not None and cores < p
-    exact = _exact([x for v in raw.values() for x in v] + lat_raw + ([cores] if shared else []))
+    if cores is not None:
+        _check_cores(cores)
+    shared = cores is not None and (cores.shares(p) if isinstance(cores, Capacity) else cores < p)
+    released = {(d, a): release(d, a) for d, order in enumerate(schedule.orders) for a in order} if release else {}
+    exact = _exact([x for v in raw.values() for x in v] + lat_raw + (_core_values(cores) if shared else [])
+                   + list(released.values()))
     dur = {k: [_num(x, exact) for x in v] for k, v in raw.items()}
     lat = [_num(x, exact) for x in lat_raw]
     zero = Fraction(0) if exact else 0.0
+    released = {key: _num(t, exact) for key, t in released.items()}
+    start_at = lambda d, a: released.get((d, a), zero)
 
     # where each (kind, micro-batch, model stage) runs; "bwd" names B or I (what s-1 waits for)
     where = {}
@@ -264,9 +326,9 @@ def simulate(schedule: Schedule, durations=None, latency=0, cores=None) -> SimRe
         return dur[a.kind][schedule.model_stage(d, a.chunk)]
 
     if shared:
-        events, end, pos = _run_shared(schedule, deps, length, _num(cores, exact), zero)
+        events, end, pos = _run_shared(schedule, deps, length, _exact_cores(cores, exact), zero, start_at)
     else:
-        events, end, pos = _run_side_by_side(schedule, deps, length, zero)
+        events, end, pos = _run_side_by_side(schedule, deps, length, zero, start_at)
 
     if any(pos[d] < len(o) for d, o in enumerate(schedule.orders)):
         _deadlock(schedule, deps, end, pos)
@@ -275,8 +337,8 @@ def simulate(schedule: Schedule, durations=None, latency=0, cores=None) -> SimRe
     work = tuple(sum((length(e.stage, e.action) for e in events if e.stage == d), zero) for d in range(p))
     makespan = max((e.end for e in events), default=zero)
     used = [dur[k][s] for k in {a.kind for o in schedule.orders for a in o} for s in range(S)]
-    # shared cores put actions' ends off the durations' grid: the tick divides every event's time too
-    stamps = [t for e in events for t in (e.start, e.end)] if shared else []
+    # shared cores and release times put actions off the durations' grid: the tick divides every event's time too
+    stamps = [t for e in events for t in (e.start, e.end)] if shared or released else []
     tick = _gcd(used + lat + stamps) if exact else _gcd([Fraction(x) for x in used + lat + stamps])
     if not exact:
         tick = float(tick)
@@ -285,9 +347,9 @@ def simulate(schedule: Schedule, durations=None, latency=0, cores=None) -> SimRe
                      schedule.peak_pending_weight(), tick, work, cores if shared else None)
 
 
-def _run_side_by_side(schedule, deps, length, zero):
-    """Every stage at its full rate: each action starts when its stage is free and its
-    inputs have arrived, and ends its duration later."""
+def _run_side_by_side(schedule, deps, length, zero, start_at):
+    """Every stage at its full rate: each action starts when its stage is free, its
+    inputs have arrived and it is released, and ends its duration later."""
     p = schedule.p
     end = {}
     stage_time = [zero] * p
@@ -299,7 +361,7 @@ def _run_side_by_side(schedule, deps, length, zero):
         for d, order in enumerate(schedule.orders):
             while pos[d] < len(order):
                 a = order[pos[d]]
-                ready = stage_time[d]
+                ready = max(stage_time[d], start_at(d, a))
                 for ds, dep, delay in deps(d, a):
                     if (ds, dep) not in end:
                         break
@@ -333,7 +395,7 @@ def _deadlock(schedule, deps, end, pos):
         "\n  fix: reorder the stages' lists so that each waited-for action comes earlier", stuck)
 
 
-def _run_shared(schedule, deps, length, cores, zero):
+def _run_shared(schedule, deps, length, cores, zero, start_at):
     """Processor sharing: the stages running an action at a moment share ``cores``; each
     progresses at ``min(1, cores / running)`` of its rate. Time advances from event to event
     (an action's end, or an input's arrival after its latency)."""
@@ -348,7 +410,8 @@ def _run_shared(schedule, deps, length, cores, zero):
         for d, order in enumerate(schedule.orders):
             if d in running or pos[d] >= len(order):
                 continue
-            a, ready = order[pos[d]], free_at[d]
+            a = order[pos[d]]
+            ready = max(free_at[d], start_at(d, a))
             for ds, dep, delay in deps(d, a):
                 if (ds, dep) not in end:
                     break
@@ -360,7 +423,7 @@ def _run_shared(schedule, deps, length, cores, zero):
                     waits.append(ready)
         if not running and not waits:
             return events, end, pos
-        rate = min(1, cores / len(running)) if running else 1
+        rate = min(1, _capacity(cores, len(running)) / len(running)) if running else 1
         finishes = {d: now + left / rate for d, (_, _, left) in running.items()}
         nxt = min(list(finishes.values()) + waits)
         step = nxt - now
@@ -382,21 +445,65 @@ def _negligible(rest, whole) -> bool:
     return isinstance(rest, float) and rest <= 1e-12 * max(abs(whole), 1.0)
 
 
+def _exact_cores(cores, exact: bool):
+    """``cores`` with its numbers as the simulation computes (Fractions or floats)."""
+    if isinstance(cores, Capacity):
+        return Capacity(tuple((_num(n, exact), _num(c, exact)) for n, c in cores.points))
+    return _num(cores, exact)
+
+
+def shared_finish(jobs, cores=None):
+    """When the last of independent jobs ``(start, work)`` ends on ranks that share
+    ``cores`` (``None``: side by side), processor sharing as in ``simulate``: between two
+    events (a start or an end) the ``n`` jobs running each progress at ``min(1, cores / n)``."""
+    jobs = list(jobs)
+    exact = _exact([x for j in jobs for x in j] + _core_values(cores))
+    jobs = sorted((_num(s, exact), _num(w, exact)) for s, w in jobs)
+    if cores is not None:
+        _check_cores(cores)
+        cores = _exact_cores(cores, exact)
+    zero = Fraction(0) if exact else 0.0
+    now, left, running = zero, {}, 0          # left: job index -> work left
+    end = max((s for s, _ in jobs), default=zero)
+    while running < len(jobs) or left:
+        while running < len(jobs) and jobs[running][0] <= now:
+            if jobs[running][1] > 0:
+                left[running] = jobs[running][1]
+            running += 1
+        if not left:
+            if running < len(jobs):
+                now = jobs[running][0]
+                continue
+            break
+        rate = 1 if cores is None else min(1, _capacity(cores, len(left)) / len(left))
+        nxt = now + min(left.values()) / rate
+        if running < len(jobs):
+            nxt = min(nxt, jobs[running][0])
+        step = nxt - now
+        for i in list(left):
+            left[i] -= step * rate
+            if left[i] <= 0 or _negligible(left[i], jobs[i][1]):
+                del left[i]
+        now = nxt
+        end = max(end, now)
+    return end
+
+
 def shared_time(works, cores=None):
     """Time for independent jobs of durations ``works`` that start together on ranks that
     share ``cores`` (``None``: side by side, the longest job): processor sharing, as
     ``simulate(..., cores=)`` runs a schedule's actions."""
     works = list(works)
-    exact = _exact(works + ([cores] if cores is not None else []))
+    exact = _exact(works + _core_values(cores))
     works = sorted(_num(w, exact) for w in works if w > 0)
     if not works:
         return 0
-    if cores is None or cores >= len(works):
+    if cores is None or not (cores.shares(len(works)) if isinstance(cores, Capacity) else cores < len(works)):
         return works[-1]
-    cores = _num(cores, exact)
+    cores = _exact_cores(cores, exact)
     t, done = 0, 0                        # done: work every unfinished job has had so far
     for i, w in enumerate(works):
-        rate = min(1, cores / (len(works) - i))
+        rate = min(1, _capacity(cores, len(works) - i) / (len(works) - i))
         t += (w - done) / rate
         done = w
     return t

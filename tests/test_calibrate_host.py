@@ -1,0 +1,35 @@
+"""What ``shardprop calibrate`` measures for the pipeline's host model (compiler/calibrate.py):
+one device's compute rates alone beside all devices busy, how many devices' work the host
+gets done with 1, 2, 4, ... busy, and a Python driver's cost per program and per transfer."""
+import jax
+import pytest
+
+from shardprop.compiler import calibrate
+from shardprop.passes.cost import CostModel
+
+
+def test_rate_without_a_slope_is_the_largest_sample_outright():
+    # noise that leaves every size the same time: no slope, so the largest sample's rate
+    assert calibrate._rate([(1.0, 1.0), (2.0, 1.0), (4.0, 1.0)]) == 4.0
+    # a clean slope past a fixed cost: the slope
+    assert calibrate._rate([(1.0, 2.0), (2.0, 3.0), (4.0, 5.0)]) == pytest.approx(1.0)
+    # the largest sample timed as nothing (a difference clamped at 0) is passed over
+    assert calibrate._rate([(1.0, 1.0), (2.0, 1.0), (4.0, 0.0)]) == 2.0
+
+
+def test_at_once_and_driver_costs_on_small_programs():
+    devices = jax.devices()[:4]
+    curve = calibrate._at_once(devices, reps=1, shape=(16, 16, 16))
+    assert [k for k, _ in curve] == [1, 2, 4] and curve[0][1] == 1.0
+    assert all(work > 0 for _, work in curve)
+    dispatch, transfer = calibrate._driver_costs(devices, reps=1, calls=5)
+    assert 0 < dispatch < 1 and 0 < transfer < 1
+
+
+@pytest.mark.slow
+def test_calibrate_measures_the_host_figures(tmp_path):
+    model = calibrate.calibrate((2,), reps=1, sizes=(256,), kinds=("all_reduce",))
+    assert model.alone is not None and model.alone.flops_per_s > 0 and model.alone.memory_bytes_per_s > 0
+    assert [k for k, _ in model.at_once] == [1, 2] and model.dispatch_s > 0 and model.transfer_s > 0
+    model.save(tmp_path / "p.json")
+    assert CostModel.load(tmp_path / "p.json") == model

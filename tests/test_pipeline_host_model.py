@@ -1,0 +1,227 @@
+"""The pipeline's host model (compiler/pipeline_step.py): the contention and the driver
+costs ``shardprop calibrate`` measures (passes/cost.py ``CostModel.alone``,
+``dispatch_s``, ``transfer_s``), how the host model uses them, and the MPMD lowering's
+modeled step (the tick table simulated with release times: passes/pipeline/simulate.py)."""
+from dataclasses import replace
+from fractions import Fraction as Fr
+from types import SimpleNamespace as NS
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import shardprop as sp
+from shardprop.compiler.calibrate import host_cores
+from shardprop.compiler.pipeline_step import (alone_cost, calibration_contention, devices_at_once, host_step,
+                                              mpmd_host_step, shared_cores)
+from shardprop.passes.cost import ComputeRates, CostModel
+from shardprop.passes.pipeline import build_schedule, simulate
+from shardprop.passes.pipeline.schedules import Action
+from shardprop.passes.pipeline.simulate import shared_finish, shared_time
+from shardprop.runtime.pipeline_mpmd import driver_order
+
+# a CPU profile of 8 devices whose calibration measured one device alone 4x as fast as
+# with all 8 busy: the host got 2 devices' work done at once
+MEASURED = CostModel(flops_per_s=10e9, memory_bytes_per_s=5e9, contraction_bytes_per_s=2e9, device_count=8,
+                     device_kind="cpu:cpu", name="measured", alone=ComputeRates(40e9, 15e9, 8e9),
+                     dispatch_s=20e-6, transfer_s=50e-6)
+
+
+def cpu_mesh(n):
+    return NS(devices=np.array([NS(platform="cpu")] * n, dtype=object))
+
+
+def test_profile_round_trips_the_measured_host_figures(tmp_path):
+    MEASURED.save(tmp_path / "p.json")
+    back = CostModel.load(tmp_path / "p.json")
+    assert back == MEASURED and hash(back) == hash(MEASURED)
+    assert back.alone == ComputeRates(40e9, 15e9, 8e9) and (back.dispatch_s, back.transfer_s) == (20e-6, 50e-6)
+    # a profile written before these fields loads with none of them, and writes none
+    old = CostModel.builtin("cpu")
+    assert old.alone is None and old.dispatch_s is None and old.transfer_s is None
+    assert "alone" not in old.to_dict() and "driver" not in old.to_dict()
+
+
+def test_host_model_uses_the_measured_contention():
+    assert calibration_contention(MEASURED) == 4.0
+    assert devices_at_once(MEASURED) == 2.0
+    fast = alone_cost(MEASURED)
+    assert (fast.flops_per_s, fast.memory_bytes_per_s, fast.contraction_bytes_per_s) == (40e9, 15e9, 8e9)
+    # 8 devices that get 2 devices' work done: 4 ranks of 2 devices share 1 rank-sized
+    # core, 4 ranks of 1 device (of a 4-device mesh) share 1; 2 devices run side by side
+    assert shared_cores(cpu_mesh(8), 4, MEASURED) == 1.0
+    assert shared_cores(cpu_mesh(4), 4, MEASURED) == 2.0
+    assert shared_cores(cpu_mesh(2), 2, MEASURED) is None
+    # noise that puts the alone rate below the busy one is no contention, and no more
+    # devices run at once than the profile has
+    noisy = replace(MEASURED, alone=ComputeRates(5e9, 5e9, 2e9))
+    assert calibration_contention(noisy) == 1.0 and devices_at_once(noisy) == 8.0
+    # without the measurement: the old derivation (devices over this host's cores)
+    derived = replace(MEASURED, alone=None)
+    slow = max(1.0, 8 / host_cores())
+    assert calibration_contention(derived) == slow and devices_at_once(derived) is None
+    assert alone_cost(derived).flops_per_s == pytest.approx(10e9 * slow)
+    assert shared_cores(cpu_mesh(8), 4, derived) == shared_cores(cpu_mesh(8), 4)
+
+
+def _mlp_step(layers=4, width=8):
+    opt = optax.sgd(0.1)
+
+    def loss_fn(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            h = jnp.tanh(h @ w)
+            if i % 2 == 1 and i + 1 < layers:
+                h = sp.stage_boundary(h)
+        return jnp.mean(h ** 2)
+
+    def step(ws, state, x):
+        loss, g = jax.value_and_grad(loss_fn)(ws, x)
+        up, state = opt.update(g, state, ws)
+        return optax.apply_updates(ws, up), state, loss
+    rng = np.random.default_rng(0)
+    ws = [rng.standard_normal((width, width)).astype(np.float32) for _ in range(layers)]
+    x = rng.standard_normal((8, width)).astype(np.float32)
+    return step, (ws, opt.init(ws), x)
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    """A 2-stage GPipe MLP step, m = 4, MPMD-lowered: its plan's program and MPMD driver."""
+    step, args = _mlp_step()
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="gpipe",
+                                                                              lowering="mpmd"))
+    return pstep.plan(*args).program, pstep.mpmd(*args)
+
+
+def test_host_step_at_measured_rates_equals_the_contention_divided(pipelined):
+    prog, _ = pipelined
+    # alone rates 4x every busy rate: the same as dividing the busy prices by 4
+    four = replace(MEASURED, alone=ComputeRates(40e9, 20e9, 8e9))
+    assert host_step(prog, four)[0] == pytest.approx(host_step(prog, replace(four, alone=None), contention=4.0)[0])
+    assert host_step(prog, four)[0] < host_step(prog, replace(four, alone=None), contention=1.0)[0]
+
+
+def test_driver_order_is_what_the_mpmd_driver_issues(pipelined):
+    prog, mp = pipelined
+    order = driver_order(prog)
+    assert [("run" if ins[0] == "once" else ins[0]) for ins in order] == [ins[0] for ins in mp.code]
+    assert [ins[1] for ins in order if ins[0] == "move"] == [len(ins[1]) for ins in mp.code if ins[0] == "move"]
+    assert sum(ins[0] == "run" for ins in order) == mp.actions_dispatched == len(prog.sim.tick_table)
+
+
+def test_release_times_by_hand():
+    """GPipe, 2 stages, 2 micro-batches, forward only, unit costs, each action released
+    one dispatch after the one before (the driver's tick-table order)."""
+    s = build_schedule("gpipe", 2, 2, forward_only=True)
+    F = lambda i: Action("forward", i)
+    release = {(0, F(0)): 1, (0, F(1)): 2, (1, F(0)): 3, (1, F(1)): 4}
+    r = simulate(s, release=lambda d, a: release[(d, a)])
+    assert r.span(0, F(0)) == (1, 2) and r.span(0, F(1)) == (2, 3)
+    assert r.span(1, F(0)) == (3, 4) and r.span(1, F(1)) == (4, 5)
+    assert r.makespan == 5 and simulate(s).makespan == 3
+    # shared cores: released actions share them as before
+    assert simulate(s, cores=1, release=lambda d, a: 0).makespan == 4 == simulate(s, cores=1).makespan
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zero_bubble"])
+def test_release_times_only_delay(name):
+    """Every action starts at or after its release, and a release of 0 changes nothing."""
+    s = build_schedule(name, 3, 4)
+    base = simulate(s)
+    later = {(e.stage, e.action): Fr(n, 3) for n, e in enumerate(sorted(base.events, key=lambda e: e.start))}
+    for cores in (None, 2):
+        r = simulate(s, cores=cores, release=lambda d, a: later[(d, a)])
+        assert all(e.start >= later[(e.stage, e.action)] for e in r.events)
+        assert r.makespan >= simulate(s, cores=cores).makespan
+        assert simulate(s, cores=cores, release=lambda d, a: 0).events == simulate(s, cores=cores).events
+
+
+def test_shared_finish():
+    assert shared_finish([(0, 1), (0, 2), (0, 3)], 2) == shared_time([1, 2, 3], 2) == Fr(7, 2)
+    # one core: A alone for 1, then both at 1/2 until A is done at 3, then B alone
+    assert shared_finish([(0, 2), (1, 2)], 1) == 4
+    assert shared_finish([(0, 2), (1, 2)]) == 3 and shared_finish([(5, 0)], 1) == 5
+    assert shared_finish([(0, 2.0), (1.0, 2.0)], 1.0) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("cores", [None, 1])
+def test_mpmd_step_is_at_least_the_busiest_rank_and_its_dispatches(pipelined, cores):
+    """Unit costs (F = 1, B = 2, once ops 1 per rank), exact: the MPMD step is at least each
+    rank's work plus the driver's instructions up to its first action, and at least what
+    the driver issues; with no driver cost it is the simulation alone (plus the once ops);
+    with a driver far slower than the work it is the driver's time plus the last rank's
+    once ops."""
+    from shardprop.compiler.pipeline_step import mpmd_step
+    prog, _ = pipelined
+    unit, once = {"forward": 1, "backward": 2}, [1] * prog.p
+    order = driver_order(prog)
+    free, sim, issued = mpmd_step(prog, unit, 0, once, cores)
+    assert issued == 0 and sim.events == simulate(prog.schedule, unit, cores=cores).events
+    dispatch, transfer = Fr(1, 10), Fr(1, 4)
+    step, sim, issued = mpmd_step(prog, unit, 0, once, cores, dispatch, transfer)
+    cost = {"run": lambda ins: dispatch, "once": lambda ins: dispatch, "move": lambda ins: transfer * ins[1]}
+    assert issued == sum(cost[ins[0]](ins) for ins in order)
+    for d in range(prog.p):
+        first = next(n for n, ins in enumerate(order) if ins[0] == "run" and ins[1] == d)
+        assert step >= sum(cost[ins[0]](ins) for ins in order[:first + 1]) + sim.work[d] + once[d]
+    assert step >= issued and step > free
+    assert all(e.start >= dispatch for e in sim.events)
+    step, sim, issued = mpmd_step(prog, unit, 0, once, cores, 100, 100)
+    assert step == issued + once[-1]
+
+
+def test_mpmd_host_step_prices_the_driver(pipelined):
+    """The profile's driver costs make the modeled MPMD step longer, by no more than the
+    driver's whole time."""
+    prog, _ = pipelined
+    none = replace(MEASURED, dispatch_s=None, transfer_s=None)
+    base, _, zero = mpmd_host_step(prog, none)
+    step, _, issued = mpmd_host_step(prog, MEASURED)
+    assert zero == 0 and base < step <= base + issued
+
+
+def test_capacity_curve_shares_as_measured():
+    """A host that gets 1.5 devices' work done with 2 busy and 2 with 4 (the calibration's
+    ``at_once``): 4 one-device ranks of a 4-device mesh share that curve, unit jobs
+    finish as processor sharing at those rates, and a curve at the diagonal is no sharing."""
+    from shardprop.passes.pipeline.simulate import Capacity
+    curved = replace(MEASURED, at_once=((1, 1.0), (2, 1.5), (4, 2.0), (8, 2.0)))
+    assert devices_at_once(curved) == 2.0 and devices_at_once(curved, 3) == 1.75
+    cap = shared_cores(cpu_mesh(4), 4, curved)
+    assert [cap(n) for n in (1, 2, 3, 4)] == [1.0, 1.5, 1.75, 2.0]
+    # ranks of two devices each: 2 devices' work done by 4 devices busy is one rank's;
+    # one rank alone, its two devices do 1.5 devices' work: 3/4 of the rank's alone rate
+    assert shared_cores(cpu_mesh(8), 4, curved)(2) == 1.0 and shared_cores(cpu_mesh(8), 4, curved)(1) == 0.75
+    # 4 unit jobs: all 4 at 2/4 until t = 2, when every job is done
+    assert shared_time([1, 1, 1, 1], Capacity(((1, 1), (2, Fr(3, 2)), (4, 2)))) == 2
+    # 2 jobs of 1 and 2: both at 3/4 until the first is done at 4/3, then the other's last 1 alone
+    assert shared_time([1, 2], Capacity(((1, 1), (2, Fr(3, 2))))) == Fr(7, 3)
+    assert shared_finish([(0, 1), (0, 2)], Capacity(((1, 1), (2, Fr(3, 2))))) == Fr(7, 3)
+    assert shared_cores(cpu_mesh(4), 4, replace(MEASURED, at_once=((1, 1.0), (8, 8.0)))) is None
+    s = build_schedule("gpipe", 4, 4)
+    assert simulate(s, cores=Capacity(((1, 1), (4, 4)))).events == simulate(s).events
+    assert simulate(s, cores=Capacity(((1, 1), (4, 2)))).makespan >= simulate(s, cores=2).makespan
+    back = CostModel.from_dict(curved.to_dict())
+    assert back.at_once == curved.at_once and back == curved
+    with pytest.raises(sp.ShardingError, match="cores"):
+        simulate(s, cores=Capacity(()))
+
+
+def test_accumulating_actions_pay_the_add_into_the_accumulator(pipelined):
+    """A backward's partial sums are added into its accumulator once per micro-batch by
+    either lowering: its modeled time is its equations' plus that add (read the
+    accumulator and the partial sum, write the accumulator); the last stage's forward sums
+    its loss (a scalar) so."""
+    from shardprop.compiler.pipeline_step import _eqn_time, _modeled_times
+    prog, _ = pipelined
+    times, _ = _modeled_times(prog, MEASURED)
+    for k in range(prog.S):
+        for kind in prog.kinds:
+            pr = prog.progs[(kind, k)]
+            own = sum(_eqn_time(prog.j.eqns[i], MEASURED) for i in pr["idxs"])
+            floats = sum(int(np.prod(v.aval.shape)) for v in pr["accs"])
+            assert floats > (1 if kind == "backward" else 0) or (kind, k) == ("forward", 0)
+            assert times[k][kind] == pytest.approx(own + MEASURED.compute_time(floats, 12.0 * floats))
