@@ -149,7 +149,8 @@ def run(case, cost_model, fracs) -> None:
               f"{time.perf_counter() - t0:.1f} s: auto {ms(c.solver.get('objective'))} ms solved, {ms(c.step_time)} "
               f"refined, {ms(c.written_time)} as written, peak {c.peak_memory / 2**20:.3f} MiB, "
               f"{c.bytes_moved / 1e6:.2f} MB moved; the marks {'fit' if marks['peak'] <= held_to else 'do not fit'} "
-              f"the model, {(marks['written'] / c.written_time - 1) * 100:+.1f}% against auto as written")
+              f"the model, {(on.get('written', marks['written']) / c.written_time - 1) * 100:+.1f}% against auto "
+              f"as written (on auto's problem)")
         print(f"    {c.solver.get('status', '')}")
         for hp in c.hand_plans:
             print(f"    {hp}")

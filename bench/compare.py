@@ -342,8 +342,12 @@ def run_limited(case: zoo.Case, reps: int, fracs: list, cost_model) -> list[dict
                           cost_model=cost_model).plan(*jax.tree_util.tree_map(np.array, host))
     # the marks' plan priced by the model auto plans with (bench/auto_marks.py): as written, and
     # its modeled peak, beside auto's plan's written price in each row
-    from bench.auto_marks import marks_plan
+    # (on auto's own problem: the marked graph's sharding constraints are priced as ops there)
+    from bench.auto_marks import marks_on_the_problem, marks_plan, unmarked_problem
     marks = marks_plan(case, mesh, cost_model, jax.tree_util.tree_map(np.array, host))
+    on_auto = marks_on_the_problem(unmarked_problem(case, mesh, cost_model, jax.tree_util.tree_map(np.array, host))[1],
+                                   marks)
+    marks["written"] = on_auto.get("written", marks["written"])
     hands = {}
     for name, (mode, kw) in limited_hand_plans(case).items():
         try:
