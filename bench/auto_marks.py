@@ -92,7 +92,8 @@ def marks_on_the_problem(problem: Problem, marks: dict) -> dict:
     if out["same_ops"]:
         ops = dict(zip(g.ops, marks["strategies"]))
         e = problem.evaluate(ops, inputs)
-        out.update(per_reader=e["compute"] + e["communication"], written=problem.written(ops, inputs))
+        out.update(per_reader=e["compute"] + e["communication"], written=problem.written(ops, inputs),
+                   peak=plan_peak(g, ops, inputs))
     allowed = {}
     for i, v in enumerate(g.inputs):
         if v not in problem.owner:
@@ -131,7 +132,7 @@ def run(case, cost_model, fracs) -> None:
           f"a copy per reader, modeled peak {marks['peak'] / 2**20:.3f} MiB")
     if on["same_ops"]:
         print(f"  marks on auto's problem (unmarked graph): {ms(on['written'])} ms as written, "
-              f"{ms(on['per_reader'])} ms a copy per reader")
+              f"{ms(on['per_reader'])} ms a copy per reader, modeled peak {on['peak'] / 2**20:.3f} MiB")
     print(f"  marks' argument layouts missing from auto's candidates: {len(on['missing'])}"
           + "".join(f"\n    input {i} {s}: {lay}" for i, s, lay in on["missing"][:10]))
     h = on["held"]
@@ -145,10 +146,11 @@ def run(case, cost_model, fracs) -> None:
                               progress=False, cost_model=cost_model, memory_limit=limit).plan(*args)
         c = plan.cost
         held_to = c.modeled_limit or limit
+        peak = on.get("peak", marks["peak"])
         print(f"  limit {frac} ({limit / 2**20:.3f} MiB, modeled peak held to {held_to / 2**20:.3f}), plan() "
               f"{time.perf_counter() - t0:.1f} s: auto {ms(c.solver.get('objective'))} ms solved, {ms(c.step_time)} "
               f"refined, {ms(c.written_time)} as written, peak {c.peak_memory / 2**20:.3f} MiB, "
-              f"{c.bytes_moved / 1e6:.2f} MB moved; the marks {'fit' if marks['peak'] <= held_to else 'do not fit'} "
+              f"{c.bytes_moved / 1e6:.2f} MB moved; the marks {'fit' if peak <= held_to else 'do not fit'} "
               f"the model, {(on.get('written', marks['written']) / c.written_time - 1) * 100:+.1f}% against auto "
               f"as written (on auto's problem)")
         print(f"    {c.solver.get('status', '')}")

@@ -348,6 +348,7 @@ def run_limited(case: zoo.Case, reps: int, fracs: list, cost_model) -> list[dict
     on_auto = marks_on_the_problem(unmarked_problem(case, mesh, cost_model, jax.tree_util.tree_map(np.array, host))[1],
                                    marks)
     marks["written"] = on_auto.get("written", marks["written"])
+    marks["peak"] = on_auto.get("peak", marks["peak"])
     hands = {}
     for name, (mode, kw) in limited_hand_plans(case).items():
         try:
