@@ -340,6 +340,15 @@ def run_limited(case: zoo.Case, reps: int, fracs: list, cost_model) -> list[dict
     reference = jax.jit(case.fn)(*args)
     free = sp.parallelize(fresh(case.fn), mesh=mesh, mode="auto", donate_argnums=case.state_argnums, progress=False,
                           cost_model=cost_model).plan(*jax.tree_util.tree_map(np.array, host))
+    # the marks' plan priced by the model auto plans with (bench/auto_marks.py): as written, and
+    # its modeled peak, beside auto's plan's written price in each row
+    # (on auto's own problem: the marked graph's sharding constraints are priced as ops there)
+    from bench.auto_marks import marks_on_the_problem, marks_plan, unmarked_problem
+    marks = marks_plan(case, mesh, cost_model, jax.tree_util.tree_map(np.array, host))
+    on_auto = marks_on_the_problem(unmarked_problem(case, mesh, cost_model, jax.tree_util.tree_map(np.array, host))[1],
+                                   marks)
+    marks["written"] = on_auto.get("written", marks["written"])
+    marks["peak"] = on_auto.get("peak", marks["peak"])
     hands = {}
     for name, (mode, kw) in limited_hand_plans(case).items():
         try:
@@ -370,7 +379,9 @@ def run_limited(case: zoo.Case, reps: int, fracs: list, cost_model) -> list[dict
                    memory=peak_memory(comp), bytes=collectives(comp.as_text(), n).bytes,
                    correct=close(out, reference, case.train), status=plan.cost.solver.get("status", ""),
                    gap=plan.cost.solver.get("gap", 0.0),
-                   modeled_hands={h.name: (h.time, h.fits) for h in plan.cost.hand_plans})
+                   modeled_hands={h.name: (h.time, h.fits) for h in plan.cost.hand_plans},
+                   auto_model_ms=(plan.cost.written_time or plan.cost.step_time) * 1e3,
+                   marks_model_ms=marks["written"] * 1e3, marks_model_fits=marks["peak"] <= limit)
         fitting = [k for k, h in hands.items() if "error" not in h and h["memory"] <= limit]
         with jax.set_mesh(mesh):
             times = median_interleaved_all([step] + [hands[k]["step"] for k in fitting], reps)
@@ -387,8 +398,8 @@ def run_limited(case: zoo.Case, reps: int, fracs: list, cost_model) -> list[dict
 
 def limits_table(rows: list[dict]) -> str:
     head = (f"{'case':<22} {'mesh':<4} {'limit':>5} {'search':>7} {'auto ms':>8} {'peak/limit':>10} {'XLA/model':>9} "
-            f"{'auto bytes':>10} {'best hand':>9} {'hand ms':>8} {'hand bytes':>10} {'auto/best':>9} ok  "
-            f"hands that fit (ms)")
+            f"{'auto bytes':>10} {'best hand':>9} {'hand ms':>8} {'hand bytes':>10} {'auto/best':>9} "
+            f"{'model':>6} ok  hands that fit (ms)")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -401,7 +412,8 @@ def limits_table(rows: list[dict]) -> str:
                      f"{r['memory'] / r['limit']:>10.2f} {r['memory'] / r['modeled_peak']:>9.2f} "
                      f"{fmt_bytes(r['bytes']):>10} {b or '-':>9} "
                      f"{h.get('step_ms', float('nan')):>8.3f} {fmt_bytes(h.get('bytes', 0)):>10} "
-                     f"{(r['vs_best'] or float('nan')):>9.2f} {'yes' if r['correct'] else 'NO'}  {fit}")
+                     f"{(r['vs_best'] or float('nan')):>9.2f} {r['auto_model_ms'] / r['marks_model_ms']:>6.2f} "
+                     f"{'yes' if r['correct'] else 'NO'}  {fit}")
     return "\n".join(lines)
 
 
@@ -518,6 +530,7 @@ def main():
         print(limits_table(rows))
         print(f"\nlimit: fraction of auto's free plan's modeled peak; peak/limit: auto's compiled peak "
               f"(memory_analysis) over the limit; XLA/model: that compiled peak over auto's modeled peak; a hand plan fits where its compiled peak is under the limit; "
+              f"model: auto's plan over the marks' plan, both priced as written by the model auto plans with; "
               f"times: median of {reps} interleaved runs of auto and every hand plan that fits.")
         return
     if args.auto:

@@ -9,12 +9,16 @@ axes (Megatron: a matmul pair's column then row split is what the solver picks f
 its ops), or over both (tp+FSDP). On a mesh of two axes each axis takes each role.
 Every other decision (each op's strategy) is then the best the problem's solver
 finds for those storage layouts, so each plan here is at least as good, under the
-model, as the hand plan of that name; each is priced by the one evaluator
-(``Problem.evaluate``) and its modeled peak (``memory.plan_profile``).
+model, as the hand plan of that name; each is priced by the one evaluator, twice:
+as the solver's objective prices it (``Problem.evaluate``: a copy once per reader)
+and as the program is written (``Problem.written``: a copy several ops read made
+once, the price propagation gives the same plan), and its modeled peak
+(``memory.plan_profile``).
 
-The search starts from the best of them that fits: its time bounds which candidates
-are searched at all, and the search never returns a plan the model prices above it
-(``search.py``). ``plan.explain()`` lists them.
+The search starts from the best of them that fits: its objective bounds which
+candidates are searched at all, and the search never returns a plan priced, as
+written, above the best one's written price (``search.py``). ``plan.explain()``
+lists them.
 """
 from __future__ import annotations
 
@@ -48,7 +52,8 @@ BATCH_NAMES = {"x", "xs", "inputs", "batch", "tokens", "targets", "y", "labels",
 class HandPlan:
     name: str                       # "FSDP"
     axes: str                       # "dp over a, mp over b"
-    time: Optional[float] = None    # modeled step (seconds), by the one evaluator
+    time: Optional[float] = None    # modeled step (seconds), by the one evaluator, a copy once per reader
+    written: Optional[float] = None  # the same plan as insert-reshards writes it (a copy several ops read, once)
     peak: Optional[float] = None    # modeled peak bytes per device
     fits: bool = False
     choice: Optional[dict] = None
@@ -58,8 +63,9 @@ class HandPlan:
         if self.time is None:
             return f"{self.name:<9} {self.axes:<24} n/a: {self.note}"
         fits = "fits" if self.fits else "over the limit"
-        return (f"{self.name:<9} {self.axes:<24} step {self.time * 1e3:.4f} ms, peak {self.peak / 2**20:.2f} MiB "
-                f"per device ({fits})")
+        written = f" ({self.written * 1e3:.4f} ms as written)" if self.written is not None else ""
+        return (f"{self.name:<9} {self.axes:<24} step {self.time * 1e3:.4f} ms{written}, peak "
+                f"{self.peak / 2**20:.2f} MiB per device ({fits})")
 
 
 def roles(problem) -> dict:
@@ -254,8 +260,10 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
             plan.note = sol.status
             return plan
         choice = {t: sol.choice.get(t, 0) for t in problem.unary}
-    e = problem.evaluate(*problem.op_strategies(choice))
+    plan_ops = problem.op_strategies(choice)
+    e = problem.evaluate(*plan_ops)
     plan.time = e["compute"] + e["communication"]
+    plan.written = problem.written(*plan_ops)
     plan.peak = peak_of(choice)
     plan.fits = limit is None or plan.peak <= limit
     plan.choice = choice
@@ -268,5 +276,13 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
 
 
 def best(plans: list) -> Optional[HandPlan]:
+    """The hand plan that fits and is cheapest as written (the program that runs)."""
     fitting = [p for p in plans if p.fits and p.time is not None]
-    return min(fitting, key=lambda p: p.time) if fitting else None
+    return min(fitting, key=lambda p: (p.written, p.time)) if fitting else None
+
+
+def bound(plans: list) -> Optional[float]:
+    """The least objective (a copy once per reader) of the hand plans that fit: a plan
+    the solve can match, so no candidate that cannot beat it need be searched."""
+    fitting = [p.time for p in plans if p.fits and p.time is not None]
+    return min(fitting) if fitting else None

@@ -641,6 +641,14 @@ class Problem:
         as the objective prices it."""
         return evaluate_plan(self.ctx, ops, inputs, self.prices, self.compute_times, breakdown=breakdown)
 
+    def written(self, ops: dict, inputs: dict) -> float:
+        """Modeled seconds of a plan as ``insert-reshards`` writes it: a value needed in one
+        layout by several ops is moved once (``evaluate``, the objective, moves it once per
+        reader: an upper bound, linear in the decisions). The price propagation gives the
+        same plan, so what the search's plan and a hand plan are compared by."""
+        e = evaluate_plan(self.ctx, ops, inputs, self.prices, self.compute_times, shared_copies=True, detail=False)
+        return e["compute"] + e["communication"]
+
     def op_strategies(self, choice: dict) -> tuple[dict, dict]:
         """(op -> OpStrategy, input index -> Layout) of a choice."""
         ops, inputs = {}, {}
