@@ -6,8 +6,9 @@ make (each axis, and each set of axes), at a few buffer sizes; latency and
 bandwidth are fitted per group and per kind by non-negative least squares
 (``scipy.optimize.nnls``: time = latency + wire bytes / bandwidth, wire bytes as the
 planner counts them); a kind keeps a fit of its own only where the group's fit
-over every kind misses its times by more than 50% on average (timings on a busy
-machine are noisy, and a kind's three points alone would follow the noise). Matmuls
+over every kind misses its times by more than 50% on average, or by more than 25% on
+the same side at every size (timings on a busy machine are noisy, and a kind's three
+points alone would follow the noise; noise does not fall on one side every time). Matmuls
 of several shapes, square and skinny (few rows against a wide weight), running on
 every device at once, give the contraction's two rates: time = flops / matmul rate +
 operand and result bytes / streaming rate (a skinny matmul does little arithmetic per
@@ -62,7 +63,8 @@ CHAIN = 8                            # collectives in a row, against one alone
 # normalization) make one phase
 PHASE_SHAPE = (32, 128)
 PHASE_BLOCKS = (1, 4, 16)
-KIND_APART = 0.5                     # a kind gets its own fit where the group's misses it by more
+KIND_APART = 0.5                     # a kind gets its own fit where the group's misses it by more,
+KIND_BIASED = 0.25                   # or misses it by more than this in the same direction at every size
 # the matmul whose chain times devices running at once: a micro-batch's few rows against a
 # whole 4 MiB weight, as a pipeline stage runs (the host model is at_once's only reader);
 # streaming the weight, it shares the memory system as a stage does, where a square
@@ -199,6 +201,21 @@ def _miss(link: Link, samples) -> float:
     return statistics.mean(abs(link.time(b) - t) / max(t, 1e-9) for b, t in samples)
 
 
+def _bias(link: Link, samples) -> float:
+    """How far measured times lie from ``link`` in one direction: the mean relative miss
+    where every size misses the same way, else 0. Noise scatters a kind's points on both
+    sides of the group's fit; a kind that is really slower (or faster) than the others
+    lies on one side at every size, even when each miss is small."""
+    misses = [(t - link.time(b)) / max(t, 1e-9) for b, t in samples]
+    one_way = all(m > 0 for m in misses) or all(m < 0 for m in misses)
+    return abs(statistics.mean(misses)) if one_way else 0.0
+
+
+def _own_fit(pooled: Link, samples) -> bool:
+    """Whether a kind's samples get a fit of their own beside the group's."""
+    return _miss(pooled, samples) > KIND_APART or _bias(pooled, samples) > KIND_BIASED
+
+
 def _rate(samples) -> float:
     """Work per second from (work, seconds) samples: the slope, past a fixed cost, and
     never below what the largest sample did outright (where noise flattens the slope).
@@ -284,7 +301,7 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
             f"us, {pooled.bytes_per_s / 1e9:7.2f} GB/s")
         for kind, samples in by_kind.items():
             own = _fit(samples)
-            if _miss(pooled, samples) > KIND_APART:   # a kind of its own only where the group's fit misses it
+            if _own_fit(pooled, samples):   # a kind of its own only where the group's fit misses it
                 links.append((group, kind, own))
                 say(f"  {kind:<15} axes {','.join(axes):<9} group {group}: latency {own.latency_s * 1e6:8.1f} us, "
                     f"{own.bytes_per_s / 1e9:7.2f} GB/s")

@@ -33,3 +33,18 @@ def test_calibrate_measures_the_host_figures(tmp_path):
     assert [k for k, _ in model.at_once] == [1, 2] and model.dispatch_s > 0 and model.transfer_s > 0
     model.save(tmp_path / "p.json")
     assert CostModel.load(tmp_path / "p.json") == model
+
+
+def test_a_kind_gets_its_own_fit_where_the_group_misses_it_one_way():
+    pooled = calibrate.Link(10e-6, 5e9)
+    sizes = (4096, 65536, 1 << 20)
+    # reduce-scatter and all-gather on the 16-core host: 1.4-1.7x what the group's fit charges
+    slower = [(b, 1.5 * pooled.time(b)) for b in sizes]
+    assert calibrate._miss(pooled, slower) < calibrate.KIND_APART     # the old rule left it pooled
+    assert calibrate._own_fit(pooled, slower)
+    # noise of the same size, on both sides of the fit, stays pooled
+    scattered = [(b, f * pooled.time(b)) for b, f in zip(sizes, (1.4, 0.7, 1.3))]
+    assert calibrate._bias(pooled, scattered) == 0.0 and not calibrate._own_fit(pooled, scattered)
+    # a small miss one way stays pooled too
+    close = [(b, 1.1 * pooled.time(b)) for b in sizes]
+    assert not calibrate._own_fit(pooled, close)
