@@ -13,8 +13,9 @@ and what FSDP should hold: the state stored split (the arguments), two layers'
 gathered weights (each weight at its layout at use, per device), and the
 activations the backward reads (jax.vjp's residuals that carry the batch dim,
 over the dp devices). ``bound`` is their sum; ``over`` is peak - bound. Then
-the modeled peak (passes/auto/memory.py ``plan_peak`` of the plan's strategies)
-and modeled / compiled.
+the modeled peak (passes/auto/memory.py ``plan_peak`` of the plan's strategies),
+modeled / compiled, and how many of the compiled program's all-gathers XLA
+scheduled before its first computation (at the program's start).
 
     python bench/fsdp_memory.py                    # 2, 6, 12 layers, both plans
     python bench/fsdp_memory.py --layers 6 --plans fsdp --seq 8   # activations small beside the weights
@@ -37,6 +38,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gpt_megatron as G  # noqa: E402
+from bench.hlo import opcodes  # noqa: E402
 import shardprop as sp  # noqa: E402
 
 FSDP_MESH, TP_MESH = ((8,), ("dp",)), ((2, 4), ("dp", "mp"))
@@ -113,13 +115,29 @@ def modeled_peak(pstep, args) -> float:
     return plan_peak(graph, ops, {i: v.layout for i, v in enumerate(graph.inputs)})
 
 
+def gathers_at_start(hlo_text: str) -> tuple[int, int]:
+    """(all-gathers XLA schedules before the program's first computation, all-gathers):
+    read off the compiled entry computation, whose instruction order is the schedule."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    started, before, total = False, 0, 0
+    for op in opcodes(entry).values():      # in program order
+        if op == "all-gather":
+            total += 1
+            before += not started
+        elif op.startswith("fusion") or op in ("dot", "convolution"):
+            started = True
+    return before, total
+
+
 def measure(layers: int, plan: str, seq: int = 32) -> dict:
     cfg = config(layers, seq)
     pstep, args, dp, plain = case(layers, plan, cfg)
-    m = pstep.lower(*args).compile().memory_analysis()
+    compiled = pstep.lower(*args).compile()
+    m = compiled.memory_analysis()
     row = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, temp=m.temp_size_in_bytes,
                aliased=m.alias_size_in_bytes)
     row["peak"] = row["arguments"] + row["outputs"] + row["temp"] - row["aliased"]
+    row["gathers_at_start"], row["gathers"] = gathers_at_start(compiled.as_text())
     plain_plan = plain.plan(*args)
     row["two_layers"] = 2 * layer_gathered_bytes(plain_plan, plain_plan.mesh)
     row["activations"] = activation_bytes(cfg, dp)
@@ -138,14 +156,15 @@ def main():
     print("MB per device; peak = arguments + outputs + temp - aliased; bound = arguments (state, stored split) "
           "+ two layers gathered + activations; over = peak - bound")
     print(f"{'plan':8} {'layers':>6} {'args':>7} {'out':>7} {'temp':>7} {'alias':>7} {'peak':>7} | "
-          f"{'2 layers':>8} {'activ.':>7} {'bound':>7} {'over':>7} | {'modeled':>7} {'mod/peak':>8}")
+          f"{'2 layers':>8} {'activ.':>7} {'bound':>7} {'over':>7} | {'modeled':>7} {'mod/peak':>8} | gathers at start")
     for plan in a.plans:
         for n in a.layers:
             r = measure(n, plan, a.seq)
             print(f"{plan:8} {n:6d} {r['arguments'] * mb:7.2f} {r['outputs'] * mb:7.2f} {r['temp'] * mb:7.2f} "
                   f"{r['aliased'] * mb:7.2f} {r['peak'] * mb:7.2f} | {r['two_layers'] * mb:8.2f} "
                   f"{r['activations'] * mb:7.2f} {r['bound'] * mb:7.2f} {(r['peak'] - r['bound']) * mb:7.2f} | "
-                  f"{r['modeled'] * mb:7.2f} {r['modeled'] / r['peak']:8.2f}", flush=True)
+                  f"{r['modeled'] * mb:7.2f} {r['modeled'] / r['peak']:8.2f} | {r['gathers_at_start']} of {r['gathers']}",
+                  flush=True)
 
 
 if __name__ == "__main__":
