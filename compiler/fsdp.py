@@ -38,6 +38,7 @@ STORED_ROLE = "stored_split"    # ... and of those that keep a tie's parameter s
 # tie(stored split) -> the same value, one per use; the lowering makes it depend on
 # what the use reads besides (runtime/lower.py)
 TIE = "gather_tie"
+CASTS = ("convert_element_type", "reduce_precision")   # a parameter in another dtype
 
 
 @register(TIE)
@@ -97,7 +98,9 @@ def apply_fsdp(graph: Graph, planned: dict, params: Sequence[int], state: Sequen
     Layout in the plan without FSDP). A user's layout request on a parameter (a
     shard() mark) gathers it for the first use of its result; each later use (the
     backward's) gathers it again, to the request's planned layout
-    (``PlannedLayouts.marks``). Returns {input index: storage layout}."""
+    (``PlannedLayouts.marks``). A parameter cast to another dtype (mixed precision)
+    is cast stored split, and each use of the cast gathers it. Returns {input index:
+    storage layout}."""
     mesh = graph.mesh
     stored = {}
     for i in list(params) + list(state):
@@ -115,6 +118,13 @@ def apply_fsdp(graph: Graph, planned: dict, params: Sequence[int], state: Sequen
     fresh = set()      # requests' results whose first use reads the request itself
     ops = []
     for op in graph.ops:
+        if op.kind in CASTS and op.inputs[0] in gathered and op.inputs[0] not in fresh:
+            # (mixed precision) the cast runs on the stored split; each use of its result
+            # gathers that, in the narrower dtype, as it would the parameter
+            param, layout = gathered[op.inputs[0]]
+            gathered[op.outputs[0]], split[op.outputs[0]] = (op.outputs[0], layout), split[param]
+            ops.append(op)
+            continue
         if op.kind == CONSTRAINT:
             mark = next(marks, None)
             v = op.inputs[0]

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+import shardprop as sp
 from bench.fsdp_memory import activation_bytes, case, config, layer_gathered_bytes
 from tests.helpers import assert_trees_close
 
@@ -72,3 +73,18 @@ def test_each_use_of_a_parameter_gathers_its_own_copy_after_a_tie():
         (gather,) = readers[tie.outputs[0].id]
         assert gather.kind == "all_gather"
         assert len(readers[gather.outputs[0].id]) == 1, "a gathered copy serves one use"
+
+
+def test_a_parameter_cast_to_bfloat16_is_gathered_at_each_use_as_in_float32():
+    """Mixed precision (examples/gpt_plan.py casts each weight to bfloat16 where a layer
+    starts, under jax.checkpoint): each use of the cast weight gathers it, so the step
+    gathers as often as its float32 twin (the forward, the recomputed forward and the
+    backward each their own), not once for all three."""
+    from examples import gpt_plan as GP
+
+    def gathers(dtype):
+        cfg = GP.GPT(layers=2, hidden=32, heads=4, seq=8, vocab=64, batch=8, compute_dtype=dtype, dp="dp", mp=None)
+        step, args = GP.train_step_and_args(cfg)
+        pf = sp.parallelize(step, mesh=((8,), ("dp",)), shard_params=True, progress=False)
+        return pf.plan(*args).counts()["all_gather"]
+    assert gathers("bfloat16") == gathers("float32")
