@@ -19,6 +19,7 @@ scheduled before its first computation (at the program's start).
 
     python bench/fsdp_memory.py                    # 2, 6, 12 layers, both plans
     python bench/fsdp_memory.py --layers 6 --plans fsdp --seq 8   # activations small beside the weights
+    python bench/fsdp_memory.py --mixed --layers 6 12   # gpt_plan's GPT: bf16 casts, jax.checkpoint
 """
 from __future__ import annotations
 
@@ -146,12 +147,46 @@ def measure(layers: int, plan: str, seq: int = 32) -> dict:
     return row
 
 
+def measure_mixed(layers: int, dtype: str) -> dict:
+    """examples/gpt_plan.py's GPT (hidden 128, 8 heads, seq 8, batch 8, vocab 256; each
+    layer under jax.checkpoint, its weights cast to ``dtype`` where it starts) under
+    FSDP on 8 devices: the compiled step's memory and where its gathers run."""
+    import jax.numpy as jnp
+    import gpt_plan as GP
+    cfg = GP.GPT(layers=layers, hidden=128, heads=8, seq=8, vocab=256, batch=8, compute_dtype=dtype, dp="dp", mp=None)
+    step, shapes = GP.train_step_and_args(cfg)
+    rng = np.random.default_rng(0)
+    args = jax.tree_util.tree_map(lambda s: rng.integers(0, cfg.vocab, s.shape).astype(s.dtype) if s.dtype == jnp.int32
+                                  else (rng.standard_normal(s.shape) * 0.02).astype(s.dtype), shapes)
+    pstep = sp.parallelize(step, mesh=FSDP_MESH, shard_params=True, donate_argnums=(0, 1), progress=False)
+    compiled = pstep.lower(*args).compile()
+    m = compiled.memory_analysis()
+    row = dict(arguments=m.argument_size_in_bytes, temp=m.temp_size_in_bytes,
+               peak=m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    row["gathers_at_start"], row["gathers"] = gathers_at_start(compiled.as_text())
+    return row
+
+
+def main_mixed(layers):
+    mb = 1e-6
+    print("examples/gpt_plan.py GPT under FSDP, mesh 8, MB per device")
+    print(f"{'dtype':9} {'layers':>6} {'args':>7} {'temp':>7} {'peak':>7} | gathers at start")
+    for dtype in ("float32", "bfloat16"):
+        for n in layers:
+            r = measure_mixed(n, dtype)
+            print(f"{dtype:9} {n:6d} {r['arguments'] * mb:7.2f} {r['temp'] * mb:7.2f} {r['peak'] * mb:7.2f} | "
+                  f"{r['gathers_at_start']} of {r['gathers']}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 6, 12])
     ap.add_argument("--seq", type=int, default=32, help="sequence length (8: the weights outweigh the activations)")
+    ap.add_argument("--mixed", action="store_true", help="examples/gpt_plan.py's GPT in float32 and bfloat16 instead")
     ap.add_argument("--plans", nargs="+", default=["fsdp", "tp+fsdp"], choices=["fsdp", "tp+fsdp"])
     a = ap.parse_args()
+    if a.mixed:
+        return main_mixed(a.layers)
     mb = 1e-6
     print("MB per device; peak = arguments + outputs + temp - aliased; bound = arguments (state, stored split) "
           "+ two layers gathered + activations; over = peak - bound")
