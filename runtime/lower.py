@@ -276,6 +276,8 @@ def _run_gather_tie(stored, waits: list):
     dependence would be left)."""
     never = jnp.zeros((), bool)
     for x in waits:
+        if not (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_):   # a PRNG key: nothing to compare
+            continue
         first = jnp.reshape(x, (-1,))[0] if x.size else jnp.zeros((), jnp.float32)
         # a float of any value, NaN included, is never above +inf
         never = never | (lax.convert_element_type(jnp.real(first), jnp.float32) > np.float32(np.inf))
