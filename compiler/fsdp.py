@@ -110,8 +110,9 @@ def apply_fsdp(graph: Graph, planned: dict, params: Sequence[int], state: Sequen
         if store != use:
             stored[i] = store
             graph.pinned_inputs[i] = store
-    # value -> (the parameter it is, the layout a use reads it in): the parameters, and
-    # the results of layout requests on them
+    # value -> (what a use's gather starts from, the layout the use reads it in): the
+    # parameters, layout requests on them (gathered from the parameter) and their casts
+    # (gathered from the cast)
     gathered = {graph.inputs[i]: (graph.inputs[i], planned[i].without_partial()) for i in params if i in stored}
     split = {graph.inputs[i]: stored[i] for i in params if i in stored}
     marks = iter(getattr(planned, "marks", ()))
