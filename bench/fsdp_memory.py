@@ -20,6 +20,7 @@ scheduled before its first computation (at the program's start).
     python bench/fsdp_memory.py                    # 2, 6, 12 layers, both plans
     python bench/fsdp_memory.py --layers 6 --plans fsdp --seq 8   # activations small beside the weights
     python bench/fsdp_memory.py --mixed --layers 6 12   # gpt_plan's GPT: bf16 casts, jax.checkpoint
+    python bench/fsdp_memory.py --time 20 --layers 12 --seq 8   # step times against no FSDP
 """
 from __future__ import annotations
 
@@ -167,6 +168,30 @@ def measure_mixed(layers: int, dtype: str) -> dict:
     return row
 
 
+def time_against_plain(layers: int, plan: str, seq: int, reps: int) -> tuple:
+    """Median seconds of the FSDP step and of the same step without FSDP, run in turns as
+    a training loop (each feeds its params and state back)."""
+    import statistics
+    import time
+    fsdp, args, _, plain = case(layers, plan, config(layers, seq))
+    loops = []
+    for f in (fsdp, plain):
+        state = list(jax.tree_util.tree_map(np.array, args))
+        out = f(*state)                       # compile and warm up
+        jax.block_until_ready(out)
+        state[0], state[1] = out[0], out[1]
+        loops.append([f, state, []])
+    for _ in range(reps):
+        for loop in loops:
+            f, state, times = loop
+            t = time.perf_counter()
+            out = f(*state)
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t)
+            state[0], state[1] = out[0], out[1]
+    return tuple(statistics.median(times) for _, _, times in loops)
+
+
 def main_mixed(layers):
     mb = 1e-6
     print("examples/gpt_plan.py GPT under FSDP, mesh 8, MB per device")
@@ -183,10 +208,20 @@ def main():
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 6, 12])
     ap.add_argument("--seq", type=int, default=32, help="sequence length (8: the weights outweigh the activations)")
     ap.add_argument("--mixed", action="store_true", help="examples/gpt_plan.py's GPT in float32 and bfloat16 instead")
+    ap.add_argument("--time", type=int, default=0, metavar="REPS",
+                    help="instead: median step times, FSDP against the same step without it, REPS turns")
     ap.add_argument("--plans", nargs="+", default=["fsdp", "tp+fsdp"], choices=["fsdp", "tp+fsdp"])
     a = ap.parse_args()
     if a.mixed:
         return main_mixed(a.layers)
+    if a.time:
+        print(f"median ms per step over {a.time} interleaved turns; plain: the same step without shard_params")
+        for plan in a.plans:
+            for n in a.layers:
+                tf, tp = time_against_plain(n, plan, a.seq, a.time)
+                print(f"{plan:8} {n:3d} layers: FSDP {tf * 1e3:8.2f}  plain {tp * 1e3:8.2f}  ratio {tf / tp:5.2f}",
+                      flush=True)
+        return
     mb = 1e-6
     print("MB per device; peak = arguments + outputs + temp - aliased; bound = arguments (state, stored split) "
           "+ two layers gathered + activations; over = peak - bound")
