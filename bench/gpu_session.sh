@@ -1,0 +1,27 @@
+#!/bin/bash
+# Everything a machine with a GPU (and its host's CPUs) should measure, in one run:
+#   bash bench/gpu_session.sh OUTDIR
+# On the GPU: the smoke run and the GPU profile check (with the GPT step's parts). On the
+# host's CPUs (8 forced devices): a fresh calibration, then the pipeline bench and auto
+# under memory limits priced by it, and the zoo against XLA. Each step has a time limit
+# and writes OUTDIR/<step>.txt as it goes, so a step cut short keeps what it printed.
+# docs/results/gpu.md has the first such run (one H200, 2026-11-27).
+set -u
+out=${1:?usage: bash bench/gpu_session.sh OUTDIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+step() {   # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2; shift 2
+    echo "== $name: $*" | tee "$out/$name.txt"
+    timeout "$limit" "$@" 2>&1 | tee -a "$out/$name.txt"
+}
+{ date -u; git log --oneline -1 2>/dev/null; nvidia-smi -L 2>/dev/null; nproc; } | tee "$out/env.txt"
+step gpu_smoke 120 $py bench/gpu_smoke.py
+step gpu_profile 240 $py bench/gpu_profile.py --parts
+step calibrate 120 $py -m shardprop.compiler.cli calibrate --mesh 8 --cpu --reps 5 -o "$out/cpu.json"
+step pipeline 150 $py bench/pipeline.py --reps 5 --cost-model "$out/cpu.json"
+step compare_limits 240 $py bench/compare.py --auto --hand --quick --limits 0.5,0.7,0.9 \
+    --cost-model "$out/cpu.json" --cases gpt2_train_dp2xmp4 gpt2_train_mp8 gpt2_train_dp4xmp2
+step compare 150 $py bench/compare.py --quick
