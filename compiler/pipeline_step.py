@@ -601,7 +601,7 @@ class PipelineFunction:
         rejects every configuration under the free plan, a plan holding fewer bytes per
         device may still fit: the first rounds count from the free plan's build with the
         pipeline search not held to the limit."""
-        from .pipeline_submesh import SubmeshOverflow
+        from ..passes.auto.search import NoPlanFits
         limit = self.memory_limit
         try:
             c = self._build(args)
@@ -617,7 +617,7 @@ class PipelineFunction:
             budget = ask if budget is None else min(budget, ask)
             try:
                 c = self._build(args, submesh_limit=budget)
-            except SubmeshOverflow as e:
+            except NoPlanFits as e:
                 raise self._submesh_overflow(e, budget, c, free) from e
         if c.device_peak <= limit:
             return c
