@@ -7,9 +7,14 @@ its first line, before it calls anything of shardprop's.
 A rank whose script fails exits at once with its status: a joined process would
 otherwise wait at exit for its peers (jax.distributed's shutdown barrier), and the
 launcher, which stops the others when one rank fails, would never hear of it.
+
+With ``shardprop launch --stacks-after S`` a rank still running after S seconds writes
+every thread's Python stack to its log, and again every S seconds: a run that hangs
+(in joining, in a collective, at the exit barrier) then says where it waits.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import runpy
 import sys
@@ -17,9 +22,13 @@ import traceback
 
 from .distributed import initialize
 
+ENV_STACKS_AFTER = "SHARDPROP_STACKS_AFTER"
+
 
 def main(argv: list[str]) -> None:
     script, args = argv[0], argv[1:]
+    if os.environ.get(ENV_STACKS_AFTER):
+        faulthandler.dump_traceback_later(float(os.environ[ENV_STACKS_AFTER]), repeat=True, file=sys.stderr)
     try:
         joined = initialize()
     except RuntimeError as e:   # (an unreachable coordinator: say so, without a traceback)

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .bootstrap import ENV_STACKS_AFTER
 from .distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from .processes import POLL_S, describe_status, show_tail, start_logged, stop_groups
 
@@ -56,6 +57,7 @@ class Config:
     script: str
     script_args: list[str]
     role_env: dict = field(default_factory=dict)   # sync parameter-server runs: every rank is a worker
+    stacks_after: Optional[float] = None
 
     @property
     def world(self) -> int:
@@ -99,6 +101,9 @@ def parse(argv: list[str]):
     ap.add_argument("--node-rank", type=int, default=None, help="this host's index in --ips (default: found)")
     ap.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     ap.add_argument("--log-dir", default="log")
+    ap.add_argument("--stacks-after", type=float, default=None, metavar="SECONDS",
+                    help="a rank still running after SECONDS writes every thread's Python stack into its log, "
+                         "and again every SECONDS after (to see where a run that hangs waits)")
     ap.add_argument("--server-num", type=int, default=None, help="parameter servers (with --worker-num)")
     ap.add_argument("--worker-num", type=int, default=None, help="parameter-server workers")
     ap.add_argument("--ps-mode", choices=("async", "sync"), default="async",
@@ -142,8 +147,10 @@ def parse(argv: list[str]):
     elif node_rank == 0 and not _port_is_free(host, port):
         raise LaunchError(f"coordinator port {port} on {host} is already in use; pick another --port "
                           "(or leave it out to get a free one)")
+    if a.stacks_after is not None and a.stacks_after <= 0:
+        raise LaunchError(f"--stacks-after {a.stacks_after}: give a number of seconds above 0")
     return Config(nproc, len(hosts), node_rank, a.devices_per_proc, gpus, f"{host}:{port}", a.log_dir,
-                  a.script, a.script_args)
+                  a.script, a.script_args, stacks_after=a.stacks_after)
 
 
 @dataclass
@@ -192,6 +199,8 @@ def worker_env(cfg: Config, local_rank: int) -> dict:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={k}"])
     env["PYTHONUNBUFFERED"] = "1"
+    if cfg.stacks_after is not None:
+        env[ENV_STACKS_AFTER] = str(cfg.stacks_after)
     return env
 
 

@@ -18,11 +18,35 @@ WORKER = ROOT / "tests" / "launch_workers" / "behave.py"
 QUICKSTART = ROOT / "examples" / "multiprocess_quickstart.py"
 
 
-def launch(args, cwd, timeout=120, **kw):
+STACKS_AFTER_S = 45   # a rank still running then writes its threads' stacks into its log (--stacks-after)
+
+
+class RunHung(AssertionError):
+    """The launcher did not finish within the test's timeout; carries every rank's log."""
+
+
+def launch(args, cwd, timeout=120, stacks_after=STACKS_AFTER_S, **kw):
+    """Run ``shardprop launch`` and return its completed process. A run past ``timeout``
+    is stopped as a user would (SIGTERM to the launcher, which stops every rank) and
+    raises RunHung with the tails of the ranks' logs, their stacks included."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)   # the launcher decides the workers' device count
-    return subprocess.run([sys.executable, "-m", "shardprop.runtime.launch"] + [str(a) for a in args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout, **kw)
+    cmd = [sys.executable, "-m", "shardprop.runtime.launch", "--stacks-after", str(stacks_after)] + [str(a) for a in args]
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGTERM)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        logs = "".join(f"\n--- {f.name} (last 60 lines) ---\n" + "".join(f.read_text(errors="replace").splitlines(True)[-60:])
+                       for f in sorted(Path(cwd).glob("**/workerlog.*")))
+        raise RunHung(f"shardprop launch {' '.join(map(str, args))} ran past {timeout} s and was stopped\n"
+                      f"launcher stderr:\n{err[-2000:]}{logs}") from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def assert_no_orphans(pid_dir):
@@ -91,6 +115,21 @@ def test_sigterm_to_launcher_stops_all_ranks(tmp_path):
     out, err = p.communicate(timeout=30)
     assert p.returncode == 128 + signal.SIGTERM
     assert "received SIGTERM; stopped all ranks" in err
+    assert_no_orphans(tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_a_run_that_hangs_says_where_it_waits(tmp_path):
+    """--stacks-after: ranks still running write their stacks into their logs; the
+    test's launch() stops such a run and reports them."""
+    with pytest.raises(RunHung) as hung:
+        launch(["--nproc", 2, "--devices-per-proc", 2, WORKER, tmp_path, "sleep"], cwd=tmp_path, timeout=20,
+               stacks_after=5)
+    report = str(hung.value)
+    assert "ran past 20 s and was stopped" in report
+    for rank in (0, 1):
+        assert f"workerlog.{rank}" in report
+    assert report.count("most recent call first") >= 2 and 'behave.py", line 30' in report
     assert_no_orphans(tmp_path)
 
 
