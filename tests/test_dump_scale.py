@@ -1,7 +1,7 @@
 """Dumps at scale (issue 28, milestone 4): the per-rank programs as rank classes that
-expand to exactly the per-rank text; a 1,024-rank dump in a couple of seconds."""
+expand to exactly the per-rank text; a 1,024-rank dump prints a handful of programs, not
+one per rank (its time, ≤ 2 s, is printed by ``bench/plan_scale.py --dump``)."""
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -62,15 +62,18 @@ def test_small_meshes_dump_one_file_per_rank_as_before(tmp_path):
 
 
 @pytest.mark.slow
-def test_1024_rank_dump_is_classes_and_fast(tmp_path):
+def test_1024_rank_dump_prints_classes_not_ranks(tmp_path, monkeypatch):
     from plan_scale import gpt_step
+
+    import shardprop.runtime.dump as dump
     step, args = gpt_step(2)
     plan = sp.parallelize(step, mesh=AbstractMesh((16, 64), ("dp", "mp")), progress=False).plan(*args)
-    plan.pass_texts = plan.pass_texts or plan._regenerate_texts()   # the pass files are not what is timed
-    t0 = time.perf_counter()
+    printed = []
+    monkeypatch.setattr(dump, "print_graph", lambda graph, rank, **kw: printed.append(rank) or print_graph(graph, rank, **kw))
     plan.dump(str(tmp_path), dump_ranks=[0, 777])
-    seconds = time.perf_counter() - t0
-    assert seconds <= 2.0, seconds
+    monkeypatch.undo()
+    # a rank's program is printed whole only to find and check the classes: a few ranks, not 1,024
+    assert len(printed) <= 8, printed
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert len(files) < 40
     index = (tmp_path / "rank_classes" / "index.txt").read_text()
