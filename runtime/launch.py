@@ -36,9 +36,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .bootstrap import ENV_STACKS_AFTER
+from .bootstrap import ENV_FINISHED_MARK, ENV_STACKS_AFTER
 from .distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from .processes import POLL_S, describe_status, show_tail, start_logged, stop_groups
+
+
+EXIT_GRACE_S = 30.0
 
 
 class LaunchError(Exception):
@@ -58,6 +61,7 @@ class Config:
     script_args: list[str]
     role_env: dict = field(default_factory=dict)   # sync parameter-server runs: every rank is a worker
     stacks_after: Optional[float] = None
+    exit_grace: float = 30.0
 
     @property
     def world(self) -> int:
@@ -101,6 +105,9 @@ def parse(argv: list[str]):
     ap.add_argument("--node-rank", type=int, default=None, help="this host's index in --ips (default: found)")
     ap.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     ap.add_argument("--log-dir", default="log")
+    ap.add_argument("--exit-grace", type=float, default=EXIT_GRACE_S, metavar="SECONDS",
+                    help="a rank whose script and exit handlers have finished is given this long to exit, then "
+                         f"stopped (its interpreter's teardown hung; default {EXIT_GRACE_S:g})")
     ap.add_argument("--stacks-after", type=float, default=None, metavar="SECONDS",
                     help="a rank still running after SECONDS writes every thread's Python stack into its log, "
                          "and again every SECONDS after (to see where a run that hangs waits)")
@@ -149,8 +156,10 @@ def parse(argv: list[str]):
                           "(or leave it out to get a free one)")
     if a.stacks_after is not None and a.stacks_after <= 0:
         raise LaunchError(f"--stacks-after {a.stacks_after}: give a number of seconds above 0")
+    if a.exit_grace < 0:
+        raise LaunchError(f"--exit-grace {a.exit_grace}: give a number of seconds, 0 or more")
     return Config(nproc, len(hosts), node_rank, a.devices_per_proc, gpus, f"{host}:{port}", a.log_dir,
-                  a.script, a.script_args, stacks_after=a.stacks_after)
+                  a.script, a.script_args, stacks_after=a.stacks_after, exit_grace=a.exit_grace)
 
 
 @dataclass
@@ -183,9 +192,15 @@ def _parse_ps(a):
     return PSConfig(a.server_num, a.worker_num, a.log_dir, a.script, a.script_args)
 
 
+def finished_mark(cfg: Config, rank: int) -> str:
+    """The file a rank writes once its script and exit handlers are done (runtime/bootstrap.py)."""
+    return os.path.join(cfg.log_dir, f".finished.{rank}")
+
+
 def worker_env(cfg: Config, local_rank: int) -> dict:
     env = dict(os.environ)
     rank = cfg.node_rank * cfg.nproc + local_rank
+    env[ENV_FINISHED_MARK] = finished_mark(cfg, rank)
     env[ENV_COORDINATOR] = cfg.coordinator
     env[ENV_NUM_PROCESSES] = str(cfg.world)
     env[ENV_PROCESS_ID] = str(rank)
@@ -212,6 +227,7 @@ class Workers:
         self.procs: list[subprocess.Popen] = []
         self.logs: list[str] = []
         self._threads: list[threading.Thread] = []
+        self.cut_short: set[int] = set()   # local ranks stopped in their teardown, after finishing
 
     def start(self) -> None:
         os.makedirs(self.cfg.log_dir, exist_ok=True)
@@ -219,6 +235,8 @@ class Workers:
             rank = self.cfg.node_rank * self.cfg.nproc + local
             path = os.path.join(self.cfg.log_dir, f"workerlog.{rank}")
             self.logs.append(path)
+            if os.path.exists(finished_mark(self.cfg, rank)):   # (a previous run's)
+                os.remove(finished_mark(self.cfg, rank))
             # each rank joins the run before the script's first line (runtime/bootstrap.py)
             cmd = [sys.executable, "-u", "-m", "shardprop.runtime.bootstrap", self.cfg.script] + self.cfg.script_args
             p, tee = start_logged(cmd, worker_env(self.cfg, local), path, console=(rank == 0))
@@ -229,9 +247,28 @@ class Workers:
     def first_failure(self) -> Optional[tuple[int, int]]:
         for local, p in enumerate(self.procs):
             code = p.poll()
-            if code not in (None, 0):
+            if code not in (None, 0) and local not in self.cut_short:
                 return self.cfg.node_rank * self.cfg.nproc + local, code
         return None
+
+    def stop_hung_teardowns(self) -> list[int]:
+        """Stop the ranks that finished (script, exit handlers: every rank passed jax's
+        shutdown barrier) more than ``exit_grace`` seconds ago but have not exited.
+        Returns their ranks."""
+        stopped = []
+        for local, p in enumerate(self.procs):
+            rank = self.cfg.node_rank * self.cfg.nproc + local
+            if local in self.cut_short or p.poll() is not None:
+                continue
+            try:
+                finished = os.path.getmtime(finished_mark(self.cfg, rank))
+            except OSError:
+                continue
+            if time.time() - finished > self.cfg.exit_grace:
+                self.cut_short.add(local)
+                stop_groups([p], grace=0)
+                stopped.append(rank)
+        return stopped
 
     def all_done(self) -> bool:
         return all(p.poll() is not None for p in self.procs)
@@ -240,6 +277,11 @@ class Workers:
         stop_groups(self.procs)
         for t in self._threads:
             t.join(timeout=2)
+        for local in range(len(self.procs)):
+            try:
+                os.remove(finished_mark(self.cfg, self.cfg.node_rank * self.cfg.nproc + local))
+            except OSError:
+                pass
 
 
 def run(cfg: Config) -> int:
@@ -270,6 +312,9 @@ def run(cfg: Config) -> int:
                       f"See {log}", file=sys.stderr, flush=True)
                 show_tail(log)
                 return code if code > 0 else 128 - code
+            for rank in workers.stop_hung_teardowns():
+                print(f"shardprop launch: rank {rank} finished (its script and exit handlers ran) but did not exit "
+                      f"within {cfg.exit_grace:g} s; stopped it", file=sys.stderr, flush=True)
             if workers.all_done():
                 workers.stop()   # joins the console thread
                 return 0

@@ -147,6 +147,21 @@ def test_a_run_that_hangs_says_where_it_waits(tmp_path):
     assert_no_orphans(tmp_path)
 
 
+@pytest.mark.multiprocess
+def test_a_rank_that_hangs_after_finishing_is_stopped_and_the_run_succeeds(tmp_path):
+    """A rank whose script and exit handlers ran (jax's shutdown barrier among them)
+    but whose interpreter does not exit is stopped after --exit-grace; the run is a
+    success, and the launcher says what it did."""
+    start = time.monotonic()
+    proc = launch(["--nproc", 2, "--devices-per-proc", 2, "--exit-grace", 3, WORKER, tmp_path, "hang_in_teardown"],
+                  cwd=tmp_path, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 1 finished (its script and exit handlers ran) but did not exit within 3 s; stopped it" in proc.stderr
+    assert "rank 0: 64.0" in proc.stdout and "rank 1: 64.0" in (tmp_path / "log" / "workerlog.1").read_text()
+    assert time.monotonic() - start < 60   # not the 600 s the finalizer sleeps
+    assert_no_orphans(tmp_path)
+
+
 def _read(path):
     try:
         return Path(path).read_text()

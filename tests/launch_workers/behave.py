@@ -1,7 +1,7 @@
 """A worker for the launcher's tests. Records its pid, joins the mesh (through
 parallelize, as a user's script would), then behaves as told:
 
-    behave.py PID_DIR ok|die_after_init|fail_at_start|sleep [RANK_THAT_MISBEHAVES]
+    behave.py PID_DIR ok|die_after_init|fail_at_start|sleep|hang_in_teardown [RANK_THAT_MISBEHAVES]
 """
 import os
 import signal
@@ -28,3 +28,12 @@ if mode == "die_after_init" and rank == bad_rank:
     os.kill(os.getpid(), signal.SIGKILL)
 if mode in ("die_after_init", "sleep"):
     time.sleep(120)   # the others wait (as if in the next step) until the launcher stops them
+if mode == "hang_in_teardown" and rank == bad_rank:
+    # an object the interpreter frees only in its own teardown, after the exit handlers,
+    # whose finalizer never returns (the way a native teardown can hang)
+    class _Stuck:
+        def __del__(self):
+            time.sleep(600)
+    holder = type(sys)("behave_stuck_holder")
+    holder.stuck = _Stuck()
+    sys.modules[holder.__name__] = holder
