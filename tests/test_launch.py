@@ -138,10 +138,10 @@ def test_a_run_that_hangs_says_where_it_waits(tmp_path):
     """--stacks-after: ranks still running write their stacks into their logs; the
     test's launch() stops such a run and reports them."""
     with pytest.raises(RunHung) as hung:
-        launch(["--nproc", 2, "--devices-per-proc", 2, WORKER, tmp_path, "sleep"], cwd=tmp_path, timeout=20,
-               stacks_after=5)
+        launch(["--nproc", 2, "--devices-per-proc", 2, WORKER, tmp_path, "sleep"], cwd=tmp_path, timeout=12,
+               stacks_after=3)
     report = str(hung.value)
-    assert "ran past 20 s and was stopped" in report
+    assert "ran past 12 s and was stopped" in report
     for rank in (0, 1):
         assert f"workerlog.{rank}" in report
     assert report.count("most recent call first") >= 2 and 'behave.py", line 30' in report
