@@ -181,8 +181,15 @@ _MASK_CHAIN = frozenset({"ge", "gt", "le", "lt", "convert_element_type", "broadc
 class _Framework:
     """A framework that launches one kernel per op except its fused patterns: each
     pattern found on the graph (its forward ops) becomes one kernel, and so does its
-    backward (the ops reading what the forward kernel saved, and the ops between them);
-    views join the kernel that reads them; every other op is a kernel of its own."""
+    backward (the ops reading what the forward kernel computed, and the ops between them);
+    views join the kernel that reads them; every other op is a kernel of its own.
+
+    A fused kernel saves its inputs or outputs for the backward (Megatron's softmax its
+    probabilities, apex's layer norm its input and row statistics) and its backward
+    recomputes the rest in registers, where the traced backward reads the forward's
+    intermediates (``exp``, the centred input in float32): those stay out of memory. The
+    backward's read of the saved tensor is then not priced where the traced backward does
+    not read it (a softmax's probabilities: one read of the attention matrix)."""
 
     def __init__(self, graph, patterns):
         self.graph, self.patterns = graph, set(patterns)
@@ -190,6 +197,7 @@ class _Framework:
         self.outputs = set(graph.outputs)
         self.label: dict = {}          # op -> kernel index
         self.found: list = []          # [(pattern, [ops])]
+        self.backward: dict = {}       # forward kernel index -> its backward kernel's
         self.order = {op: i for i, op in enumerate(graph.ops)}
         self._recognise()
 
@@ -387,7 +395,7 @@ class _Framework:
                     if all(p in members or p in region for p in srcs):
                         members.add(u)
                         stack.append(u)
-        self._claim(pattern + " backward", sorted(members, key=self.order.get))
+        self.backward[k] = self._claim(pattern + " backward", sorted(members, key=self.order.get))
 
     def _optimizer(self):
         """The optimizer's update: the free elementwise ops whose results only the step's
@@ -419,8 +427,11 @@ class _Framework:
                 k = self.label.get(op)
                 if k is None:
                     continue
+                # one kernel's value, or a forward kernel's value only its own backward reads
+                # besides: the framework's backward recomputes it from the tensors it saved
+                ks = (k, self.backward.get(k, k))
                 readers = self._reads(v)
-                if readers and all(u is not None and self.label.get(u) == k for u in readers):
+                if readers and all(u is not None and self.label.get(u) in ks for u in readers):
                     out.add(v)
         return frozenset(out)
 
