@@ -20,6 +20,7 @@ PaddleNLP's); ``--kernels NAME`` prices every row with one policy instead ("xla"
 the policies; "unfused": nothing fused, the far bound).
 
     python bench/published_runs.py [--only NAME[,NAME...]] [--no-hierarchical] [--ablate] [--kernels NAME]
+                                   [--breakdown]
 """
 from __future__ import annotations
 
@@ -244,6 +245,45 @@ def ablate(rows, kernels=None) -> int:
     return 0
 
 
+def breakdown(rows, policies=("xla", None)) -> int:
+    """Per row, its modeled step (ring collectives) by kernel, under XLA's fusion and under
+    the row's own policy: each op's compute time (``cost.strategy_work`` at the policy's
+    resident values) summed by the kernel it belongs to under Megatron-LM's patterns (a
+    pattern and its backward together); ops over the vocabulary (the loss) apart."""
+    import collections
+
+    import gpt_plan
+    from shardprop.ir.graph import is_collective
+    from shardprop.passes.cost import compute_unit, is_contraction, strategy_work, tensor_factors
+    from shardprop.passes.fusion import builtin_policy, resident_values
+    for r in rows:
+        cfg = gpt_plan.GPT(layers=r.layers, hidden=r.hidden, heads=r.heads, seq=r.seq, vocab=r.vocab,
+                           batch=r.batch, compute_dtype=r.dtype, remat=True, dropout=r.dropout, bias=r.bias)
+        step, args = gpt_plan.train_step_and_args(cfg)
+        cluster = cluster_for(r, "ring")
+        cost = cluster.cost_model()
+        for name in policies:
+            with kernel_policy(name or r.kernels) as policy:
+                est = sp.plan_step(step, args, mesh=AbstractMesh((r.dp, r.mp), ("dp", "mp")), cost_model=cluster,
+                                   tokens=r.batch * r.seq)
+                graph = est.plan.graph
+                resident = resident_values(graph)
+            kernel = {op: k.pattern.replace(" backward", "") or ("matmul" if op.kind == "dot_general" else "other")
+                      for k in builtin_policy("megatron-2021").kernels(graph) for op in k.ops}
+            ms = collections.Counter()
+            for op in graph.ops:
+                st = op.strategy
+                if st is None or is_collective(op):
+                    continue
+                work = strategy_work(st.rule.flops, st.factors, tensor_factors(op, st.rule, resident), graph.mesh)
+                loss = op.kind != "dot_general" and any(r.vocab in v.type.shape for v in op.inputs + op.outputs)
+                ms["loss" if loss else kernel[op]] += 1e3 * cost.compute_time(
+                    *work, contraction=is_contraction(st.rule), unit=compute_unit(op))
+            print(f"{r.name} [{policy.name}] step {est.step_s * 1e3:.1f} ms: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in ms.most_common()), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", help="the rows whose name contains this (comma-separated: any of them)")
@@ -254,7 +294,11 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", help="price every row with this kernel policy instead of its framework's: "
                                       "xla (XLA's fusion), unfused (every op reads and writes its operands in HBM: "
                                       "the far bound), megatron-2021")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per row, the modeled step's compute by kernel (ms), with XLA's fusion and the row's kernels")
     a = ap.parse_args(argv)
+    if a.breakdown:
+        return breakdown([r for r in ROWS if not a.only or any(o in r.name for o in a.only.split(","))])
     if a.ablate:
         return ablate([r for r in ROWS if not a.only or any(o in r.name for o in a.only.split(","))], a.kernels)
     results = []
