@@ -77,6 +77,14 @@ def test_values_between_kernels_reach_memory(gpt_step):
     exp = next(op for op in softmax.ops if op.kind == "exp").outputs[0]
     assert exp in xla and exp in megatron           # inside one kernel under both
     assert fusion.resident_values(graph, "unfused") == frozenset()
+    # the recomputed softmax's exp, read by the softmax's backward: the fused kernel's
+    # backward recomputes it from the probabilities it saved, so it stays out of memory
+    kernels = fusion.builtin_policy("megatron-2021").kernels(graph)
+    backward = {op for k in kernels if k.pattern == "softmax backward" for op in k.ops}
+    readers = graph.users()
+    saved = [op.outputs[0] for k in kernels if k.pattern == "softmax" for op in k.ops
+             if op.kind == "exp" and any(u in backward for u in readers[op.outputs[0]])]
+    assert len(saved) == 1 and saved[0] in megatron
 
 
 @pytest.mark.slow   # plans a GPT step (1-3 s on a loaded 2-core machine)
