@@ -14,7 +14,13 @@ so predicted / published is published step time / predicted step time. Collectiv
 groups spanning nodes are priced as the runs' NCCL ran them (one flat ring), and again
 as hierarchical collectives (``sp.Cluster``'s default) for the second column.
 
-    python bench/published_runs.py [--only NAME[,NAME...]] [--no-hierarchical] [--ablate] [--unfused]
+Each row's step is priced with the kernels its framework launched (``Row.kernels``: Megatron-LM's
+fused kernels and every other op on its own for the DLPerf and Megatron-LM rows, XLA's fusion for
+PaddleNLP's); ``--kernels NAME`` prices every row with one policy instead ("xla": the table before
+the policies; "unfused": nothing fused, the far bound).
+
+    python bench/published_runs.py [--only NAME[,NAME...]] [--no-hierarchical] [--ablate] [--kernels NAME]
+                                   [--breakdown]
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from jax.sharding import AbstractMesh  # noqa: E402
 
 import shardprop as sp  # noqa: E402
 from shardprop.passes.cluster import GpuProfile  # noqa: E402
+from shardprop.passes.fusion import kernel_policy  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +64,10 @@ class Row:
     dropout: float = 0.1
     bias: bool = True
     microbatches: int = 0          # the run's micro-batches per step, where it published them (0: searched)
+    # the kernels the run's framework launched (passes/fusion.py: KernelPolicy): Megatron-LM's fused
+    # kernels, every other op on its own (passes/profiles/kernels-megatron-2021.json); "xla" where
+    # which ops the framework fused was not confirmed from its source
+    kernels: str = "megatron-2021"
 
     @property
     def gpus(self) -> int:
@@ -92,9 +103,10 @@ ROWS = [
     Row(name="2D_4x8x1_32_2304x24", heads=24, hidden=2304, layers=24, mp=8, pp=1, dp=4, batch=32, published=20.03,
         **_dl),
     # PaddleNLP GPT-3 hybrid parallel benchmark on V100 (2022), row 1 (the issue's table); seq 1024 and vocab
-    # 50304 are PaddleNLP's GPT-3 defaults, not in the table
+    # 50304 are PaddleNLP's GPT-3 defaults, not in the table; its kernels are priced as XLA fuses (which
+    # ops the benchmark's Paddle program fused was not confirmed)
     Row(source="PaddleNLP GPT-3", name="9.66B", heads=16, hidden=4096, layers=48, mp=8, pp=1, dp=1, batch=512,
-        published=55.77, gpu="v100-32gb", seq=1024, vocab=50304),
+        published=55.77, gpu="v100-32gb", seq=1024, vocab=50304, kernels="xla"),
     # Megatron-LM (Narayanan et al. 2021, Table 1) on Selene, DGX A100 80GB, rows without pipeline stages
     Row(source="Megatron-LM 2021", name="1.7B", heads=24, hidden=2304, layers=24, mp=1, pp=1, dp=32, batch=512,
         published=137, gpu="a100-80gb", dtype="bfloat16"),
@@ -120,11 +132,11 @@ ROWS += [
         published=29.69, microbatches=32, **_dl),
     # PaddleNLP rows 2-4 (the issue's table)
     Row(source="PaddleNLP GPT-3", name="16.31B", heads=16, hidden=6144, layers=36, mp=8, pp=2, dp=2, batch=512,
-        published=60.84, gpu="v100-32gb", seq=1024, vocab=50304),
+        published=60.84, gpu="v100-32gb", seq=1024, vocab=50304, kernels="xla"),
     Row(source="PaddleNLP GPT-3", name="91B", heads=32, hidden=8192, layers=112, mp=8, pp=16, dp=1, batch=512,
-        published=62.05, gpu="v100-32gb", seq=1024, vocab=50304),
+        published=62.05, gpu="v100-32gb", seq=1024, vocab=50304, kernels="xla"),
     Row(source="PaddleNLP GPT-3", name="146B", heads=32, hidden=11264, layers=96, mp=32, pp=8, dp=2, batch=2048,
-        published=60.82, gpu="v100-32gb", seq=1024, vocab=50304),
+        published=60.82, gpu="v100-32gb", seq=1024, vocab=50304, kernels="xla"),
     # Megatron-LM 2021 Table 1, the rows with pipeline stages (DP = GPUs / (TP x PP))
     Row(source="Megatron-LM 2021", name="39.1B", heads=64, hidden=8192, layers=48, mp=8, pp=2, dp=32, batch=1536,
         published=138, gpu="a100-80gb", dtype="bfloat16"),
@@ -169,10 +181,11 @@ def cluster_for(r: Row, collectives: str, gpu_changes: dict = None) -> sp.Cluste
     return sp.Cluster(nodes, min(r.gpus_per_node, r.gpus), gpu, collectives)
 
 
-def predict(r: Row, hierarchical: bool = True, gpu_changes: dict = None) -> dict:
+def predict(r: Row, hierarchical: bool = True, gpu_changes: dict = None, kernels: str = None) -> dict:
     """The row planned and priced twice: with collectives over groups spanning nodes run
     as NCCL runs them (one flat ring: what these PyTorch / Paddle runs' NCCL did; the
-    headline) and as hierarchical collectives (``sp.Cluster``'s default)."""
+    headline) and as hierarchical collectives (``sp.Cluster``'s default), with the row's kernel
+    policy (``kernels``: another for every row)."""
     import gpt_plan
     cfg = gpt_plan.GPT(layers=r.layers, hidden=r.hidden, heads=r.heads, seq=r.seq, vocab=r.vocab, batch=r.batch,
                        compute_dtype=r.dtype, remat=True, dropout=r.dropout, bias=r.bias)
@@ -188,12 +201,12 @@ def predict(r: Row, hierarchical: bool = True, gpu_changes: dict = None) -> dict
         mesh, kw = AbstractMesh((r.dp, r.mp), ("dp", "mp")), {}
     flops = formula_flops(r)
     t0 = time.perf_counter()
-    est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "ring", gpu_changes), tokens=r.batch * r.seq,
-                       **kw)
-    planning_s = time.perf_counter() - t0
-    hier = (sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "hierarchical", gpu_changes),
-                         tokens=r.batch * r.seq,
-                         **kw) if hierarchical else None)
+    with kernel_policy(kernels or r.kernels):    # planned and priced with the run's kernels
+        est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "ring", gpu_changes),
+                           tokens=r.batch * r.seq, **kw)
+        planning_s = time.perf_counter() - t0
+        hier = (sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "hierarchical", gpu_changes),
+                             tokens=r.batch * r.seq, **kw) if hierarchical else None)
     return dict(row=r, est=est, planning_s=planning_s, predicted=flops / r.gpus / est.step_s / 1e12,
                 hierarchical=flops / r.gpus / hier.step_s / 1e12 if hier else float("nan"),
                 graph_vs_formula=est.flops / flops)
@@ -218,16 +231,56 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
-def ablate(rows) -> int:
+def ablate(rows, kernels=None) -> int:
     """pred/pub per row with everything, then with each of ``ABLATIONS`` taken out."""
     print("| row | all | " + " | ".join(ABLATIONS) + " |")
     print("|---|---|" + "---|" * len(ABLATIONS))
     for r in rows:
-        cells = [predict(r, hierarchical=False)["predicted"] / r.published]
+        cells = [predict(r, hierarchical=False, kernels=kernels)["predicted"] / r.published]
         for change in ABLATIONS.values():
             row = dataclasses.replace(r, **change.get("row", {}))
-            cells.append(predict(row, hierarchical=False, gpu_changes=change.get("gpu"))["predicted"] / r.published)
+            cells.append(predict(row, hierarchical=False, gpu_changes=change.get("gpu"),
+                                 kernels=kernels)["predicted"] / r.published)
         print(f"| {r.name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
+    return 0
+
+
+def breakdown(rows, policies=("xla", None)) -> int:
+    """Per row, its modeled step (ring collectives) by kernel, under XLA's fusion and under
+    the row's own policy: each op's compute time (``cost.strategy_work`` at the policy's
+    resident values) summed by the kernel it belongs to under Megatron-LM's patterns (a
+    pattern and its backward together); ops over the vocabulary (the loss) apart."""
+    import collections
+
+    import gpt_plan
+    from shardprop.ir.graph import is_collective
+    from shardprop.passes.cost import compute_unit, is_contraction, strategy_work, tensor_factors
+    from shardprop.passes.fusion import builtin_policy, resident_values
+    for r in rows:
+        cfg = gpt_plan.GPT(layers=r.layers, hidden=r.hidden, heads=r.heads, seq=r.seq, vocab=r.vocab,
+                           batch=r.batch, compute_dtype=r.dtype, remat=True, dropout=r.dropout, bias=r.bias)
+        step, args = gpt_plan.train_step_and_args(cfg)
+        cluster = cluster_for(r, "ring")
+        cost = cluster.cost_model()
+        for name in policies:
+            with kernel_policy(name or r.kernels) as policy:
+                est = sp.plan_step(step, args, mesh=AbstractMesh((r.dp, r.mp), ("dp", "mp")), cost_model=cluster,
+                                   tokens=r.batch * r.seq)
+                graph = est.plan.graph
+                resident = resident_values(graph)
+            kernel = {op: k.pattern.replace(" backward", "") or ("matmul" if op.kind == "dot_general" else "other")
+                      for k in builtin_policy("megatron-2021").kernels(graph) for op in k.ops}
+            ms = collections.Counter()
+            for op in graph.ops:
+                st = op.strategy
+                if st is None or is_collective(op):
+                    continue
+                work = strategy_work(st.rule.flops, st.factors, tensor_factors(op, st.rule, resident), graph.mesh)
+                loss = op.kind != "dot_general" and any(r.vocab in v.type.shape for v in op.inputs + op.outputs)
+                ms["loss" if loss else kernel[op]] += 1e3 * cost.compute_time(
+                    *work, contraction=is_contraction(st.rule), unit=compute_unit(op))
+            print(f"{r.name} [{policy.name}] step {est.step_s * 1e3:.1f} ms: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in ms.most_common()), flush=True)
     return 0
 
 
@@ -238,23 +291,24 @@ def main(argv=None) -> int:
                     help="plan each row once, with ring collectives (the hierarchical column is left empty)")
     ap.add_argument("--ablate", action="store_true",
                     help="per row, pred/pub with each of the 2026-11-27 mechanisms taken out in turn (ring collectives)")
-    ap.add_argument("--unfused", action="store_true",
-                    help="what-if: no op fused with another (every op reads and writes its operands in HBM), by "
-                         "emptying passes/fusion.resident_values for this process: the far bound of a framework "
-                         "that fuses nothing")
+    ap.add_argument("--kernels", help="price every row with this kernel policy instead of its framework's: "
+                                      "xla (XLA's fusion), unfused (every op reads and writes its operands in HBM: "
+                                      "the far bound), megatron-2021")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per row, the modeled step's compute by kernel (ms), with XLA's fusion and the row's kernels")
     a = ap.parse_args(argv)
-    if a.unfused:
-        import shardprop.passes.fusion as fusion
-        fusion.resident_values = lambda graph: frozenset()
+    if a.breakdown:
+        return breakdown([r for r in ROWS if not a.only or any(o in r.name for o in a.only.split(","))])
     if a.ablate:
-        return ablate([r for r in ROWS if not a.only or any(o in r.name for o in a.only.split(","))])
+        return ablate([r for r in ROWS if not a.only or any(o in r.name for o in a.only.split(","))], a.kernels)
     results = []
     for r in ROWS:
         if a.only and not any(o in r.name for o in a.only.split(",")):
             continue
-        x = predict(r, hierarchical=not a.no_hierarchical)
+        x = predict(r, hierarchical=not a.no_hierarchical, kernels=a.kernels)
         results.append(x)
-        print(f"{r.source:18} {r.name:24} published {r.published:7.2f} predicted {x['predicted']:7.2f} "
+        print(f"{r.source:18} {r.name:24} [{a.kernels or r.kernels}] published {r.published:7.2f} "
+              f"predicted {x['predicted']:7.2f} "
               f"({x['predicted'] / r.published:.2f}x; hierarchical {x['hierarchical'] / r.published:.2f}x) "
               f"planned in {x['planning_s']:.1f} s", flush=True)
     print()
