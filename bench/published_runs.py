@@ -37,7 +37,6 @@ from jax.sharding import AbstractMesh  # noqa: E402
 
 import shardprop as sp  # noqa: E402
 from shardprop.passes.cluster import GpuProfile  # noqa: E402
-from shardprop.passes.fusion import kernel_policy  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +168,8 @@ ABLATIONS = {
 }
 
 
-def cluster_for(r: Row, collectives: str, gpu_changes: dict = None) -> sp.Cluster:
+def cluster_for(r: Row, collectives: str, gpu_changes: dict = None, kernels: str = None) -> sp.Cluster:
+    """The row's cluster, its steps priced with ``kernels`` (default: the row's framework's)."""
     gpu = GpuProfile.builtin(r.gpu)
     if gpu_changes:
         gpu = dataclasses.replace(gpu, **gpu_changes)
@@ -178,7 +178,7 @@ def cluster_for(r: Row, collectives: str, gpu_changes: dict = None) -> sp.Cluste
     if r.memory_bytes:
         gpu = dataclasses.replace(gpu, memory_capacity_bytes=r.memory_bytes)
     nodes = max(1, -(-r.gpus // r.gpus_per_node))
-    return sp.Cluster(nodes, min(r.gpus_per_node, r.gpus), gpu, collectives)
+    return sp.Cluster(nodes, min(r.gpus_per_node, r.gpus), gpu, collectives, kernels=kernels or r.kernels)
 
 
 def predict(r: Row, hierarchical: bool = True, gpu_changes: dict = None, kernels: str = None) -> dict:
@@ -201,12 +201,12 @@ def predict(r: Row, hierarchical: bool = True, gpu_changes: dict = None, kernels
         mesh, kw = AbstractMesh((r.dp, r.mp), ("dp", "mp")), {}
     flops = formula_flops(r)
     t0 = time.perf_counter()
-    with kernel_policy(kernels or r.kernels):    # planned and priced with the run's kernels
-        est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "ring", gpu_changes),
-                           tokens=r.batch * r.seq, **kw)
-        planning_s = time.perf_counter() - t0
-        hier = (sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "hierarchical", gpu_changes),
-                             tokens=r.batch * r.seq, **kw) if hierarchical else None)
+    # planned and priced with the run's kernels (the cluster's)
+    est = sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "ring", gpu_changes, kernels),
+                       tokens=r.batch * r.seq, **kw)
+    planning_s = time.perf_counter() - t0
+    hier = (sp.plan_step(step, args, mesh=mesh, cost_model=cluster_for(r, "hierarchical", gpu_changes, kernels),
+                         tokens=r.batch * r.seq, **kw) if hierarchical else None)
     return dict(row=r, est=est, planning_s=planning_s, predicted=flops / r.gpus / est.step_s / 1e12,
                 hierarchical=flops / r.gpus / hier.step_s / 1e12 if hier else float("nan"),
                 graph_vs_formula=est.flops / flops)
@@ -260,14 +260,13 @@ def breakdown(rows, policies=("xla", None)) -> int:
         cfg = gpt_plan.GPT(layers=r.layers, hidden=r.hidden, heads=r.heads, seq=r.seq, vocab=r.vocab,
                            batch=r.batch, compute_dtype=r.dtype, remat=True, dropout=r.dropout, bias=r.bias)
         step, args = gpt_plan.train_step_and_args(cfg)
-        cluster = cluster_for(r, "ring")
-        cost = cluster.cost_model()
         for name in policies:
-            with kernel_policy(name or r.kernels) as policy:
-                est = sp.plan_step(step, args, mesh=AbstractMesh((r.dp, r.mp), ("dp", "mp")), cost_model=cluster,
-                                   tokens=r.batch * r.seq)
-                graph = est.plan.graph
-                resident = resident_values(graph)
+            cluster = cluster_for(r, "ring", kernels=name)
+            cost = cluster.cost_model()
+            est = sp.plan_step(step, args, mesh=AbstractMesh((r.dp, r.mp), ("dp", "mp")), cost_model=cluster,
+                               tokens=r.batch * r.seq)
+            graph = est.plan.graph
+            resident = resident_values(graph, cost.kernels)
             kernel = {op: k.pattern.replace(" backward", "") or ("matmul" if op.kind == "dot_general" else "other")
                       for k in builtin_policy("megatron-2021").kernels(graph) for op in k.ops}
             ms = collections.Counter()
@@ -279,7 +278,7 @@ def breakdown(rows, policies=("xla", None)) -> int:
                 loss = op.kind != "dot_general" and any(r.vocab in v.type.shape for v in op.inputs + op.outputs)
                 ms["loss" if loss else kernel[op]] += 1e3 * cost.compute_time(
                     *work, contraction=is_contraction(st.rule), unit=compute_unit(op))
-            print(f"{r.name} [{policy.name}] step {est.step_s * 1e3:.1f} ms: "
+            print(f"{r.name} [{cost.kernels}] step {est.step_s * 1e3:.1f} ms: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in ms.most_common()), flush=True)
     return 0
 

@@ -8,6 +8,7 @@ given, and with ``--auto`` the mesh shape too)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 USAGE = ("usage: shardprop launch [--nproc N | --gpus 0,1,...] [--devices-per-proc K] [--ips h1,h2] "
@@ -94,6 +95,9 @@ def plan(argv) -> int:
     ap.add_argument("--mesh", required=True, help="axis sizes and names, e.g. 16x64:dp,mp")
     ap.add_argument("--cluster", help="NODESxGPUS_PER_NODE:GPU, e.g. 128x8:a100-80gb (GPUs: v100-32gb, "
                                       "a100-80gb, h100-80gb); default: the default cost model")
+    ap.add_argument("--kernels", default="xla", help="with --cluster: which ops one kernel runs, as the step's framework "
+                                                     "launched them: xla (XLA's fusion, the default), megatron-2021, "
+                                                     "unfused")
     ap.add_argument("--auto", action="store_true", help="mode='auto': search every strategy (marks kept); with a pp "
                                                          "axis also the mesh shape (pp x dp x tp over its devices)")
     ap.add_argument("--microbatches", help="with a pp axis: micro-batches per step (default: searched)")
@@ -109,6 +113,11 @@ def plan(argv) -> int:
         fn, step_args, options = load_step(args.step)
         mesh = parse_mesh(args.mesh)
         cluster = Cluster.parse(args.cluster) if args.cluster else None
+        if args.kernels != "xla":
+            if cluster is None:
+                raise ShardingError(f"--kernels {args.kernels}: give --cluster too (the kernels are the GPUs' "
+                                    "cost model's)")
+            cluster = dataclasses.replace(cluster, kernels=args.kernels)
         if args.auto:
             options["mode"] = "auto"
         if args.microbatches or args.schedule or args.virtual_stages > 1:

@@ -411,7 +411,7 @@ def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: 
     for n in range(F - 1):
         acc += diff[n]
         crossing.append(acc)
-    resident = resident_values(graph)
+    resident = resident_values(graph, cost.kernels)
     # priced as passes.cost.modeled_step_time prices the whole step: a collective combined into
     # an earlier one's launch pays no latency; those whose results wait for the step's end share
     # one wait for their group

@@ -165,11 +165,14 @@ class Cluster:
     ``collectives``: how a group spanning nodes runs an all_reduce, reduce_scatter or
     all_gather: ``"hierarchical"`` (in the node, across nodes, in the node:
     ``hierarchical_time``) or ``"ring"`` (one flat ring over every member, as NCCL runs
-    them without a hierarchical decomposition: ``ring_time``)."""
+    them without a hierarchical decomposition: ``ring_time``). ``kernels``: which traced
+    ops one kernel runs, as the program's framework launched them (``CostModel.kernels``:
+    "xla", "unfused", "megatron-2021")."""
     nodes: int
     gpus_per_node: int = 8
     gpu: object = "a100-80gb"
     collectives: str = "hierarchical"
+    kernels: str = "xla"
 
     def __post_init__(self):
         if self.collectives not in SPANNING:
@@ -178,6 +181,8 @@ class Cluster:
                 and self.gpus_per_node >= 1):
             raise ShardingError(f"Cluster(nodes={self.nodes!r}, gpus_per_node={self.gpus_per_node!r}): both must be "
                                 "positive integers")
+        from .fusion import builtin_policy
+        builtin_policy(self.kernels)   # an unknown name: a ShardingError naming the known ones
         if isinstance(self.gpu, str):
             object.__setattr__(self, "gpu", GpuProfile.builtin(self.gpu))
         elif not isinstance(self.gpu, GpuProfile):
@@ -204,7 +209,8 @@ class Cluster:
                            flops_per_s=g.matmul_flops_per_s, memory_bytes_per_s=g.streaming_bytes_per_s,
                            memory_capacity_bytes=g.memory_capacity_bytes, device_kind=g.device_kind,
                            name=f"cluster {self.nodes}x{self.gpus_per_node} {g.name}",
-                           notes="published figures (passes/profiles), not measured", cluster=self)
+                           notes="published figures (passes/profiles), not measured", cluster=self,
+                           kernels=self.kernels)
 
     def __str__(self):
         ring = ", flat-ring collectives" if self.collectives == "ring" else ""

@@ -133,6 +133,9 @@ class CostModel:
     # ((devices busy, devices' work alone they get done at once), ...) with 1, 2, 4, ... of
     # the devices running the same matmuls (calibrate; (): not measured)
     at_once: tuple = ()
+    # which traced ops one kernel runs (passes/fusion.py KernelPolicy): "xla" (XLA's fusion),
+    # "unfused", or a framework's, e.g. "megatron-2021"; what reaches memory is priced
+    kernels: str = "xla"
     # whether ``compute_time`` reads each op's ``compute_unit`` (a cluster's GPU model does;
     # this model prices every op on one roofline)
     prices_units = False
@@ -147,7 +150,11 @@ class CostModel:
         return hash((self.latency_s, self.link_bytes_per_s, self.flops_per_s, self.memory_bytes_per_s,
                      self.contraction_bytes_per_s, self.sync_s, self.memory_capacity_bytes, self.links, self.device_count,
                      self.device_kind, self.name, self.combined_kinds, self.launch_share, self.alone,
-                     self.dispatch_s, self.transfer_s, self.at_once))
+                     self.dispatch_s, self.transfer_s, self.at_once, self.kernels))
+
+    def __post_init__(self):
+        from .fusion import builtin_policy
+        builtin_policy(self.kernels)   # an unknown name: a ShardingError naming the known ones
 
     # -- time ----------------------------------------------------------------
     def collective_time(self, wire_bytes: float, kind: Optional[str] = None, axes=None, mesh=None) -> float:
@@ -273,6 +280,7 @@ class CostModel:
                if self.dispatch_s is not None or self.transfer_s is not None else {}),
             **({"at_once": [list(x) for x in self.at_once]} if self.at_once else {}),
             "memory_capacity_bytes": self.memory_capacity_bytes,
+            **({"kernels": self.kernels} if self.kernels != "xla" else {}),
             "links": [{"group": [list(p) for p in group], "kind": kind or "*", **asdict(link)}
                       for group, kind, link in self.links],
             "notes": self.notes,
@@ -310,7 +318,8 @@ class CostModel:
                        device_kind=data.get("device_kind", ""), name=data.get("name", ""),
                        notes=data.get("notes", ""), alone=alone, dispatch_s=opt(driver.get("dispatch_s")),
                        transfer_s=opt(driver.get("transfer_s")),
-                       at_once=tuple((int(k), float(c)) for k, c in data.get("at_once", ())))
+                       at_once=tuple((int(k), float(c)) for k, c in data.get("at_once", ())),
+                       kernels=data.get("kernels", "xla"))
         except (KeyError, TypeError, ValueError) as e:
             raise ShardingError(f"{source}: malformed cost profile ({type(e).__name__}: {e}); "
                                 f"write a fresh one with `shardprop calibrate -o profile.json`") from None
@@ -597,7 +606,7 @@ def modeled_step_time(graph, cost: CostModel) -> dict:
 def _add_step_time(graph, cost: CostModel, mesh, times: int, compute: bool, out: dict) -> None:
     from ..ir.graph import is_collective
     from .fusion import resident_values
-    resident = resident_values(graph) if compute else frozenset()
+    resident = resident_values(graph, cost.kernels) if compute else frozenset()
     riders = combined_collectives(graph, cost.combined_kinds)
     terminal = terminal_values(graph)
     at_end = {op for op in graph.ops if is_collective(op) and op.kind != "slice"

@@ -21,13 +21,13 @@ kernel ran (``profiles/kernels-<name>.json``: the patterns and the framework sou
 that fused each); every other op is its own kernel, reading its operands from memory
 and writing its result. The same residency test prices both: a value stays out of
 memory only when its producer and every reader are one kernel. ``"unfused"`` is the
-far bound (every value in memory). ``with kernel_policy("megatron-2021"):`` prices
-everything planned inside it with that policy (``resident_values`` reads it).
+far bound (every value in memory). The policy is the cost model's (``CostModel.kernels``,
+``sp.Cluster(kernels=...)``): the planners' contexts, the step's price and a pipeline's
+stage costs all ask ``resident_values`` with it, so the search picks strategies under the
+kernels it is priced with.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import json
 from dataclasses import dataclass, field
@@ -125,6 +125,7 @@ def _components(graph, resident) -> list:
 
 
 @functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=16)   # (a policy file read once per name)
 def builtin_policy(name: str) -> KernelPolicy:
     """"xla", "unfused" or a framework's policy from ``profiles/kernels-<name>.json``."""
     if name in ("xla", "unfused"):
@@ -145,31 +146,13 @@ def builtin_policy(name: str) -> KernelPolicy:
 
 
 def policy_for(kernels) -> KernelPolicy:
-    """A ``KernelPolicy`` from a policy or a built-in name; None: the active one (``kernel_policy``)."""
-    if kernels is None:
-        kernels = _ACTIVE.get()
+    """A ``KernelPolicy`` from a policy or a built-in name."""
     return kernels if isinstance(kernels, KernelPolicy) else builtin_policy(kernels)
 
 
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardprop_kernel_policy", default="xla")
-
-
-@contextlib.contextmanager
-def kernel_policy(kernels):
-    """Plan and price everything inside the ``with`` block with ``kernels`` (a
-    ``KernelPolicy`` or a built-in name): planning reads ``resident_values`` for its
-    graphs, so the search, the step's price and a pipeline's stage costs all see it."""
-    token = _ACTIVE.set(policy_for(kernels))
-    try:
-        yield _ACTIVE.get()
-    finally:
-        _ACTIVE.reset(token)
-
-
-def resident_values(graph, kernels=None) -> frozenset:
+def resident_values(graph, kernels="xla") -> frozenset:
     """The values of ``graph`` (not its loop bodies) that stay out of memory under
-    ``kernels`` (a ``KernelPolicy`` or a name; None: the active policy, "xla" unless a
-    ``kernel_policy`` block says otherwise)."""
+    ``kernels`` (a ``KernelPolicy`` or a built-in name; a cost model's is ``cost.kernels``)."""
     return policy_for(kernels).resident(graph)
 
 

@@ -67,7 +67,7 @@ class PropagateSharding:
         """``graph``'s plan context (rules, signatures, maps, resident values, step end)."""
         ctx = self._contexts.get(id(graph))
         if ctx is None or ctx.graph is not graph:
-            ctx = self._contexts[id(graph)] = PlanContext(graph, self.book)
+            ctx = self._contexts[id(graph)] = PlanContext(graph, self.book, self.cost.kernels)
         return ctx
 
     def compute_times_of(self, graph: Graph) -> ComputeTimes:

@@ -1,6 +1,7 @@
 """Kernel policies (passes/fusion.py): which traced ops one kernel runs, as a framework
 launched them; "xla" (the default) prices as before."""
 import collections
+import dataclasses
 import os
 import sys
 
@@ -90,19 +91,42 @@ def test_values_between_kernels_reach_memory(gpt_step):
 @pytest.mark.slow   # plans a GPT step (1-3 s on a loaded 2-core machine)
 def test_xla_is_the_default_and_prices_as_before(gpt_step):
     graph, cost = gpt_step
-    assert fusion.resident_values(graph) == fusion.xla_resident(graph)
+    assert cost.kernels == "xla" and fusion.resident_values(graph) == fusion.xla_resident(graph)
     before = modeled_step_time(graph, cost)
-    with fusion.kernel_policy("xla"):
-        assert modeled_step_time(graph, cost) == before
-    with fusion.kernel_policy("megatron-2021") as policy:
-        assert policy.name == "megatron-2021" and fusion.resident_values(graph) != fusion.xla_resident(graph)
-        megatron = modeled_step_time(graph, cost)
-    with fusion.kernel_policy("unfused"):
-        unfused = modeled_step_time(graph, cost)
-    assert modeled_step_time(graph, cost) == before      # the block's policy ends with it
+    megatron = modeled_step_time(graph, dataclasses.replace(cost, kernels="megatron-2021"))
+    unfused = modeled_step_time(graph, dataclasses.replace(cost, kernels="unfused"))
+    assert modeled_step_time(graph, cost) == before
     # nothing in memory can only cost more: unfused is the far bound of both
     assert unfused["compute"] >= max(before["compute"], megatron["compute"])
     assert megatron["compute"] != before["compute"] and megatron["communication"] == before["communication"]
+
+
+@pytest.mark.slow   # plans a GPT step twice
+def test_the_clusters_kernels_plan_and_price_the_step():
+    """sp.Cluster(kernels=...) is the cost model's policy: plan_step plans and prices with it
+    (a fresh plan, the same step), and a profile keeps it through save and load."""
+    cfg = gpt_plan.GPT(layers=1, hidden=64, heads=4, seq=16, vocab=128, batch=4, compute_dtype="float16",
+                       remat=True, dropout=0.1, bias=True)
+    step, args = gpt_plan.train_step_and_args(cfg)
+    mesh = AbstractMesh((2, 4), ("dp", "mp"))
+    xla = sp.plan_step(step, args, mesh=mesh, cost_model=sp.Cluster(1, 8, "v100-32gb"))
+    cluster = sp.Cluster(1, 8, "v100-32gb", kernels="megatron-2021")
+    megatron = sp.plan_step(step, args, mesh=mesh, cost_model=cluster)
+    assert megatron.step_s > xla.step_s
+    # the estimate is the step priced with the cluster's kernels, not with XLA's fusion
+    graph, cost = megatron.plan.graph, cluster.cost_model()
+    assert megatron.step_s == pytest.approx(modeled_step_time(graph, cost)["total"])
+    assert megatron.step_s > modeled_step_time(graph, dataclasses.replace(cost, kernels="xla"))["total"]
+    with pytest.raises(ShardingError, match="no kernel policy 'pytorch'"):
+        sp.Cluster(1, 8, "v100-32gb", kernels="pytorch")
+
+
+def test_a_profile_keeps_its_kernels(tmp_path):
+    from shardprop.passes.cost import CostModel
+    model = dataclasses.replace(CostModel.builtin("h100"), kernels="megatron-2021")
+    model.save(tmp_path / "p.json")
+    assert CostModel.load(tmp_path / "p.json").kernels == "megatron-2021"
+    assert CostModel.builtin("h100").kernels == "xla"
 
 
 def test_policy_names_and_sources():

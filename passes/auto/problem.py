@@ -103,7 +103,7 @@ class Problem:
         self._class_ids: dict = {}
         self._matrix_cache: dict = {}
         # the graph as both planners read it (rules, users, resident values, step end)
-        self.ctx = like.ctx if like is not None and like.graph is graph else PlanContext(graph, RuleBook())
+        self.ctx = like.ctx if like is not None and like.graph is graph else PlanContext(graph, RuleBook(), cost.kernels)
         self.rules = self.ctx.rule
         self.compute_times = self.ctx.compute_times(cost, self.mesh)
         # values whose all_reduces XLA launches together at the step's end

@@ -67,8 +67,8 @@ class RuleBook:
 class PlanContext:
     """A graph as both planners read it (see module doc); every part built once."""
 
-    def __init__(self, graph: Graph, book: RuleBook):
-        self.graph, self.book = graph, book
+    def __init__(self, graph: Graph, book: RuleBook, kernels="xla"):
+        self.graph, self.book, self.kernels = graph, book, kernels   # kernels: the cost model's policy
         self._compute: dict = {}   # (id of a cost model, mesh) -> (the model, its ComputeTimes)
 
     def compute_times(self, cost: CostModel, mesh) -> ComputeTimes:
@@ -98,7 +98,7 @@ class PlanContext:
     @functools.cached_property
     def resident(self) -> frozenset:
         """The values fusion keeps out of memory (``fusion.resident_values``)."""
-        return resident_values(self.graph)
+        return resident_values(self.graph, self.kernels)
 
     @functools.cached_property
     def step_end(self) -> StepEnd:
