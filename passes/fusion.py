@@ -124,8 +124,7 @@ def _components(graph, resident) -> list:
     return [Kernel("", tuple(g)) for g in groups.values()]
 
 
-@functools.lru_cache(maxsize=8)
-@functools.lru_cache(maxsize=16)   # (a policy file read once per name)
+@functools.lru_cache(maxsize=8)   # (a policy file read once per name)
 def builtin_policy(name: str) -> KernelPolicy:
     """"xla", "unfused" or a framework's policy from ``profiles/kernels-<name>.json``."""
     if name in ("xla", "unfused"):
