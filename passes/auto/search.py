@@ -307,7 +307,7 @@ class SearchStrategies:
             # activations meet), rather than from the unlimited solve
             over = [memory.peak(h.choice)[1] for h in plans if h.choice is not None and not h.fits]
             sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest, start, seed=over,
-                                                    warm=warm, beaten=beat is not None)
+                                                    warm=warm)
             if sol is None and start is None:
                 return problem, None, smallest
         small = follow and share_layers and len(graph.ops) <= self.exact_ops
@@ -363,7 +363,7 @@ class SearchStrategies:
         return left if self.time_limit is None else min(self.time_limit, left)
 
     def _solve_under_limit(self, red, problem: Problem, memory: "_Liveness", limit: float, smallest: tuple,
-                           start=None, seed=(), warm=None, beaten: bool = False):
+                           start=None, seed=(), warm=None):
         """(solution that fits or None, the smallest-peak plan met). First, from the rows
         ``seed`` gives (where the hand plans over the limit peak), the rows' LP
         relaxation, rounded (``_relaxed_round``): a rounded plan that fits within
@@ -376,22 +376,18 @@ class SearchStrategies:
         (``hand.py``); where the time budget runs out (or a solve runs out of time before
         any plan) the search returns None and falls back to it, with the first round's
         bound (the unlimited optimum) as its proven gap. ``warm``: the problem's
-        ``warm_lp.WarmLP`` (the LP rounds go on from its last basis), or None. ``beaten``:
-        another arrangement has a plan, so the multipliers get no time beyond the budget."""
+        ``warm_lp.WarmLP`` (the LP rounds go on from its last basis), or None."""
         lag = None
 
         def multipliers():
             nonlocal smallest
             # (the last resort where no plan was found: within the budget, but given at least
-            # MULTIPLIERS_MIN_S to find one that fits, unless another arrangement has a plan)
+            # MULTIPLIERS_MIN_S to find one that fits)
             left = self._left()
-            if left is not None and left <= 0.05 and beaten:
-                raise ShardingError("the time budget is spent, and another arrangement has a plan")
             with self._phase("multipliers"):
                 out = lagrange.search(red, problem.objective, memory.peak, memory.row, limit,
                                       tolerance=self.memory_tolerance,
-                                      time_limit=self.time_limit if left is None else
-                                      left if beaten else max(left, MULTIPLIERS_MIN_S))
+                                      time_limit=self.time_limit if left is None else max(left, MULTIPLIERS_MIN_S))
             if out.smallest is not None and out.smallest[0] < smallest[0]:
                 smallest = out.smallest
             return out
