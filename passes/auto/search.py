@@ -749,7 +749,7 @@ def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], pr
     (each decision at the candidate it weighs most) is over a row, the fractional
     decisions whose leanest candidate the LP weighs (the fewest bytes in the rows)
     saves bytes most cheaply (``_switch_cost`` against that plan, per byte) are fixed to
-    it, as many as cover the excess; once it is not, the quarter it is surest of are
+    it, as many as cover the excess; once it is not, the half (``share``) it is surest of are
     fixed to their heaviest candidate. The LP is solved again from its last basis after
     each batch; a batch that leaves it infeasible is halved, a single one skipped.
 
