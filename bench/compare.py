@@ -323,9 +323,10 @@ def limited_hand_plans(case: zoo.Case) -> dict:
     return plans
 
 
-def run_limited(case: zoo.Case, reps: int, fracs: list, cost_model) -> list[dict]:
+def run_limited(case: zoo.Case, reps: int, fracs: list, cost_model, measure: bool = False) -> list[dict]:
     """Per limit: auto's plan under it (search seconds, compiled peak, bytes) and the hand
-    plans whose compiled peak fits, all timed in turns (interleaved medians)."""
+    plans whose compiled peak fits, all timed in turns (interleaved medians). ``measure``:
+    auto with ``measure=True`` (it times its close candidates itself and keeps the fastest)."""
     shape, names = case.mesh
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
     n = mesh.devices.size
@@ -360,8 +361,10 @@ def run_limited(case: zoo.Case, reps: int, fracs: list, cost_model) -> list[dict
         a = jax.tree_util.tree_map(np.array, host)
         try:
             pf = sp.parallelize(fresh(case.fn), mesh=mesh, mode="auto", donate_argnums=case.state_argnums,
-                                progress=False, cost_model=cost_model, memory_limit=limit)
+                                progress=False, cost_model=cost_model, memory_limit=limit, measure=measure)
+            t_plan = time.perf_counter()
             plan = pf.plan(*a)
+            t_plan = time.perf_counter() - t_plan
             comp = pf.lower(*a).compile()
             compiled = pf._compile(a, {})
             step = feedback(comp, pf._flat_inputs(compiled, a, {}), plan.graph.tied_outputs)
@@ -370,7 +373,10 @@ def run_limited(case: zoo.Case, reps: int, fracs: list, cost_model) -> list[dict
             row["error"] = str(e).splitlines()[0]
             rows.append(row)
             continue
-        row.update(search_s=plan.pass_seconds["search-strategies"], modeled_peak=plan.cost.peak_memory,
+        row.update(search_s=plan.pass_seconds["search-strategies"], plan_s=t_plan,
+                   kept=next((m.name for m in plan.cost.measured if m.note == "kept"), None),
+                   measured=[str(m) for m in plan.cost.measured],
+                   modeled_peak=plan.cost.peak_memory,
                    memory=peak_memory(comp), bytes=collectives(comp.as_text(), n).bytes,
                    correct=close(out, reference, case.train), status=plan.cost.solver.get("status", ""),
                    gap=plan.cost.solver.get("gap", 0.0),
@@ -508,6 +514,8 @@ def main():
     ap.add_argument("--limits", help="(--auto --hand) memory limits as fractions of the free plan's modeled peak, "
                     "e.g. 0.5,0.7,0.9: auto under each against the hand plans whose compiled peak fits (FSDP and "
                     "tp+FSDP included)")
+    ap.add_argument("--measure", action="store_true", help="(--limits) auto with measure=True: it compiles and "
+                    "times the hand plans the model prices close to its own plan, and keeps the fastest")
     args = ap.parse_args()
     reps = 5 if args.quick else 21
     if args.auto and args.limits:
@@ -521,8 +529,15 @@ def main():
             if args.cases and case.name not in args.cases:
                 continue
             print(f"... {case.name} (auto under limits {fracs})", file=sys.stderr, flush=True)
-            rows += run_limited(case, reps, fracs, args.cost_model)
+            rows += run_limited(case, reps, fracs, args.cost_model, measure=args.measure)
         print(limits_table(rows))
+        if args.measure:
+            print("\nmeasure=True: auto's plan() seconds (search, memory check, and the candidates compiled and "
+                  "timed), and the plan it kept:")
+            for r in rows:
+                if "error" not in r:
+                    print(f"  {r['case']} {r['frac']}: {r['plan_s']:.1f} s, kept {r['kept']}")
+                    print("\n".join(f"      {m}" for m in r["measured"]))
         print(f"\nlimit: fraction of auto's free plan's modeled peak; peak/limit: auto's compiled peak "
               f"(memory_analysis) over the limit; XLA/model: that compiled peak over auto's modeled peak; a hand plan fits where its compiled peak is under the limit; "
               f"model: auto's plan over the marks' plan, both priced as written by the model auto plans with; "

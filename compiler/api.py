@@ -1,6 +1,7 @@
 """``parallelize``: a single-device JAX function in, an SPMD function out."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
@@ -20,6 +21,7 @@ from ..runtime.plan_data import load_plan_data
 
 from .annotate import caller_source, normalize_tensor_strategy
 from .fsdp import apply_fsdp, planned_input_layouts
+from . import measure as measuring
 from .memory_check import MemoryRound, ModeledLimits, abstract_inputs, compiled_memory, does_not_fit
 from .pipeline import Options, gc_paused, run_pipeline
 from .plan import Plan
@@ -119,12 +121,15 @@ class ParallelFunction:
 
     def __init__(self, fn, *, mesh, mode, in_strategy, out_strategy, dump_dir, fuse_reduce_scatter, cost_model,
                  donate_argnums, verify, batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
-                 progress=None, memory_limit=None, shard_params=False, param_argnums=(0,)):
+                 progress=None, memory_limit=None, shard_params=False, param_argnums=(0,), measure=False):
         if mode not in MODES:
             raise ShardingError(f"mode={mode!r} is not one of {MODES}")
         initialize_distributed()   # join a multi-process run (launcher, mpirun, SLURM) before looking at devices
         self.fn = fn
         self.mesh_spec = resolve_mesh(mesh)
+        self.measure = bool(measure)
+        if measure:
+            _check_measure(mode, self.mesh_spec, fn)
         self.mode = mode
         self.batch_argnums = batch_argnums
         self.shard_optimizer_state = shard_optimizer_state
@@ -133,7 +138,8 @@ class ParallelFunction:
         self.param_argnums = tuple(param_argnums)
         self.options = Options(mode=mode if mode in ("semi_auto", "auto") else "sharding_propagation",
                                fuse_reduce_scatter=fuse_reduce_scatter, cost=resolve_cost_model(cost_model, self.mesh_spec.ir_mesh),
-                               verify=verify, memory_limit=_memory_limit(memory_limit, mode))
+                               verify=verify, memory_limit=_memory_limit(memory_limit, mode),
+                               compare_hands=bool(measure))
         cluster_cap = getattr(getattr(self.options.cost, "cluster", None), "gpu", None)
         if mode == "auto" and memory_limit is None and cluster_cap is not None:   # a Cluster's GPUs hold this much
             self.options = replace(self.options, memory_limit=cluster_cap.memory_capacity_bytes)
@@ -230,6 +236,8 @@ class ParallelFunction:
         compiled = self._plan_and_lower(args, kwargs, progress, options)
         if fit:
             compiled = self._fit_compiled(compiled, args, kwargs, progress, options)
+        if self.measure:
+            compiled = self._fastest(compiled, args, kwargs, progress, options)
         self._cache[key] = compiled
         if self.dump_dir and not self._dumped:
             progress.stage("writing dumps")
@@ -298,6 +306,49 @@ class ParallelFunction:
         cost.compiled_memory = used
         cost.memory_checks = tuple(limits.rounds)
         return compiled
+
+    def _fastest(self, compiled: Compiled, args, kwargs, progress: CompileProgress, base: Options) -> Compiled:
+        """measure=True (``compiler/measure.py``): the search's plan and the hand plans the
+        model prices close to it, each compiled, those over the memory limit left out,
+        timed in turns; the fastest is returned, every figure in ``plan.cost.measured``."""
+        cost = compiled.plan.cost
+        mine = cost.written_time or cost.step_time
+        limit = self.options.memory_limit
+        leaves = list(jax.tree_util.tree_leaves((args, kwargs)))
+        runs, left_out = [("search", compiled, mine)], []
+        for h in measuring.candidates(cost.hand_plans, mine, limit):
+            progress.stage(f"the hand plan {h.name}, to time it")
+            options = replace(base, pick_hand=h.label, search_deadline=None)
+            try:
+                c = self._plan_and_lower(args, kwargs, progress, options)
+            except ShardingError as e:
+                left_out.append(measuring.Measured(h.label, h.written, None, "not planned: " + str(e).splitlines()[0]))
+                continue
+            used = None
+            if limit is not None:
+                with jax.set_mesh(c.mesh):
+                    used = compiled_memory(c.fn, abstract_inputs(leaves + c.consts, c.in_shardings))
+            if used is not None and used.total > limit:
+                left_out.append(measuring.Measured(h.label, h.written, None,
+                                                 f"compiled {used.total:,} bytes per device, over the limit {limit:,}"))
+                continue
+            c.plan.cost.compiled_memory = used if used is not None else c.plan.cost.compiled_memory
+            runs.append((h.label, c, h.written))
+        progress.stage(f"timing {len(runs)} plans")
+        steps = []
+        for _, c, _ in runs:
+            abstract = abstract_inputs(leaves + c.consts, c.in_shardings)
+            steps.append((functools.partial(_call_in_mesh, c), functools.partial(measuring.zero_inputs, abstract)))
+        seconds = measuring.median_steps(steps)
+        best = min(range(len(runs)), key=seconds.__getitem__)
+        timed = [measuring.Measured(name, modeled, t, "kept" if i == best else "")
+                 for i, ((name, _, modeled), t) in enumerate(zip(runs, seconds))]
+        kept = runs[best][1]
+        kept.plan.cost.measured = tuple(timed + left_out)
+        if best:   # (what the limit's checks found holds for the search's plan, not this one)
+            kept.plan.cost.memory_limit = cost.memory_limit
+            kept.plan.cost.memory_checks = cost.memory_checks
+        return kept
 
     def _trace(self, args, kwargs):
         graph, out_tree = self._trace_pinned(args, kwargs)
@@ -381,7 +432,7 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                 cost_model=None, donate_argnums=(), verify: bool = False,
                 batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
                 progress: Optional[bool] = None, memory_limit=None, shard_params=False,
-                param_argnums=(0,), pipeline=None) -> ParallelFunction:
+                param_argnums=(0,), pipeline=None, measure: bool = False) -> ParallelFunction:
     """Make ``fn`` run SPMD on ``mesh``.
 
     mesh: a device count (the first N devices), a ``jax.sharding.Mesh``, or
@@ -439,6 +490,11 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         whose ``pp`` axis has more than one device pipelines the step without
         ``pipeline=``: as ``sp.Pipeline(microbatches="auto", schedule="auto")``, the cuts
         searched too where the step has no ``stage_boundary`` mark.
+    measure: ``mode="auto"``: time the search's plan beside the hand plans (DP, ZeRO-1,
+        FSDP, Megatron, tp+FSDP) that fit and that the model prices within 50% of it,
+        each compiled and run a few steps on zeros, and keep the fastest
+        (``compiler/measure.py``; ``plan.cost.measured``). For hardware the cost model
+        describes poorly; it adds a compile and a few steps per plan timed.
     """
     implied = pipeline is None and mode == "auto" and _has_pipeline_axis(mesh, fn)
     if implied:
@@ -453,7 +509,7 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                  "in_strategy": in_strategy is not None,
                  "out_strategy": out_strategy is not None, "fuse_reduce_scatter": not fuse_reduce_scatter,
                  "donate_argnums": bool(donate_argnums), "verify": verify,
-                 "shard_params": bool(shard_params)}
+                 "shard_params": bool(shard_params), "measure": bool(measure)}
         unsupported = [name for name, set_ in given.items() if set_]
         if unsupported:
             what = ("mode='auto' on a mesh with a 'pp' axis pipelines the step, and a pipelined step"
@@ -472,7 +528,26 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                             donate_argnums=donate_argnums, verify=verify, batch_argnums=batch_argnums,
                             shard_optimizer_state=shard_optimizer_state, optimizer_argnums=optimizer_argnums,
                             progress=progress, memory_limit=memory_limit, shard_params=shard_params,
-                            param_argnums=param_argnums)
+                            param_argnums=param_argnums, measure=measure)
+
+
+def _call_in_mesh(c: Compiled, *inputs):
+    with jax.set_mesh(c.mesh):
+        return c.fn(*inputs)
+
+
+def _check_measure(mode: str, spec, fn) -> None:
+    """measure=True times compiled plans here: it needs mode="auto" (the plans to time are
+    the search's and the hand plans it compared with), devices present, and one process
+    (every process must run the same plan, and each would time its own)."""
+    why = ("it times the search's plan against the hand plans, which only mode='auto' has" if mode != "auto" else
+           "it runs the plans it times, and this mesh has devices that are not here" if spec.abstract else
+           f"each of the {jax.process_count()} processes would time and keep its own plan"
+           if jax.process_count() > 1 else None)
+    if why:
+        raise sharding_error(f"measure=True: {why}", operator=f"parallelize({getattr(fn, '__name__', 'fn')})",
+                             source=caller_source(), shapes=None, strategy=f"mode={mode!r}",
+                             fix="use mode='auto' on the devices of one process, or drop measure=True")
 
 
 def _has_pipeline_axis(mesh, fn) -> bool:

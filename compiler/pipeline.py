@@ -47,6 +47,9 @@ class Options:
     # mode="auto": when the search's time budget ends (time.perf_counter()), shared by the
     # searches of one compile (the memory check's rounds); None: each search its own budget
     search_deadline: Optional[float] = None
+    # mode="auto": write the hand plan of this label instead of searching (compiler/measure.py)
+    pick_hand: Optional[str] = None
+    compare_hands: bool = False   # mode="auto": the hand plans solved without a limit too (measure=True)
 
 
 def default_passes(opts: Options) -> list:
@@ -56,7 +59,8 @@ def default_passes(opts: Options) -> list:
     # reason to choose another plan (so both forms plan alike, as MindSpore's dumps do).
     # MindSpore's form also settles op by op only (whole_round): the seed document's plan.
     # mode="auto": a solver picks every strategy (passes/auto); the passes after it are the same
-    choose = SearchStrategies(opts.cost, opts.memory_limit, deadline=opts.search_deadline) if opts.mode == "auto" else \
+    choose = SearchStrategies(opts.cost, opts.memory_limit, deadline=opts.search_deadline,
+                              pick=opts.pick_hand, compare_hands=opts.compare_hands) if opts.mode == "auto" else \
         PropagateSharding(opts.mode, opts.cost, True, whole_round=rs)
     return [BindUserStrategies(), choose, SinkReductions(),
             InsertReshards(rs, opts.cost), ReshardToCollectives(rs, opts.cost), Localize()]

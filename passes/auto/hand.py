@@ -59,6 +59,11 @@ class HandPlan:
     choice: Optional[dict] = None
     note: str = ""
 
+    @property
+    def label(self) -> str:
+        """What names this plan among a compile's hand plans (``SearchStrategies(pick=)``)."""
+        return f"{self.name} {self.axes}"
+
     def __str__(self):
         if self.time is None:
             return f"{self.name:<9} {self.axes:<24} n/a: {self.note}"

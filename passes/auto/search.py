@@ -120,6 +120,7 @@ class SearchResult:
     written_time: Optional[float] = None   # step_time as insert-reshards writes the plan (a copy several ops read, once)
     compiled_memory: Any = None     # what XLA allocates per device (compiler/memory_check.py), where checked
     memory_checks: tuple = ()       # each plan compiled against the limit: modeled limit, peak, compiled
+    measured: tuple = ()            # measure=True: compiler.measure.Measured per candidate timed
 
     def __str__(self):
         lines = [f"modeled step {self.step_time * 1e3:.4f} ms on {self.mesh} (compute {self.compute_time * 1e3:.4f} ms, "
@@ -133,6 +134,9 @@ class SearchResult:
             lines.append(f"compiled per device {self.compiled_memory}")
         if len(self.memory_checks) > 1:
             lines += [f"  memory round {k}: {r}" for k, r in enumerate(self.memory_checks, start=1)]
+        if self.measured:
+            lines.append("measured (measure=True: the fastest is kept):")
+            lines += [f"  {m}" for m in self.measured]
         if self.hand_plans:
             lines.append("hand plans compared with (their storage layouts, each op's strategy solved for them; "
                          "modeled):")
@@ -156,11 +160,16 @@ class SearchStrategies:
                  time_limit: Optional[float] = 60.0, allow_reduce_scatter: bool = True,
                  memory_method: str = "exact", memory_tolerance: float = 0.01, exact_ops: int = EXACT_OPS,
                  time_budget: Optional[float] = TIME_BUDGET, deadline: Optional[float] = None,
-                 relaxed_gap: Optional[float] = RELAXED_GAP):
+                 relaxed_gap: Optional[float] = RELAXED_GAP, pick: Optional[str] = None,
+                 compare_hands: bool = False):
         """``deadline``: when the budget ends (``time.perf_counter()``), where the searches of
         one compile share it; None: ``time_budget`` seconds from each call. ``relaxed_gap``:
         under a limit, a rounded LP plan proven within this of the best is kept without
-        the exact rows (None: the exact rows always)."""
+        the exact rows (None: the exact rows always). ``pick``: write the hand plan of
+        this ``HandPlan.label`` instead of searching (``compiler/measure.py`` times it
+        beside the search's plan). ``compare_hands``: solve the hand plans without a memory
+        limit too (under one they always are), for ``measure=True`` to time."""
+        self.pick, self.compare_hands = pick, compare_hands
         self.relaxed_gap = relaxed_gap
         self.cost = cost
         self.time_budget = time_budget
@@ -206,9 +215,14 @@ class SearchStrategies:
             solved.append((mesh,) + found)
             if found[1] is not None and (best_objective is None or found[1].objective < best_objective):
                 best_objective = found[1].objective
+        if self.pick is not None:   # (the arrangement that has the hand plan of that name)
+            solved = [s for s in solved if s[2] is not None] or solved
         mesh, problem, solution, peak = self._refine_best(graph, solved) if len(meshes) > 1 else solved[0]
         graph.set_mesh(mesh)
         if solution is None:
+            if self.pick is not None:
+                raise ShardingError(f"no hand plan {self.pick!r} that fits on {graph.mesh} among "
+                                    f"{[h.label for h in self._hands]}: pick one of those")
             raise self._overflow(problem, peak)
         self._write(graph, problem, solution)
         graph.auto = self._result(problem, solution)
@@ -270,7 +284,7 @@ class SearchStrategies:
         # (without a limit the solve's optimum is at most each of them: each is this problem
         # with its arguments' layouts narrowed; they matter where memory rows bind)
         with self._phase("warm LP model"):
-            fams = hand.families(problem) if hands and limit is not None else []
+            fams = hand.families(problem) if hands and (limit is not None or self.compare_hands) else []
             warm = _warm_model(problem, memory, fams) if limit is not None else None
         t_hand = time.perf_counter()
         with self._phase("hand plans"):
@@ -284,6 +298,8 @@ class SearchStrategies:
         for h in plans:
             h.axes = f"{h.axes} ({problem.mesh})"
         self._hands = getattr(self, "_hands", []) + plans
+        if self.pick is not None:
+            return self._picked(graph, problem, plans, limit)
         # the plan to return at least as cheap as, as written (a copy several ops read made
         # once, as insert-reshards writes it: the objective prices it once per reader, which
         # put Megatron's plans up to 28% above their programs, the layer norms' partial
@@ -354,6 +370,16 @@ class SearchStrategies:
                 out.plan, out.peak, out.modeled, out.claimed = kept            # objective, not always this)
                 peak = out.peak
         return out, peak
+
+    def _picked(self, graph: Graph, problem: Problem, plans: list, limit):
+        """(problem, the hand plan named ``self.pick`` as the plan, its peak), refined as the
+        search's own would be; (problem, None, None) where this arrangement has none that fits."""
+        h = next((h for h in plans if h.label == self.pick and h.fits and h.choice is not None), None)
+        if h is None:
+            return problem, None, None
+        sol, peak = self._from_hand(graph, problem, h, None, limit, refine=True)
+        sol.status = f"the hand plan {h.label}, picked (measure=True times it beside the search's plan)"
+        return problem, sol, peak
 
     def _left(self) -> Optional[float]:
         """Seconds a solve may take: the time limit, or what is left of the budget."""
