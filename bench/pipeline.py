@@ -309,8 +309,10 @@ def branches(a, fns):
 
 
 def threading(fns, width, batch, p):
-    """One matmul program on one device, and the same program on ``p`` devices at once
-    (one shard_map): whether the forced devices run side by side on this machine."""
+    """One matmul program on one device, and the same program on ``p`` devices at once:
+    one shard_map (as the SPMD lowering runs), and ``p`` programs each dispatched to its
+    own device (as the MPMD driver runs them): whether the forced devices run side by side
+    on this machine, either way."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     w = jnp.ones((width, width), jnp.float32)
     x = jnp.ones((batch, width), jnp.float32)
@@ -320,8 +322,10 @@ def threading(fns, width, batch, p):
                                  in_specs=(P("pp"), P("pp")), out_specs=P("pp")))
     xs = jax.device_put(jnp.stack([x] * p), NamedSharding(mesh, P("pp")))
     ws = jax.device_put(jnp.stack([w] * p), NamedSharding(mesh, P("pp")))
+    own = [(jax.device_put(x, d), jax.device_put(w, d)) for d in jax.devices()[:p]]
     fns[("threads", 1)] = lambda: jax.block_until_ready(one(x, w))
     fns[("threads", p)] = lambda: jax.block_until_ready(many(xs, ws))
+    fns[("threads", "separate", p)] = lambda: jax.block_until_ready([one(*a) for a in own])
 
 
 def main(argv=None):
@@ -463,7 +467,9 @@ def main(argv=None):
                  f"({'side by side' if cores is None else f'{float(_capacity(cores, p)):.2f} ranks of work done with all {p} running'}), then the once "
                  f"ops sharing it{driver}. Measured here: a matmul program on one device {med[('threads', 1)] * 1e3:.2f} "
                  f"ms, on {p} devices at once {med[('threads', p)] * 1e3:.2f} ms, so {p} devices progress as "
-                 f"{together:.2f} alone (at least 1); 'measured cores' is the same model with that in place of the "
+                 f"{together:.2f} alone (at least 1; as {p} programs each dispatched to its device, the MPMD "
+                 f"driver's way, {med[('threads', 'separate', p)] * 1e3:.2f} ms, "
+                 f"{p * med[('threads', 1)] / med[('threads', 'separate', p)]:.2f} alone); 'measured cores' is the same model with that in place of the "
                  f"{host_cores()} cores, in the sharing and in the calibration's contention ({cost.device_count} / "
                  f"{together:.2f}: as if calibrated under this run's load)")
     for name, r in runs.items():
