@@ -667,34 +667,40 @@ class MpmdProgram:
     def _load_multi(self, leaves, vals):
         """The inputs on this process's ranks. A state input that another process's rank
         holds (the step's own output there) comes over by a move both processes take part
-        in; every process walks the loads in the same order and takes the same decisions
-        (they depend on global layouts only)."""
+        in; any other input is each process's own copy (host data, or an array on its
+        devices), placed on its ranks. Every process walks the loads in the same order and
+        takes the same decisions: whether an input is the step's output is the same on all
+        of them, where an array of its own lies is not (jax puts it on each process's first
+        device)."""
         copies = {id(x): (x, c, homes) for x, c, homes in self._copies}
         spanning = {}                   # inputs gathered from every process (once each)
         for i in sorted({i for i, _ in list(self.loads) + list(self.batch_loads)}):
             x = leaves[i]
-            if isinstance(x, jax.Array) and _rank_of_array(x, self.groups) is None and \
+            if isinstance(x, jax.Array) and id(x) not in copies and \
                     len({dev.process_index for dev in x.devices()}) > 1 and not x.sharding.is_fully_replicated:
                 spanning[i] = self._host_side(x, i)
         for (i, d), r in self.loads.items():
             x = leaves[i]
             kept = copies.get(id(x))
-            if kept is not None and kept[0] is x and d in kept[2]:
-                if self.local[d]:
-                    vals[r] = kept[1][d]
-                continue
-            src = _rank_of_array(x, self.groups)
-            if src is None or src == d or (self.local[src] and self.local[d]):
+            if kept is None or kept[0] is not x:             # not the step's output: this process's own
                 if self.local[d]:
                     vals[r] = self._put(spanning[i] if i in spanning else self._host_side(x, i), i, d)
                 continue
-            if not (self.local[src] or self.local[d]):
+            if d in kept[2]:                                 # the step's output, held on rank d already
+                if self.local[d]:
+                    vals[r] = kept[1][d]
                 continue
-            got = self.xfers.move([x] if self.local[src] else [None], [jax.ShapeDtypeStruct(x.shape, x.dtype)],
-                                  [x.sharding], self.group_lists[d])
-            self.input_transfers.append((src, d, "input", tuple(x.shape)))
-            if got is not None:
-                vals[r] = self._put(got[0], i, d)
+            src = min(kept[2])
+            if self.local[src] and self.local[d]:
+                vals[r] = self._put(kept[1][src], i, d)
+            elif self.local[src] or self.local[d]:
+                # from its (lowest) holder, in its layout there (known to both processes)
+                got = self.xfers.move([kept[1][src]] if self.local[src] else [None],
+                                      [jax.ShapeDtypeStruct(x.shape, x.dtype)],
+                                      [mirrored(x.sharding, self.group_lists[src])], self.group_lists[d])
+                self.input_transfers.append((src, d, "input", tuple(x.shape)))
+                if got is not None:
+                    vals[r] = self._put(got[0], i, d)
         for (i, d), regs in self.batch_loads.items():
             if self.local[d]:
                 x = spanning[i] if i in spanning else self._host_side(leaves[i], i)
@@ -744,8 +750,7 @@ class MpmdProgram:
                 if kind in ("packed", "shared"):
                     where, shape = self._state_sharding(h, n)
                     x = held[h] if self.local[h] else empty_like_on(shape, v.aval.dtype, where)
-                    if len(homes) > 1:
-                        new_copies.append((x, held, set(homes)))
+                    new_copies.append((x, held, set(homes)))
                 else:
                     shape = self._state_sharding(h, n)[1]
                     x = self.xfers.broadcast(held.get(h), jax.ShapeDtypeStruct(shape, v.aval.dtype),
