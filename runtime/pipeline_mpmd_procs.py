@@ -51,10 +51,6 @@ def empty_like_on(shape, dtype, sharding):
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=np.dtype(dtype))
 
 
-def process_of(devices) -> set:
-    return {d.process_index for d in devices}
-
-
 class Transfers:
     """The cross-process moves and broadcasts of one MPMD program, their jitted programs
     and the receivers' placeholder blocks cached by layout."""
@@ -134,11 +130,15 @@ class Transfers:
     def broadcast(self, x, aval, home_devices):
         """A value of the rank on ``home_devices`` (``x`` on its process, None elsewhere) ->
         one global array replicated on every device of the pipeline mesh (how the SPMD
-        lowering returns a loss or a metric). Every process calls it, in the same order."""
+        lowering returns a loss or a metric). Every process with a device of the mesh
+        calls it, in the same order."""
         mesh = Mesh(np.asarray(self.all_devices, dtype=object), ("all",))
         shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
         gshape = (len(self.all_devices),) + shape
         g = NamedSharding(mesh, P("all"))
+        if not any(d.process_index == self.me for d in self.all_devices):
+            # a process with no device of the mesh holds no block of it (as with the SPMD lowering)
+            return empty_like_on(shape, dtype, NamedSharding(mesh, P()))
         first = home_devices[0]
         blocks = [jax.device_put(x, first).reshape((1,) + shape) if d == first else
                   self._zero_block((1,) + shape, dtype, d) for d in g.addressable_devices_indices_map(gshape)]
