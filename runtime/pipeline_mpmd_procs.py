@@ -60,6 +60,7 @@ class Transfers:
         self.all_devices = list(all_devices)       # every device of the pipeline mesh, in mesh order
         self._progs, self._zeros = {}, {}
         self.count = 0                             # cross-process programs this process has run
+        self._after = None                         # a block that the last of them made here (its token)
 
     # ---------------------------------------------------------------- point to point
     def _layout(self, src_sharding, dst_devices, shape):
@@ -77,11 +78,30 @@ class Transfers:
 
     def _program(self, key, mesh, specs):
         if key not in self._progs:
-            def send(*xs):
-                return [jax.lax.ppermute(x, XFER, [(0, 1)]) for x in xs]
-            self._progs[key] = jax.jit(jax.shard_map(send, mesh=mesh, in_specs=tuple(specs), out_specs=list(specs),
-                                                     check_vma=False))
+            def send(tok, *xs):
+                return [tok + 1] + [jax.lax.ppermute(x, XFER, [(0, 1)]) for x in xs]
+            tok = P(tuple(mesh.axis_names))
+            self._progs[key] = jax.jit(jax.shard_map(send, mesh=mesh, in_specs=(tok,) + tuple(specs),
+                                                     out_specs=[tok] + list(specs), check_vma=False))
         return self._progs[key]
+
+    def _in_order(self, fn, mesh, args):
+        """``fn(token, *args)``, not started before this process's previous cross-process
+        program has finished. The CPU runtime starts a program when its inputs are ready,
+        not in dispatch order: a receiver's inputs (placeholders) are ready at once, the
+        sender's when its stage has computed the value, so two processes could start two
+        transfers on a shared device in different orders, each waiting for the other
+        (seen: a loss broadcast started before an earlier activation transfer). Each
+        program therefore reads a token the previous one wrote (one scalar per device),
+        so each process runs them in the driver's order, as the other processes do."""
+        n = mesh.devices.size
+        g = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+        blocks = [self._zero_block((1,), np.float32, d) if self._after is None else jax.device_put(self._after, d)
+                  for d in g.addressable_devices_indices_map((n,))]
+        tok, *outs = fn(jax.make_array_from_single_device_arrays((n,), g, blocks), *args)
+        self._after = tok.addressable_shards[0].data
+        self.count += 1
+        return outs
 
     def _zero_block(self, shape, dtype, device):
         key = (tuple(shape), np.dtype(dtype).name, device)
@@ -112,8 +132,7 @@ class Transfers:
             stacked.append(jax.make_array_from_single_device_arrays(gshape, g, blocks))
         key = (tuple(mesh.devices.reshape(-1)), tuple((gs, gp, np.dtype(a.dtype).name)
                                                        for a, (_, gs, gp, _) in zip(avals, layouts)))
-        outs = self._program(key, mesh, [g for (_, _, g, _) in layouts])(*stacked)
-        self.count += 1
+        outs = self._in_order(self._program(key, mesh, [g for (_, _, g, _) in layouts]), mesh, stacked)
         if sending:
             return None
         result = []
@@ -144,10 +163,9 @@ class Transfers:
                   self._zero_block((1,) + shape, dtype, d) for d in g.addressable_devices_indices_map(gshape)]
         key = ("bcast", gshape, dtype.name)
         if key not in self._progs:
-            def total(y):
+            def total(tok, y):
                 y = y[0]
-                return jax.lax.psum(y.astype(jnp.int32) if y.dtype == jnp.bool_ else y, "all").astype(y.dtype)
-            self._progs[key] = jax.jit(jax.shard_map(total, mesh=mesh, in_specs=P("all"), out_specs=P(),
-                                                     check_vma=False))
-        self.count += 1
-        return self._progs[key](jax.make_array_from_single_device_arrays(gshape, g, blocks))
+                return tok + 1, jax.lax.psum(y.astype(jnp.int32) if y.dtype == jnp.bool_ else y, "all").astype(y.dtype)
+            self._progs[key] = jax.jit(jax.shard_map(total, mesh=mesh, in_specs=(P("all"), P("all")),
+                                                     out_specs=(P("all"), P()), check_vma=False))
+        return self._in_order(self._progs[key], mesh, [jax.make_array_from_single_device_arrays(gshape, g, blocks)])[0]
