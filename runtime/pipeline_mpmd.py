@@ -36,8 +36,14 @@ summed over dp once, before its once ops. Tensor parallel axes and ZeRO-1 (a per
 program planned on the axes beside the pipeline's, ``prog.sub``): each action and each
 once phase is a ``shard_map`` over the rank's sub-mesh running that program with its
 collectives; the step's inputs go in, and its outputs come out, under their planned
-layouts, and every other value is each device's own, stacked over the sub-mesh. One
-Python process drives every device: several processes are refused.
+layouts, and every other value is each device's own, stacked over the sub-mesh.
+
+Several processes (``shardprop launch``): every process builds the same instruction list
+and executes its own part of it (``_localize``): its ranks' programs, ``device_put``
+between its ranks, and a transfer both processes run for a value crossing to or from
+another process's rank (``runtime/pipeline_mpmd_procs.py``). A stage's state comes back
+as a global array on its rank's devices; the loss and other values every caller reads,
+replicated on every device of the mesh, as the SPMD lowering returns them.
 """
 from __future__ import annotations
 
@@ -375,7 +381,8 @@ class MpmdProgram:
             out = reg()
             if r in held:
                 held[out] = (dst, held[r][1])
-            pending.append((r, out, (self.rows if label != "once" else self.whole)[dst], (src, dst, self._aval(v, label))))
+            where = (self.rows if label != "once" else self.whole)[dst]
+            pending.append((r, out, where, (src, dst, self._aval(v, label))))
             log.append((src, dst, label))
             return out
 

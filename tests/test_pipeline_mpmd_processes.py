@@ -4,9 +4,11 @@ its own ranks' programs, values cross between processes by a move both take part
 Every case is checked against one device (losses, parameters, optimizer state).
 
 This file is also the launched script: ``python -m shardprop.runtime.launch --nproc 2
---devices-per-proc K tests/test_pipeline_mpmd_processes.py OUT CASE...`` runs each CASE
+--devices-per-proc 4 tests/test_pipeline_mpmd_processes.py OUT CASE...`` runs each CASE
 and writes, per process, the losses and the state leaves that process holds to
-``OUT/<case>.<process>.npz``; the tests below merge the two and compare."""
+``OUT/<case>.<process>.npz`` (the ``spanning`` case: the error to ``OUT/spanning.txt``);
+the test merges the two and compares. One launch runs every case: each launch pays
+for starting two processes and joining them."""
 import re
 import sys
 from pathlib import Path
@@ -19,8 +21,9 @@ STEPS = 3
 
 
 def cases():
-    """name -> (devices per process, mesh, Pipeline kwargs, parallelize kwargs, builder of
-    (step, args, train): the step and its arguments, and whether it returns (state..., loss))."""
+    """name -> (mesh, Pipeline kwargs, parallelize kwargs, builder of (step, args, train):
+    the step and its arguments, and whether it returns (state..., loss)). On 2 processes x
+    4 devices, the pipeline axis first: ranks of the first half of the mesh in process 0."""
     from tests.test_pipeline_compose import tp_mlp
     from tests.test_pipeline_lowering import even_cuts, forward_only_case, gpt_pipeline_case, mlp
 
@@ -40,17 +43,19 @@ def cases():
         step, params, opt_state, data = tp_mlp()
         return step, (params, opt_state) + tuple(data), True
 
+    pp_dp = ((4, 2), ("pp", "dp"))
     return {
-        # 2 processes x 4 devices: ranks 0-3 in process 0, 4-7 in process 1
-        "pp8_1f1b": (4, ((8,), ("pp",)), dict(schedule="1f1b"), {}, lambda: mlp_case(8, 8)),
-        "pp4_dp2_1f1b": (4, ((4, 2), ("pp", "dp")), dict(schedule="1f1b"), {}, lambda: mlp_case(4, 4)),
-        "pp4_dp2_forward": (4, ((4, 2), ("pp", "dp")), dict(schedule="gpipe"), {}, forward),
-        # 2 processes x 2 devices
-        "pp2_mp2_1f1b": (2, ((2, 2), ("pp", "mp")), dict(schedule="1f1b", microbatches=2),
-                         dict(batch_argnums=(2, 3)), tp),
-        "pp4_interleaved": (2, ((4,), ("pp",)), dict(schedule="interleaved", virtual_stages=2),
-                            {}, lambda: mlp_case(8, 8)),
-        "pp4_tied_gpt": (2, ((4,), ("pp",)), dict(schedule="1f1b"), dict(batch_argnums=(2, 3)), tied_gpt),
+        "pp8_1f1b": (((8,), ("pp",)), dict(schedule="1f1b"), {}, lambda: mlp_case(8, 8)),   # cut 3|4 crosses
+        "pp4_dp2_1f1b": (pp_dp, dict(schedule="1f1b"), {}, lambda: mlp_case(4, 4)),
+        "pp4_dp2_forward": (pp_dp, dict(schedule="gpipe"), {}, forward),
+        # the wrap-around from rank 3 to rank 0 crosses processes
+        "pp4_dp2_interleaved": (pp_dp, dict(schedule="interleaved", virtual_stages=2), {},
+                                lambda: mlp_case(8, 8)),
+        # the tied embedding's gradients are summed between ranks 0 and 3
+        "pp4_dp2_tied_gpt": (pp_dp, dict(schedule="1f1b", microbatches=2), dict(batch_argnums=(2, 3)), tied_gpt),
+        # tensor parallel and ZeRO-1 over the sub-mesh beside pp
+        "pp2_dp2_mp2_zero1": (((2, 2, 2), ("pp", "dp", "mp")), dict(schedule="1f1b", microbatches=2),
+                              dict(batch_argnums=(2, 3), shard_optimizer_state=True), tp),
     }
 
 
@@ -59,7 +64,10 @@ def run_case(name, out_dir):
     import jax
 
     import shardprop as sp
-    _, mesh, pipe, kw, build = cases()[name]
+    if name == "spanning":
+        spanning(out_dir)
+        return
+    mesh, pipe, kw, build = cases()[name]
     step, args, train = build()
     pipe = dict(dict(microbatches=4), **pipe)
     pstep = sp.parallelize(step, mesh=mesh, pipeline=sp.Pipeline(lowering="mpmd", **pipe), **kw)
@@ -83,7 +91,7 @@ def run_case(name, out_dir):
 def reference(name):
     """One device's losses and output leaves for case ``name``, and whether it trains."""
     import jax
-    _, _, _, _, build = cases()[name]
+    _, _, _, build = cases()[name]
     step, args, train = build()
     ref, losses = jax.jit(step), []
     for _ in range(STEPS if train else 1):
@@ -93,14 +101,6 @@ def reference(name):
             args = tuple(state) + tuple(args[len(state):])
             losses.append(float(loss))
     return losses, [np.asarray(x) for x in jax.tree.leaves(outs)], train
-
-
-def launch_cases(tmp_path, names):
-    from tests.test_launch import launch_once_more_if_hung
-    per_proc = {cases()[n][0] for n in names}
-    assert len(per_proc) == 1
-    return launch_once_more_if_hung(["--nproc", 2, "--devices-per-proc", per_proc.pop(), Path(__file__), tmp_path]
-                                    + list(names), cwd=tmp_path, timeout=240)
 
 
 def assert_cases_equal_one_device(tmp_path, names):
@@ -121,56 +121,37 @@ def assert_cases_equal_one_device(tmp_path, names):
                                            err_msg=f"{name} {key}")
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-def test_two_processes_of_four_devices_equal_one_device(tmp_path):
-    """pp=8 (the cut between ranks 3 and 4 crosses processes), pp=4 x dp=2, and a
-    forward-only pipeline whose batched output comes back on every process."""
-    names = ["pp8_1f1b", "pp4_dp2_1f1b", "pp4_dp2_forward"]
-    proc = launch_cases(tmp_path, names)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_cases_equal_one_device(tmp_path, names)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-def test_two_processes_of_two_devices_equal_one_device(tmp_path):
-    """pp=2 x mp=2 (each rank a tensor-parallel pair in its process), interleaved v=2
-    (the wrap-around from rank 3 to rank 0 crosses processes), and a tied embedding
-    whose gradients are summed between ranks 0 and 3, in different processes."""
-    names = ["pp2_mp2_1f1b", "pp4_interleaved", "pp4_tied_gpt"]
-    proc = launch_cases(tmp_path, names)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_cases_equal_one_device(tmp_path, names)
-
-
-SPANNING = """
-import jax, shardprop as sp
-from tests.test_pipeline_lowering import mlp
-step, params, opt_state, batch = mlp(4, {0, 1, 2})
-pstep = sp.parallelize(step, mesh=((2, 4), ("dp", "pp")), pipeline=sp.Pipeline(microbatches=4, lowering="mpmd"))
-try:
-    pstep(params, opt_state, batch)
-except sp.ShardingError as e:
-    print("refused:", e)
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_a_rank_over_two_processes_is_refused(tmp_path):
+def spanning(out_dir):
     """The pipeline axis last: each rank's two devices lie in different processes."""
+    import jax
+
+    import shardprop as sp
+    from tests.test_pipeline_lowering import mlp
+    step, params, opt_state, batch = mlp(4, {0, 1, 2})
+    pstep = sp.parallelize(step, mesh=((2, 4), ("dp", "pp")), pipeline=sp.Pipeline(microbatches=4, lowering="mpmd"))
+    try:
+        pstep(params, opt_state, batch)
+        message = "no error"
+    except sp.ShardingError as e:
+        message = str(e)
+    if jax.process_index() == 0:
+        (Path(out_dir) / "spanning.txt").write_text(message)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)   # its launch waits up to 240 s, twice if the first hangs
+def test_two_processes_equal_one_device(tmp_path):
     from tests.test_launch import launch_once_more_if_hung
-    script = tmp_path / "spanning.py"
-    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + SPANNING)
-    proc = launch_once_more_if_hung(["--nproc", 2, "--devices-per-proc", 4, script], cwd=tmp_path, timeout=180)
+    names = list(cases())
+    proc = launch_once_more_if_hung(["--nproc", 2, "--devices-per-proc", 4, Path(__file__), tmp_path, "spanning"]
+                                    + names, cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    msg = proc.stdout
+    assert_cases_equal_one_device(tmp_path, names)
+    # a rank over two processes is refused, naming the rank, its stage, its devices, the fix
+    msg = (tmp_path / "spanning.txt").read_text()
     # (jax numbers the second process's CPU devices from 2048)
-    assert re.search(r'refused: Pipeline\(lowering="mpmd"\): pipeline rank 0 \(stage 0\) runs on devices \[0, \d+\]', msg)
+    assert re.search(r'^Pipeline\(lowering="mpmd"\): pipeline rank 0 \(stage 0\) runs on devices \[0, \d+\]', msg)
     assert "belong to processes [0, 1]" in msg and "the pipeline axis first in the mesh" in msg
     assert 'lowering="spmd"' in msg
 
