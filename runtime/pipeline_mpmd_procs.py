@@ -26,6 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 
 XFER = "xfer"
 
+# a block that this process's last cross-process program wrote (its token): shared by every
+# MPMD program of the process, so that two pipelined steps' transfers keep their order too
+_last_token = [None]
+
 
 def mesh_and_spec(sharding):
     """A rank's sharding as ``(devices array, axis names, spec)``: a single device is a
@@ -60,7 +64,6 @@ class Transfers:
         self.all_devices = list(all_devices)       # every device of the pipeline mesh, in mesh order
         self._progs, self._zeros = {}, {}
         self.count = 0                             # cross-process programs this process has run
-        self._after = None                         # a block that the last of them made here (its token)
 
     # ---------------------------------------------------------------- point to point
     def _layout(self, src_sharding, dst_devices, shape):
@@ -93,13 +96,15 @@ class Transfers:
         transfers on a shared device in different orders, each waiting for the other
         (seen: a loss broadcast started before an earlier activation transfer). Each
         program therefore reads a token the previous one wrote (one scalar per device),
-        so each process runs them in the driver's order, as the other processes do."""
+        so each process runs them in the order it dispatched them, as the other processes
+        do (across every MPMD program of the process)."""
         n = mesh.devices.size
         g = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-        blocks = [self._zero_block((1,), np.float32, d) if self._after is None else jax.device_put(self._after, d)
+        last = _last_token[0]
+        blocks = [self._zero_block((1,), np.float32, d) if last is None else jax.device_put(last, d)
                   for d in g.addressable_devices_indices_map((n,))]
         tok, *outs = fn(jax.make_array_from_single_device_arrays((n,), g, blocks), *args)
-        self._after = tok.addressable_shards[0].data
+        _last_token[0] = tok.addressable_shards[0].data
         self.count += 1
         return outs
 
