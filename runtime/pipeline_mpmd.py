@@ -36,8 +36,14 @@ summed over dp once, before its once ops. Tensor parallel axes and ZeRO-1 (a per
 program planned on the axes beside the pipeline's, ``prog.sub``): each action and each
 once phase is a ``shard_map`` over the rank's sub-mesh running that program with its
 collectives; the step's inputs go in, and its outputs come out, under their planned
-layouts, and every other value is each device's own, stacked over the sub-mesh. One
-Python process drives every device: several processes are refused.
+layouts, and every other value is each device's own, stacked over the sub-mesh.
+
+Several processes (``shardprop launch``): every process builds the same instruction list
+and executes its own part of it (``_localize``): its ranks' programs, ``device_put``
+between its ranks, and a transfer both processes run for a value crossing to or from
+another process's rank (``runtime/pipeline_mpmd_procs.py``). A stage's state comes back
+as a global array on its rank's devices; the loss and other values every caller reads,
+replicated on every device of the mesh, as the SPMD lowering returns them.
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 
 from ..ir.errors import ShardingError
 from .pipeline_lower import rep_needed
+from .pipeline_mpmd_procs import Transfers, empty_like_on, mirrored
 
 F_, B_, I_, W_ = "forward", "backward", "backward_input", "backward_weight"
 
@@ -103,15 +110,18 @@ class MpmdProgram:
     def __init__(self, prog, devices):
         """``devices``: per pipeline rank, its devices (one, its ``dp`` group, or its
         sub-mesh over ``prog.sub``'s axes, in mesh order)."""
-        if jax.process_count() > 1:
-            raise ShardingError(f'Pipeline(lowering="mpmd") drives every stage from one Python process, and this '
-                                f'run has {jax.process_count()} processes: use lowering="spmd" (the default) over '
-                                'several processes')
         self.prog, self.p, self.S, self.m = prog, prog.p, prog.S, prog.m
         self.sub = prog.sub
         groups = [list(np.asarray(g, dtype=object).reshape(-1)) for g in devices]
         if len(groups) != self.p:
             raise ShardingError(f'Pipeline(lowering="mpmd"): {len(groups)} device groups for {self.p} ranks')
+        # several processes: each runs the same driver, but only its own ranks' programs
+        self.multi = jax.process_count() > 1
+        self.local = [all(x.process_index == jax.process_index() for x in g) for g in groups]
+        self.group_lists = groups
+        if self.multi:
+            self._check_ranks_in_one_process(groups)
+            self.xfers = Transfers([x for g in groups for x in g])
         self.dp = len(groups[0])
         self.devices = [g[0] for g in groups]   # per rank, its first device (its only one without dp)
         self.groups = [frozenset(g) for g in groups]
@@ -134,11 +144,25 @@ class MpmdProgram:
         # (from rank, to rank, what) of the transfers a call makes: the tick loop's, the once phases'
         self.transfers, self.once_transfers = [], []
         self.input_transfers = []               # inputs (state, batch) moved from one rank's device to another's
-        self._copies = []                       # (array returned, {rank: its copy there}) of the last call
+        self._copies = []                       # (array returned, {rank: its copy here}, every rank holding it)
         self._splits = {}                       # small jitted helpers: batch splits, dp sums, output layouts
         self._plan_actions()
         self._plan_once()
         self._compile_code()
+
+    def _check_ranks_in_one_process(self, groups):
+        """A rank's programs run in one process: refuse a rank whose devices span several."""
+        for d, g in enumerate(groups):
+            procs = sorted({x.process_index for x in g})
+            if len(procs) > 1:
+                stages = [k for k in range(self.S) if self.prog.rank_of(k) == d]
+                raise ShardingError(
+                    f'Pipeline(lowering="mpmd"): pipeline rank {d} (stage{"s" if len(stages) > 1 else ""} '
+                    f'{", ".join(map(str, stages))}) runs on devices {[int(x.id) for x in g]}, which belong to '
+                    f'processes {procs}; the MPMD lowering runs each rank\'s programs in one process. Fix: give each '
+                    f'process whole ranks (the pipeline axis first in the mesh, e.g. mesh=(({self.p}, '
+                    f'{len(g)}), ("pp", "dp")), and {len(g)} or a multiple of {len(g)} devices per process: '
+                    'shardprop launch --devices-per-proc), or use lowering="spmd"')
 
     # ---------------------------------------------------------------- planning
     def _plan_actions(self):
@@ -351,20 +375,24 @@ class MpmdProgram:
 
         pending = []                # this tick's moves: one device_put call for all of them
 
-        def move(r, src, dst, label, log):
+        code_at = []               # per instruction: its rank (run), or its (from, to, aval) per value (move)
+
+        def move(r, src, dst, label, log, v):
             out = reg()
             if r in held:
                 held[out] = (dst, held[r][1])
-            pending.append((r, out, (self.rows if label != "once" else self.whole)[dst]))
+            where = (self.rows if label != "once" else self.whole)[dst]
+            pending.append((r, out, where, (src, dst, self._aval(v, label))))
             log.append((src, dst, label))
             return out
 
         def flush():
             if pending:
-                code.append(("move",) + tuple(list(x) for x in zip(*pending)))
+                code.append(("move",) + tuple(list(x) for x in zip(*pending))[:3])
+                code_at.append([x[3] for x in pending])
                 pending.clear()
 
-        acts, cts, kept, acc, outs_b = {}, {}, {}, {}, {}
+        acts, cts, kept, acc, outs_b, outs_b_rank = {}, {}, {}, {}, {}, {}
         for tick in tick_actions(prog):
             for d, act in tick:
                 k = prog.schedule.model_stage(d, act.chunk)
@@ -391,19 +419,21 @@ class MpmdProgram:
                     held[r] = (d, _nbytes(v))
                 code.append(("run", self._action_fn(kind, k, first), args,
                              outs["accs"] + outs["sends"] + outs["keep"] + outs["outs_b"]))
+                code_at.append(d)
                 if a["accs"]:
                     acc.setdefault(k, {}).update(zip(a["accs"], outs["accs"]))
                 if a["keep"]:
                     kept[(k, mb)] = dict(zip(a["keep"], outs["keep"]))
                 for v, r in zip(a["outs_b"], outs["outs_b"]):
                     outs_b.setdefault(v, [None] * m)[mb] = r
+                    outs_b_rank[v] = d
                 if kind == F_ and k + 1 < self.S and a["sends"]:
                     d2 = prog.rank_of(k + 1)
-                    acts[(k + 1, mb)] = {v: move(r, d, d2, "activation", moves)
+                    acts[(k + 1, mb)] = {v: move(r, d, d2, "activation", moves, v)
                                          for v, r in zip(self.fwd_in[k + 1], outs["sends"])}
                 elif kind in (B_, I_) and k > 0 and a["sends"]:
                     d2 = prog.rank_of(k - 1)
-                    cts[(k - 1, mb)] = {v: move(r, d, d2, "cotangent", moves)
+                    cts[(k - 1, mb)] = {v: move(r, d, d2, "cotangent", moves, v)
                                         for v, r in zip(self.bwd_in[k - 1], outs["sends"])}
             flush()
         self.actions_dispatched = sum(1 for ins in code if ins[0] == "run")
@@ -413,6 +443,7 @@ class MpmdProgram:
                 d = prog.rank_of(k)
                 summed = [reg() for _ in regs]
                 code.append(("run", self._sum_fn(d), list(regs.values()), summed))
+                code_at.append(d)
                 acc[k] = dict(zip(regs, summed))
         # the once phases: per rank its registers by var
         envs = [dict() for _ in range(p)]
@@ -431,7 +462,7 @@ class MpmdProgram:
                     args.append(input_reg(invar_index[v], d))
                 elif v in homes:
                     src = homes[v][0]
-                    envs[d][v] = move(envs[src][v], src, d, "once", once_moves)
+                    envs[d][v] = move(envs[src][v], src, d, "once", once_moves, v)
                     flush()
                     homes[v].append(d)
                     args.append(envs[d][v])
@@ -440,6 +471,7 @@ class MpmdProgram:
                                         "earlier program computes; use lowering=\"spmd\"")
             outs = [reg() for _ in s_["outs"]]
             code.append(("run", self._segment_fn(s_), args, outs))
+            code_at.append(d)
             for v, r in zip(s_["outs"], outs):
                 envs[d][v] = r
                 homes.setdefault(v, []).append(d)
@@ -449,7 +481,7 @@ class MpmdProgram:
             if spec[0] in ("literal", "input", "float"):
                 self.outputs.append(spec)
             elif spec[0] == "batched":
-                self.outputs.append(("batched", outs_b[v], prog.an.bdim[v]))
+                self.outputs.append(("batched", outs_b[v], prog.an.bdim[v], outs_b_rank[v]))
             elif not homes.get(v):
                 raise ShardingError(f"pipeline (mpmd): the step's output {v} ({v.aval}) is not computed; use "
                                     "lowering=\"spmd\"")
@@ -466,6 +498,9 @@ class MpmdProgram:
             if r not in keep:
                 frees[n].append(r)
         self.code = [ins + (tuple(f),) for ins, f in zip(code, frees)]
+        self.code_at = code_at
+        # what this process executes: everything with one process, its ranks' part with several
+        self.local_code = self._localize() if self.multi else self.code
         self.nreg = nreg[0]
         self.transfers, self.once_transfers = moves, once_moves
         # per rank, the most activation bytes (sent, received, kept for a backward) it holds
@@ -479,6 +514,62 @@ class MpmdProgram:
             for r in ins[-1]:
                 if r in held:
                     live[held[r][0]] -= held[r][1]
+
+    def _aval(self, v, label):
+        """The shape of a moved register of var ``v``: each device's own value, stacked on a
+        leading dim over the rank's devices (dp without a sub-mesh: not the once values,
+        summed over dp by then), or ``v``'s own."""
+        shape = tuple(v.aval.shape)
+        if self.sub is not None or (self.dp > 1 and label != "once"):
+            shape = (self.dp,) + shape
+        return jax.ShapeDtypeStruct(shape, v.aval.dtype)
+
+    def _localize(self):
+        """This process's part of ``self.code``: the programs of the ranks it owns; a move
+        between two of its ranks stays a ``device_put``; one to or from another process's
+        rank becomes an ``xfer`` (one program both processes run, per pair of ranks of a
+        move instruction, in the code's order); moves between other processes' ranks and
+        other ranks' programs are left out (their registers' frees move to the next kept
+        instruction)."""
+        out, carry, here = [], (), self.local
+        for ins, at in zip(self.code, self.code_at):
+            frees = carry + ins[-1]
+            new = []
+            if ins[0] == "run":
+                if here[at]:
+                    new.append(ins[:-1])
+            else:
+                _, srcs, dsts, wheres, _ = ins
+                rows = list(zip(srcs, dsts, wheres, at))
+                same = [r for r in rows if here[r[3][0]] and here[r[3][1]]]
+                if same:
+                    new.append(("move",) + tuple(list(x) for x in zip(*same))[:3])
+                cross = {}
+                for r in rows:
+                    if here[r[3][0]] != here[r[3][1]]:
+                        cross.setdefault(r[3][:2], []).append(r)
+                for (a, b), rs in cross.items():
+                    avals = [r[3][2] for r in rs]
+                    # the sender's layout: the receiver's, mirrored onto the sender's devices
+                    src_sh = [mirrored(r[2], self.group_lists[a]) for r in rs]
+                    new.append(("xfer", a, b, [r[0] for r in rs], [r[1] for r in rs], avals, src_sh,
+                                [r[2] for r in rs]))
+            if new:
+                out.extend(x + ((),) for x in new[:-1])
+                out.append(new[-1] + (frees,))
+                carry = ()
+            else:
+                carry = frees
+        return out
+
+    def _xfer(self, vals, ins):
+        """Run one cross-process move of ``_localize``'s: this process sends or receives."""
+        _, a, b, srcs, dsts, avals, src_sh, wheres, _ = ins
+        got = self.xfers.move([vals[r] for r in srcs] if self.local[a] else [None] * len(srcs), avals, src_sh,
+                              self.group_lists[b])
+        if got is not None:
+            for r, x, w in zip(dsts, got, wheres):
+                vals[r] = x if x.sharding.is_equivalent_to(w, x.ndim) else jax.device_put(x, w)
 
     def _split_fn(self, i, d):
         """Batch leaf ``i`` (on rank ``d``, its rows split over dp) -> its ``m`` micro-batches."""
@@ -508,26 +599,34 @@ class MpmdProgram:
 
     def __call__(self, leaves):
         vals = [None] * self.nreg
-        copies = {id(x): (x, c) for x, c in self._copies}
         self.input_transfers = []
-        for (i, d), r in self.loads.items():
-            x = leaves[i]
-            kept = copies.get(id(x))
-            vals[r] = kept[1][d] if kept is not None and kept[0] is x and d in kept[1] else self._put(x, i, d)
-        for (i, d), regs in self.batch_loads.items():
-            for r, x in zip(regs, self._split_fn(i, d)(self._put(leaves[i], i, d, "batch"))):
-                vals[r] = x
-        for ins in self.code:
+        if self.multi:
+            self._load_multi(leaves, vals)
+        else:
+            copies = {id(x): (x, c) for x, c, _ in self._copies}
+            for (i, d), r in self.loads.items():
+                x = leaves[i]
+                kept = copies.get(id(x))
+                vals[r] = kept[1][d] if kept is not None and kept[0] is x and d in kept[1] else self._put(x, i, d)
+            for (i, d), regs in self.batch_loads.items():
+                for r, x in zip(regs, self._split_fn(i, d)(self._put(leaves[i], i, d, "batch"))):
+                    vals[r] = x
+        for ins in self.local_code:
             if ins[0] == "run":
                 _, fn, args, outs, frees = ins
                 for r, x in zip(outs, fn(*[vals[a] for a in args])):
                     vals[r] = x
-            else:
+            elif ins[0] == "move":
                 _, srcs, dsts, where, frees = ins
                 for r, x in zip(dsts, jax.device_put([vals[a] for a in srcs], where)):
                     vals[r] = x
+            else:
+                self._xfer(vals, ins)
+                frees = ins[-1]
             for r in frees:
                 vals[r] = None
+        if self.multi:
+            return self._outputs_multi(vals, leaves)
         outs, new_copies = [], []
         for n, spec in enumerate(self.outputs):
             if spec[0] == "literal":
@@ -551,7 +650,119 @@ class MpmdProgram:
                 x = held[spec[2][0]]
                 outs.append(x)
                 if len(held) > 1:
-                    new_copies.append((x, held))
+                    new_copies.append((x, held, set(held)))
+        self._copies = new_copies
+        return outs
+
+    # ---------------------------------------------------------------- several processes
+    def _host_side(self, x, i):
+        """Input ``i``'s value as this process can place it on its ranks: host data, a
+        process-local array, a replicated global array's local copy, or (a global array
+        over several processes, laid out otherwise) gathered from every process."""
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return x
+        if x.sharding.is_fully_replicated and x.addressable_shards:
+            return x.addressable_data(0)
+        procs = {dev.process_index for dev in x.devices()}
+        if len(procs) > 1:
+            from jax.experimental import multihost_utils
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        raise ShardingError(f'Pipeline(lowering="mpmd"): input {self.prog.j.invars[i]} ({x.shape}) lies on devices '
+                            f'{sorted(int(dev.id) for dev in x.devices())} of process {procs.pop()} alone, not on a '
+                            'pipeline rank\'s devices: pass host data (numpy), or the step\'s own outputs')
+
+    def _load_multi(self, leaves, vals):
+        """The inputs on this process's ranks. A state input that another process's rank
+        holds (the step's own output there) comes over by a move both processes take part
+        in; any other input is each process's own copy (host data, or an array on its
+        devices), placed on its ranks. Every process walks the loads in the same order and
+        takes the same decisions: whether an input is the step's output is the same on all
+        of them, where an array of its own lies is not (jax puts it on each process's first
+        device)."""
+        copies = {id(x): (x, c, homes) for x, c, homes in self._copies}
+        spanning = {}                   # inputs gathered from every process (once each)
+        for i in sorted({i for i, _ in list(self.loads) + list(self.batch_loads)}):
+            x = leaves[i]
+            if isinstance(x, jax.Array) and id(x) not in copies and \
+                    len({dev.process_index for dev in x.devices()}) > 1 and not x.sharding.is_fully_replicated:
+                spanning[i] = self._host_side(x, i)
+        for (i, d), r in self.loads.items():
+            x = leaves[i]
+            kept = copies.get(id(x))
+            if kept is None or kept[0] is not x:             # not the step's output: this process's own
+                if self.local[d]:
+                    vals[r] = self._put(spanning[i] if i in spanning else self._host_side(x, i), i, d)
+                continue
+            if d in kept[2]:                                 # the step's output, held on rank d already
+                if self.local[d]:
+                    vals[r] = kept[1][d]
+                continue
+            src = min(kept[2])
+            if self.local[src] and self.local[d]:
+                vals[r] = self._put(kept[1][src], i, d)
+            elif self.local[src] or self.local[d]:
+                # from its (lowest) holder, in its layout there (known to both processes)
+                got = self.xfers.move([kept[1][src]] if self.local[src] else [None],
+                                      [jax.ShapeDtypeStruct(x.shape, x.dtype)],
+                                      [mirrored(x.sharding, self.group_lists[src])], self.group_lists[d])
+                self.input_transfers.append((src, d, "input", tuple(x.shape)))
+                if got is not None:
+                    vals[r] = self._put(got[0], i, d)
+        for (i, d), regs in self.batch_loads.items():
+            if self.local[d]:
+                x = spanning[i] if i in spanning else self._host_side(leaves[i], i)
+                for r, x in zip(regs, self._split_fn(i, d)(self._put(x, i, d, "batch"))):
+                    vals[r] = x
+
+    def _state_sharding(self, d, n):
+        """Where output ``n`` lies on rank ``d``, and its shape: a stage's state."""
+        v = self.j.outvars[n]
+        if self.sub is not None:
+            return NamedSharding(self.meshes[d], self.sub.spec(self.sub.out_dims[n])), tuple(self.sub.out_shapes[n])
+        return self.whole[d], tuple(v.aval.shape)
+
+    def _outputs_multi(self, vals, leaves):
+        """The step's outputs as the SPMD lowering returns them over several processes: a
+        stage's state stays on its rank's devices (a global array; a process without that
+        rank holds no block of it), and a value every rank's caller reads (the loss, a
+        metric, a forward's batched output) is replicated on every device of the mesh."""
+        outs, new_copies = [], []
+        for n, spec in enumerate(self.outputs):
+            kind, v = self.prog.out_spec[n][0], self.j.outvars[n]
+            if spec[0] == "literal":
+                outs.append(jnp.asarray(spec[1]))
+            elif spec[0] == "input":
+                outs.append(leaves[spec[1]])
+            elif spec[0] == "float":
+                outs.append(None)
+            elif spec[0] == "batched":
+                h, bd = spec[3], spec[2]
+                x = None
+                if self.local[h]:
+                    parts = [vals[r] for r in spec[1]]
+                    if self.dp > 1:
+                        parts = [jnp.moveaxis(y, 0, bd).reshape(y.shape[1:bd + 1] + (-1,) + y.shape[bd + 2:])
+                                 for y in parts]
+                    x = jnp.concatenate(parts, axis=bd) if len(parts) > 1 else parts[0]
+                shape = list(v.aval.shape)
+                shape[bd] *= self.m * self.dp
+                outs.append(self.xfers.broadcast(x, jax.ShapeDtypeStruct(tuple(shape), v.aval.dtype),
+                                                 self.group_lists[h]))
+            else:
+                homes = list(spec[2])
+                held = {d: vals[r] for d, r in zip(homes, spec[1]) if self.local[d]}
+                if self.sub is not None:
+                    held = {d: self._out_fn(d, n)(x) for d, x in held.items()}
+                h = homes[0]
+                if kind in ("packed", "shared"):
+                    where, shape = self._state_sharding(h, n)
+                    x = held[h] if self.local[h] else empty_like_on(shape, v.aval.dtype, where)
+                    new_copies.append((x, held, set(homes)))
+                else:
+                    shape = self._state_sharding(h, n)[1]
+                    x = self.xfers.broadcast(held.get(h), jax.ShapeDtypeStruct(shape, v.aval.dtype),
+                                             self.group_lists[h])
+                outs.append(x)
         self._copies = new_copies
         return outs
 
