@@ -101,12 +101,31 @@ def is_main_process() -> bool:
 
 
 def to_numpy(x) -> np.ndarray:
-    """A global array's full value on this process (gathered from every process if needed)."""
+    """A global array's full value on this process (gathered from every process if needed;
+    every process calls it, as every process runs the step). ``x`` may also be a
+    pipeline's packed state leaf (``gathered``: its buffer gathered through this)."""
     initialize()
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
+    gathered = getattr(x, "gathered", None)
+    if gathered is not None:
+        return gathered(to_numpy)
+    if not isinstance(x, jax.Array) or jax.process_count() == 1:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    owners = sorted({d.process_index for d in x.sharding.device_set})
+    if len(owners) == jax.process_count():   # (every process holds a block of it)
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
+    # on some processes only: where each process sees it (an MPMD pipeline returns a rank's
+    # state on that rank's process, and a value every rank keeps on each process's own rank)
+    seen = np.asarray(multihost_utils.process_allgather(np.int32(owners[0] if len(owners) == 1 else -1)))
+    if len(owners) == 1 and all(int(p) == i for i, p in enumerate(seen)):   # (each its own copy)
+        return np.asarray(x)
+    if len(owners) == 1 and len(set(seen.tolist())) == 1:   # (one process holds it: sent from there)
+        mine = jax.process_index() == owners[0]
+        local = np.asarray(x) if mine else np.zeros(x.shape, x.dtype)
+        return np.asarray(multihost_utils.broadcast_one_to_all(local, is_source=mine))
+    raise ValueError(f"to_numpy: an array on the devices of processes {owners} of {jax.process_count()} "
+                     f"(each process sees it on {seen.tolist()}): gather it on one process first, or read it "
+                     "with np.asarray where it is addressable")
 
 
 def print0(*args, **kwargs) -> None:

@@ -40,7 +40,7 @@ Nothing here imports ``compiler/``: the analysis is duck-typed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -230,13 +230,46 @@ class PackedLeaf:
                 n = int(np.prod(local, dtype=np.int64))
                 a[sl] = np_from_f32(rows[r, self.offset:self.offset + n], local, self.dtype)
             return a.astype(dtype) if dtype is not None else a
-        row = np.asarray(self.buffer.addressable_shards[self.rank].data
-                         if len(self.buffer.addressable_shards) == self.buffer.shape[0]
-                         else self.buffer[self.rank])
-        row = row.reshape(-1)
+        held = self._held_row()
+        row = np.asarray(held if held is not None else self.buffer[self.rank]).reshape(-1)
         n = int(np.prod(self.shape, dtype=np.int64))
         a = np_from_f32(row[self.offset:self.offset + n], self.shape, self.dtype)
         return a.astype(dtype) if dtype is not None else a
+
+    def gathered(self, to_numpy):
+        """Its value on every process (``sp.to_numpy``): the buffer gathered by ``to_numpy``
+        (every process calls it), then read as ``np.asarray`` reads it."""
+        if getattr(self.buffer, "is_fully_addressable", True):
+            return np.asarray(self)
+        return np.asarray(replace(self, buffer=to_numpy(self.buffer)))
+
+    def _held_row(self):
+        """Row ``rank`` from a shard of the buffer this process holds (no gather), or None.
+        (The shard is found by its index: over several processes a process's shards are
+        not the rows in order, and taking shard ``rank`` had read another rank's row.)"""
+        if isinstance(self.buffer, np.ndarray):
+            return self.buffer[self.rank]
+        for shard in self.buffer.addressable_shards:
+            rows = shard.index[0] if shard.index else slice(None)
+            start, stop, _ = rows.indices(self.buffer.shape[0])
+            if start <= self.rank < stop:
+                return shard.data[self.rank - start]
+        return None
+
+    @property
+    def addressable(self) -> bool:
+        """Whether this process holds every block of the row that stores it (what
+        ``np.asarray`` reads without the other processes)."""
+        if getattr(self.buffer, "is_fully_addressable", True):
+            return True
+        shape = self.buffer.shape
+
+        def key(index):   # (the blocks of the row, as the devices' indices give them)
+            return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+        here = {key(sh.index) for sh in self.buffer.addressable_shards}
+        row = {key(ix) for ix in self.buffer.sharding.devices_indices_map(shape).values()
+               if key(ix)[0][0] <= self.rank < key(ix)[0][1]}
+        return row <= here
 
     @property
     def size(self) -> int:

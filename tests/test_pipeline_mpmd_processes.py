@@ -47,6 +47,8 @@ def cases():
     return {
         "pp8_1f1b": (((8,), ("pp",)), dict(schedule="1f1b"), {}, lambda: mlp_case(8, 8)),   # cut 3|4 crosses
         "pp4_dp2_1f1b": (pp_dp, dict(schedule="1f1b"), {}, lambda: mlp_case(4, 4)),
+        # the SPMD lowering's packed state read back on the process that holds its row
+        "pp4_dp2_1f1b_spmd": (pp_dp, dict(schedule="1f1b", lowering="spmd"), {}, lambda: mlp_case(4, 4)),
         "pp4_dp2_forward": (pp_dp, dict(schedule="gpipe"), {}, forward),
         # the wrap-around from rank 3 to rank 0 crosses processes
         "pp4_dp2_interleaved": (pp_dp, dict(schedule="interleaved", virtual_stages=2), {},
@@ -69,8 +71,8 @@ def run_case(name, out_dir):
         return
     mesh, pipe, kw, build = cases()[name]
     step, args, train = build()
-    pipe = dict(dict(microbatches=4), **pipe)
-    pstep = sp.parallelize(step, mesh=mesh, pipeline=sp.Pipeline(lowering="mpmd", **pipe), **kw)
+    pipe = dict(dict(microbatches=4, lowering="mpmd"), **pipe)
+    pstep = sp.parallelize(step, mesh=mesh, pipeline=sp.Pipeline(**pipe), **kw)
     losses, outs = [], None
     for _ in range(STEPS if train else 1):
         outs = pstep(*args)
@@ -78,6 +80,7 @@ def run_case(name, out_dir):
             *state, loss = outs
             args = tuple(state) + tuple(args[len(state):])
             losses.append(float(sp.to_numpy(loss)))
+    from shardprop.runtime.pipeline_lower import PackedLeaf
     held = {}
     for n, x in enumerate(jax.tree.leaves(outs)):
         # what this process holds: a stage's state lies on its rank's process alone
@@ -85,6 +88,10 @@ def run_case(name, out_dir):
             held[f"leaf{n}"] = np.asarray(x)
         elif isinstance(x, jax.Array) and x.sharding.is_fully_replicated and x.addressable_shards:
             held[f"leaf{n}"] = np.asarray(x.addressable_data(0))
+        elif isinstance(x, PackedLeaf) and x.addressable:
+            held[f"leaf{n}"] = np.asarray(x)
+        # and every value on every process (every process calls it)
+        held[f"full{n}"] = sp.to_numpy(x)
     np.savez(Path(out_dir) / f"{name}.{jax.process_index()}.npz", losses=np.asarray(losses), **held)
 
 
@@ -109,8 +116,10 @@ def assert_cases_equal_one_device(tmp_path, names):
         losses, leaves, train = reference(name)
         for f in files:     # both processes read the loss (replicated on every device)
             np.testing.assert_allclose(f["losses"], losses, rtol=1e-5)
-        held = [set(f.files) - {"losses"} for f in files]
+        held = [{k for k in f.files if k.startswith("leaf")} for f in files]
         assert held[0] | held[1] == {f"leaf{n}" for n in range(len(leaves))}, name
+        for f in files:   # sp.to_numpy gives every value whole on every process
+            assert {k for k in f.files if k.startswith("full")} == {f"full{n}" for n in range(len(leaves))}, name
         if train:   # a stage's state lies on its rank's process alone
             assert held[0] - held[1] and held[1] - held[0], name
         else:       # a forward's outputs are replicated on every device, as the SPMD lowering returns them
