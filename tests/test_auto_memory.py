@@ -363,3 +363,51 @@ def test_written_price_is_at_most_the_objectives():
     assert problem.written(ops, inputs) <= e["compute"] + e["communication"] + 1e-15
     plan = sp.parallelize(norm_mlp_step, mesh=((2, 4), ("dp", "mp")), mode="auto", progress=False).plan(*args)
     assert plan.cost.written_time is not None and plan.cost.written_time <= plan.cost.step_time * (1 + 1e-12)
+
+
+
+
+def test_a_transpose_or_reshape_is_a_view_of_its_operands_buffer():
+    """XLA writes a transpose or a reshape as a bitcast of its operand's buffer (or folds
+    it into the dot that reads it), so the model counts a view only where no value of its
+    buffer is alive already: a value read only through its views is counted once, at
+    every point up to the views' last reader; views of a value alive anyway cost
+    nothing; a view the function returns is its own output buffer. The search's rows
+    (``_Liveness``) count what ``plan_profile`` counts at every program point."""
+    import jax.numpy as jnp
+    from shardprop.passes.auto import SearchStrategies
+    from shardprop.passes.auto.memory import live_intervals, plan_profile, views
+    from shardprop.passes.auto.search import _Liveness
+
+    def through_views(x, w):
+        h = jnp.sin(x @ w)                      # (64, 32), read only through its views
+        return jnp.sum(jnp.cos(h.T.reshape(32, 8, 8)) * 2.0)
+
+    def also_returned(x, w):
+        h = jnp.sin(x @ w)
+        return jnp.sum(jnp.cos(h.T.reshape(32, 8, 8)) * 2.0), h.T
+    x, w = np.ones((64, 128), np.float32), np.ones((128, 32), np.float32)
+    mesh = Mesh(("a", "b"), (2, 4))
+    for fn in (through_views, also_returned):
+        g = traced_graph(fn, (x, w), mesh)
+        intervals, seen = live_intervals(g), views(g)
+        pos = {op: t for t, op in enumerate(g.ops)}
+        sin, cos = (next(op for op in g.ops if op.kind == k) for k in ("sin", "cos"))
+        h = sin.outputs[0]
+        inner = [op.outputs[0] for op in g.ops if op.kind in ("transpose", "reshape") and op.outputs[0] not in g.outputs]
+        assert len(inner) == 2 and all(seen[v] is h for v in inner) and cos.inputs[0] is inner[-1]
+        assert all(v not in seen and intervals[v] == (-1, len(g.ops)) for v in g.outputs)
+        group = [v for v in [h] + inner if v in intervals]
+        for t in range(pos[sin], pos[cos] + 1):     # one buffer alive from h's op to the last view's reader
+            assert sum(intervals[v][0] <= t <= intervals[v][1] for v in group) == 1, (fn.__name__, t)
+        if fn is also_returned:                     # h is read at the end: its views cost nothing
+            assert group == [h]
+
+        problem, sol, _ = SearchStrategies().search(g)
+        memory = _Liveness(g, problem)
+        prof = plan_profile(g, *problem.op_strategies(sol.choice))
+        for at in range(len(prof)):
+            row = memory.row(at)
+            counted = sum(float(vec[sol.choice[t]]) for t, vec in row.nodes.items())
+            counted += sum(float(b[rows[sol.choice[a]], cols[sol.choice[c]]]) for a, c, rows, cols, b in row.pairs)
+            assert counted == pytest.approx(prof[at], rel=1e-9, abs=1e-6), (fn.__name__, at)

@@ -8,7 +8,9 @@ and its outputs for the whole step (the caller's buffers, and output buffers
 allocated beside the scratch for the whole run), except an output returned in
 place of a donated argument, which XLA writes into that argument's buffer; every
 other value from the op that makes it to its last reader (the saved activations
-of a training step are alive from the forward to the backward that reads them);
+of a training step are alive from the forward to the backward that reads them),
+except a transpose or a reshape, which XLA writes into its operand's buffer
+(``views``) and which is counted only where that buffer is not alive already;
 and at each op, the copies redistributions make of its operands (a weight
 gathered for its matmul lives while the matmul runs).
 
@@ -55,7 +57,8 @@ def parse_memory_limit(limit) -> Optional[int]:
 def live_intervals(graph: Graph) -> dict:
     """value -> (first program point it is alive at, last one); points are op positions,
     arguments and outputs are alive from -1 to len(ops); an output in a donated
-    argument's buffer has no interval of its own."""
+    argument's buffer has no interval of its own, and a view of another value's buffer
+    (``views``) none where that buffer is alive anyway."""
     end = len(graph.ops)
     out = {}
     for v in graph.inputs:
@@ -75,6 +78,40 @@ def live_intervals(graph: Graph) -> dict:
             del out[v]            # counted as the donated argument it overwrites
         else:
             out[v] = (-1, end)
+    held = {}             # buffer -> the last point one of its values is alive at so far
+    for v, buf in views(graph).items():      # in program order
+        if v not in out:
+            continue
+        until = held.get(buf, out[buf][1] if buf in out else end)    # (not in: in a donated buffer)
+        b, d = out[v]
+        if d <= until:
+            del out[v]        # its buffer is alive anyway
+        else:
+            out[v] = (max(b, until + 1), d)
+        held[buf] = max(until, d)
+    return out
+
+
+VIEW_KINDS = frozenset({"transpose", "reshape"})
+
+
+def views(graph: Graph) -> dict:
+    """value -> the earlier value whose buffer it is: the result of a transpose or a
+    reshape, which XLA writes as a bitcast of its operand's buffer (layout assignment
+    picks the operand's layout) or folds into its reader (a transpose into a dot's
+    dimension numbers). ``live_intervals`` counts a view only where no value of its
+    buffer is alive already: a transpose of a weight costs nothing, and a value read
+    only through its view is counted once. (Where the view's operand is redistributed
+    first, the view reads a new buffer: while the operand is alive too, that one is
+    counted only at the op, as its redistribution's copy.) A view the function returns
+    is its own output buffer."""
+    returned = set(graph.outputs)
+    out: dict = {}
+    for op in graph.ops:
+        if op.kind in VIEW_KINDS and len(op.inputs) == 1 and len(op.outputs) == 1:
+            v, w = op.inputs[0], op.outputs[0]
+            if v.literal is None and w not in returned:
+                out[w] = out.get(v, v)
     return out
 
 
