@@ -59,6 +59,17 @@ def live_intervals(graph: Graph) -> dict:
     arguments and outputs are alive from -1 to len(ops); an output in a donated
     argument's buffer has no interval of its own, and a view of another value's buffer
     (``views``) none where that buffer is alive anyway."""
+    return _intervals(graph)[0]
+
+
+def view_shadows(graph: Graph) -> dict:
+    """position of a view's op -> (first, last) program points where the view is not
+    counted as a value of its own, its buffer being alive anyway: there it holds bytes
+    only if its operand was redistributed for it (a new buffer; ``plan_profile``)."""
+    return _intervals(graph)[1]
+
+
+def _intervals(graph: Graph) -> tuple[dict, dict]:
     end = len(graph.ops)
     out = {}
     for v in graph.inputs:
@@ -78,25 +89,27 @@ def live_intervals(graph: Graph) -> dict:
             del out[v]            # counted as the donated argument it overwrites
         else:
             out[v] = (-1, end)
-    held = {}             # buffer -> the last point one of its values is alive at so far
-    for v, buf in views(graph).items():      # in program order
+    held, shadows = {}, {}    # buffer -> the last point one of its values is alive at so far
+    for v, (t, buf) in views(graph).items():      # in program order
         if v not in out:
             continue
         until = held.get(buf, out[buf][1] if buf in out else end)    # (not in: in a donated buffer)
         b, d = out[v]
+        if b + 1 <= min(d, until):      # (at its op, a redistribution's copy is the view's buffer)
+            shadows[t] = (b + 1, min(d, until))
         if d <= until:
             del out[v]        # its buffer is alive anyway
         else:
             out[v] = (max(b, until + 1), d)
         held[buf] = max(until, d)
-    return out
+    return out, shadows
 
 
 VIEW_KINDS = frozenset({"transpose", "reshape"})
 
 
 def views(graph: Graph) -> dict:
-    """value -> the earlier value whose buffer it is: the result of a transpose or a
+    """value -> (position of its op, the earlier value whose buffer it is): the result of a transpose or a
     reshape, which XLA writes as a bitcast of its operand's buffer (layout assignment
     picks the operand's layout) or folds into its reader (a transpose into a dot's
     dimension numbers). ``live_intervals`` counts a view only where no value of its
@@ -107,12 +120,18 @@ def views(graph: Graph) -> dict:
     is its own output buffer."""
     returned = set(graph.outputs)
     out: dict = {}
-    for op in graph.ops:
+    for t, op in enumerate(graph.ops):
         if op.kind in VIEW_KINDS and len(op.inputs) == 1 and len(op.outputs) == 1:
             v, w = op.inputs[0], op.outputs[0]
             if v.literal is None and w not in returned:
-                out[w] = out.get(v, v)
+                out[w] = (t, out[v][1] if v in out else v)
     return out
+
+
+def view_bytes(v, have, need, mesh) -> float:
+    """Bytes per device a view of ``v`` holds where its buffer is alive anyway: none if
+    ``v`` is read in the layout it has, else the redistribution's result (a new buffer)."""
+    return 0.0 if have == need else float(local_bytes(v, need, mesh))
 
 
 def in_donated_buffers(graph: Graph) -> set:
@@ -161,7 +180,7 @@ def plan_profile(graph: Graph, ops: dict, inputs: dict):
     gathered for its matmul, ``copy_bytes``), alive at the op itself."""
     import numpy as np
     mesh = graph.mesh
-    intervals = live_intervals(graph)
+    intervals, shadows = _intervals(graph)
     diff = np.zeros(len(graph.ops) + 3)
     layout = {}
 
@@ -185,6 +204,11 @@ def plan_profile(graph: Graph, ops: dict, inputs: dict):
                 n = copy_bytes(v, have, need, mesh)
                 diff[t + 1] += n
                 diff[t + 2] -= n
+            if t in shadows:
+                b, d = shadows[t]
+                n = view_bytes(v, have, need, mesh)
+                diff[b + 1] += n
+                diff[d + 2] -= n
         for k, v in enumerate(op.outputs):
             add(v, st.result_layout(k, mesh))
     return np.cumsum(diff)[:len(graph.ops) + 2]
