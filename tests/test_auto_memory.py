@@ -394,7 +394,8 @@ def test_a_transpose_or_reshape_is_a_view_of_its_operands_buffer():
         pos = {op: t for t, op in enumerate(g.ops)}
         sin, cos = (next(op for op in g.ops if op.kind == k) for k in ("sin", "cos"))
         h = sin.outputs[0]
-        inner = [op.outputs[0] for op in g.ops if op.kind in ("transpose", "reshape") and op.outputs[0] not in g.outputs]
+        inner = [op.outputs[0] for op in g.ops
+                 if op.kind in ("transpose", "reshape") and op.outputs[0] not in g.outputs]
         assert len(inner) == 2 and all(seen[v][1] is h for v in inner) and cos.inputs[0] is inner[-1]
         assert all(v not in seen and intervals[v] == (-1, len(g.ops)) for v in g.outputs)
         group = [v for v in [h] + inner if v in intervals]
