@@ -417,3 +417,39 @@ def test_a_transpose_or_reshape_is_a_view_of_its_operands_buffer():
                 counted += sum(float(b[rows[choice[a]], cols[choice[c]]]) for a, c, rows, cols, b in row.pairs)
                 assert counted == pytest.approx(prof[at], rel=1e-9, abs=1e-6), (fn.__name__, at)
 
+
+
+def test_a_view_of_a_redistributed_operand_holds_the_new_buffer():
+    """A view whose operand is redistributed for it reads a new buffer: where its operand
+    is alive anyway, the gathered copy is counted beside it, up to the view's last reader."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from shardprop.ir.layout import Layout
+    from shardprop.passes.auto import SearchStrategies
+    from shardprop.passes.auto.memory import copy_bytes, local_bytes, plan_profile, view_shadows
+
+    def f(x, w):
+        h = jnp.sin(x @ w)
+        return jnp.sum(jnp.cos(h.T) * 2.0), h      # h is alive to the end: its transpose is a view
+    g = traced_graph(f, (np.ones((64, 128), np.float32), np.ones((128, 32), np.float32)), Mesh(("a", "b"), (2, 4)))
+    problem, sol, _ = SearchStrategies().search(g)
+    sin, tr, cos = (next(op for op in g.ops if op.kind == k) for k in ("sin", "transpose", "cos"))
+    h, mesh = sin.outputs[0], g.mesh
+    ci, _ = problem.node_of_op[sin]
+    t = problem.nodes[ci].template
+    split = next(k for k in range(len(problem.unary[t]))            # a plan with h split
+                 if local_bytes(h, problem.op_strategies({**sol.choice, t: k})[0][sin].result_layout(0, mesh), mesh)
+                 < local_bytes(h, Layout.replicated(2), mesh))
+    ops, inputs = problem.op_strategies({**sol.choice, t: split})
+    assert ops[tr].operand_layout(0, 2, mesh) == ops[sin].result_layout(0, mesh)     # (the view follows h)
+    gathered = dataclasses.replace(ops[tr], factors=tuple(() for _ in ops[tr].factors), passthrough=None,
+                                   _layouts={})      # (not the cached layouts of the split one)
+    pos = g.ops.index(cos)
+    assert view_shadows(g) == {g.ops.index(tr): (pos, pos)}
+    before = plan_profile(g, ops, inputs)
+    after = plan_profile(g, {**ops, tr: gathered}, inputs)
+    whole = Layout.replicated(2)
+    # at the cos: the whole transposed copy, and the slice cos takes of it
+    want = local_bytes(h, whole, mesh) + copy_bytes(tr.outputs[0], whole, ops[cos].operand_layout(0, 2, mesh), mesh)
+    assert after[pos + 1] - before[pos + 1] == pytest.approx(want) and want > 0
