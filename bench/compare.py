@@ -48,15 +48,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from bench import zoo  # noqa: E402
-from bench.hlo import collectives  # noqa: E402
+from bench.hlo import collectives, peak_memory  # noqa: E402
 import shardprop as sp  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def peak_memory(compiled) -> int:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
 def median_interleaved(fa, fb, reps: int) -> tuple[float, float]:

@@ -37,10 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gpt_megatron as G  # noqa: E402
-from bench.hlo import opcodes  # noqa: E402
+from bench.hlo import opcodes, peak_memory  # noqa: E402
 import shardprop as sp  # noqa: E402
 
 FSDP_MESH, TP_MESH = ((8,), ("dp",)), ((2, 4), ("dp", "mp"))
@@ -137,8 +136,7 @@ def measure(layers: int, plan: str, seq: int = 32) -> dict:
     compiled = pstep.lower(*args).compile()
     m = compiled.memory_analysis()
     row = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, temp=m.temp_size_in_bytes,
-               aliased=m.alias_size_in_bytes)
-    row["peak"] = row["arguments"] + row["outputs"] + row["temp"] - row["aliased"]
+               aliased=m.alias_size_in_bytes, peak=peak_memory(compiled))
     row["gathers_at_start"], row["gathers"] = gathers_at_start(compiled.as_text())
     plain_plan = plain.plan(*args)
     row["two_layers"] = 2 * layer_gathered_bytes(plain_plan, plain_plan.mesh)
@@ -162,8 +160,7 @@ def measure_mixed(layers: int, dtype: str) -> dict:
     pstep = sp.parallelize(step, mesh=FSDP_MESH, shard_params=True, donate_argnums=(0, 1), progress=False)
     compiled = pstep.lower(*args).compile()
     m = compiled.memory_analysis()
-    row = dict(arguments=m.argument_size_in_bytes, temp=m.temp_size_in_bytes,
-               peak=m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    row = dict(arguments=m.argument_size_in_bytes, temp=m.temp_size_in_bytes, peak=peak_memory(compiled))
     row["gathers_at_start"], row["gathers"] = gathers_at_start(compiled.as_text())
     return row
 

@@ -50,12 +50,18 @@ def profile_for(device) -> str:
     return "h100-80gb"
 
 
-def median_seconds(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
+def median_seconds(fn, args, reps: int, feed_back: bool = False) -> float:
+    """Median seconds of ``fn(*args)`` after a warm-up; with ``feed_back``, a training
+    step's new state (its first two results) is fed back as its first two arguments."""
+    out = fn(*args)
+    jax.block_until_ready(out)
     times = []
     for _ in range(reps):
+        if feed_back:
+            args = (out[0], out[1]) + tuple(args[2:])
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        out = fn(*args)
+        jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -72,7 +78,7 @@ def matmul_rows(gpu: GpuProfile, shapes, chain: int, reps: int, dtype, peak: flo
             for _ in range(chain):
                 x = x @ w
             return x
-        t = median_seconds(chained, x, w, reps=reps) / chain
+        t = median_seconds(chained, (x, w), reps) / chain
         flops = 2.0 * m * n * n
         rows.append((f"{jnp.dtype(dtype).name} [{m},{n}]@[{n},{n}]", flops, t, gpu.matmul_time(flops, peak)))
     return rows
@@ -81,23 +87,8 @@ def matmul_rows(gpu: GpuProfile, shapes, chain: int, reps: int, dtype, peak: flo
 def streaming_row(gpu: GpuProfile, elements: int, reps: int) -> tuple:
     x = jnp.ones((elements,), jnp.float32)
     f = jax.jit(lambda x: x * 1.0001 + 0.5)
-    t = median_seconds(f, x, reps=reps)
+    t = median_seconds(f, (x,), reps)
     return 8.0 * elements / t, gpu.streaming_bytes_per_s
-
-
-def _timed(fn, args, reps: int, feed_back: bool) -> float:
-    """Median seconds of ``fn(*args)``; a training step's new state is fed back."""
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        if feed_back:
-            args = (out[0], out[1]) + tuple(args[2:])
-        t0 = time.perf_counter()
-        out = fn(*args)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def gpt_rows(gpu: GpuProfile, configs, reps: int, parts: bool) -> list:
@@ -131,10 +122,10 @@ def gpt_rows(gpu: GpuProfile, configs, reps: int, parts: bool) -> list:
                                **({} if is_step else dict(param_argnums=(), optimizer_argnums=())))
             if is_step:
                 real = (params, optax.adam(1e-4).init(params), tokens, tokens)
-                t = _timed(jax.jit(fn, donate_argnums=(0, 1)), real, reps, feed_back=True)
+                t = median_seconds(jax.jit(fn, donate_argnums=(0, 1)), real, reps, feed_back=True)
                 params = None          # donated
             else:
-                t = _timed(jax.jit(fn), real, reps, feed_back=False)
+                t = median_seconds(jax.jit(fn), real, reps)
             rows.append((f"{label} {part}", est.flops, t, est.step_s))
     return rows
 

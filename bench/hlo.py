@@ -1,4 +1,5 @@
-"""Collectives read off compiled HLO text, with the bytes each device moves.
+"""Collectives read off compiled HLO text, with the bytes each device moves, and a
+compiled program's peak memory per device (``peak_memory``).
 
 Handles explicit replica groups ``{{0,1,2,3},{4,5,6,7}}``, iota groups
 ``[2,4]<=[8]`` / ``[2,4]<=[4,2]T(1,0)``, tuple-shaped results, and async pairs
@@ -18,6 +19,13 @@ _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "s32": 4, "s64": 8, "u32":
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[^\]]*\](?:\{[^}]*\})?)\s+"
                    r"(?P<op>[a-z\-]+)\(")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([^\]]*)\]")
+
+
+def peak_memory(compiled) -> int:
+    """Peak bytes per device of a compiled program, from its ``memory_analysis()``:
+    arguments + outputs + temporaries - the outputs that alias (donated) arguments."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
 def shape_bytes(shape_text: str) -> int:

@@ -78,10 +78,9 @@ import shardprop as sp  # noqa: E402
 from shardprop.compiler.calibrate import host_cores  # noqa: E402
 from shardprop.compiler.pipeline_step import (_eqn_time, _modeled_times, alone_cost,  # noqa: E402
                                               calibration_contention, devices_at_once, host_step,
-                                              mpmd_host_step, shared_cores)
+                                              mpmd_host_step, shared_cores, spmd_step, stage_durations)
 from shardprop.passes.cost import CostModel  # noqa: E402
-from shardprop.passes.pipeline import simulate  # noqa: E402
-from shardprop.passes.pipeline.simulate import _capacity, shared_time  # noqa: E402
+from shardprop.passes.pipeline.simulate import _capacity  # noqa: E402
 from shardprop.runtime.pipeline_lower import bubble_computes_nothing, noop_branch_opcodes  # noqa: E402
 
 
@@ -184,18 +183,15 @@ def interleaved(fns: dict, reps: int) -> dict:
 
 
 def modeled_step(prog, durations, latency, once, cores=None):
-    """The simulated tick loop of ``prog``'s schedule with these stage times (seconds
-    per kind and model stage), the ranks sharing ``cores`` (None: side by side), plus
-    ``once`` (per rank, its once ops' seconds, sharing the cores again)."""
-    return float(simulate(prog.schedule, durations, latency=latency, cores=cores).makespan) + \
-        float(shared_time(once, cores))
+    """The SPMD step's model (``spmd_step``) with these stage times, in seconds."""
+    return spmd_step(prog, durations, latency, once, cores)[0]
 
 
 def cost_model_step(prog, cost, once_programs):
     """The plan's modeled step priced by ``cost`` (``_modeled_times``: each stage
     program's roofline, each boundary's exchange), plus the slowest rank's once ops."""
     times, latency = _modeled_times(prog, cost)
-    durations = {kind: [times[k][kind] for k in range(prog.S)] for kind in prog.kinds}
+    durations = stage_durations(prog, times)
     once = [sum(once_programs[k].modeled(cost) for k in range(prog.S) if prog.rank_of(k) == d)
             for d in range(prog.p)]
     return modeled_step(prog, durations, latency, once), max(once)

@@ -40,6 +40,7 @@ import shardprop as sp  # noqa: E402
 from shardprop.compiler.pipeline_step import unpack  # noqa: E402
 from shardprop.runtime.pipeline_lower import PipelineProgram, collectives_across_pipeline  # noqa: E402
 sys.path.insert(0, str(ROOT))
+from bench.hlo import peak_memory  # noqa: E402
 from tests.test_pipeline_auto_mesh import LR, mlp  # noqa: E402
 
 def crossing_pp(hlo: str, mp: int) -> list:
@@ -119,9 +120,8 @@ def memory(width: int, batch: int) -> None:
             pstep = sp.parallelize(step, mesh=((4,), ("pp",)), batch_argnums=(2, 3),
                                    pipeline=sp.Pipeline(microbatches=m, schedule=schedule))
             plan = pstep.plan(params, state, *data)
-            ma = pstep.compiled(params, state, *data).memory_analysis()
-            compiled = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                        - ma.alias_size_in_bytes)
+            program = pstep.compiled(params, state, *data)
+            ma, compiled = program.memory_analysis(), peak_memory(program)
             print(f"   {schedule:5s} m={m}: modeled {plan.pipeline.memory / 2**20:7.2f} MiB, compiled "
                   f"{compiled / 2**20:7.2f} MiB (arguments {ma.argument_size_in_bytes / 2**20:.2f}, outputs "
                   f"{ma.output_size_in_bytes / 2**20:.2f}, temp {ma.temp_size_in_bytes / 2**20:.2f}); "

@@ -78,7 +78,7 @@ def gathers_at_use(op: Op, v: Value) -> bool:
 class PlannedLayouts(dict):
     """Input index -> the layout the plan without FSDP gives it; ``marks``: the layout
     each layout request (a ``CONSTRAINT`` op of the graph, in program order) makes."""
-    marks: list = []
+    marks: tuple = ()
 
 
 def planned_input_layouts(graph: Graph, options: Options) -> PlannedLayouts:

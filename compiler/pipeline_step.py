@@ -345,19 +345,31 @@ def _priced(cost, contention):
     return (alone_cost(cost), 1.0) if contention is None else (cost, contention)
 
 
+def stage_durations(prog, times) -> dict:
+    """Per-stage action times (``[{kind: seconds}, ...]``, as ``_modeled_times`` gives
+    them) as ``simulate`` takes durations: ``{kind: [seconds per model stage]}``."""
+    return {kind: [times[k][kind] for k in range(prog.S)] for kind in prog.kinds}
+
+
+def spmd_step(prog, durations, latency, once, cores=None):
+    """The SPMD lowering's step with these stage ``durations`` and exchange ``latency`` (as
+    ``simulate`` takes them) and per rank its ``once`` ops' time: the tick table simulated
+    with the ranks sharing ``cores`` (None: side by side), then the once ops sharing them
+    again. Returns ``(seconds, the SimResult, the once phase's seconds)``."""
+    from ..passes.pipeline.simulate import shared_time
+    sim = simulate(prog.schedule, durations, latency=latency, cores=cores)
+    tail = float(shared_time(once, cores))
+    return float(sim.makespan) + tail, sim, tail
+
+
 def host_step(prog, cost=None, cores=None, contention=None):
     """The modeled step of the SPMD lowering on a host whose ranks share ``cores``
     (``shared_cores``; None: side by side): each stage's actions at one device's rate
-    alone (``alone_cost``; or the profile's compute times over ``contention``) simulated
-    with the ranks sharing the cores, then each rank's once ops (the optimizer), the ranks
-    sharing the cores again. Returns ``(seconds, the SimResult, the once phase's seconds)``."""
-    from ..passes.pipeline.simulate import shared_time
+    alone (``alone_cost``; or the profile's compute times over ``contention``), run by
+    ``spmd_step``. Returns ``(seconds, the SimResult, the once phase's seconds)``."""
     priced, slow = _priced(cost, contention)
     times, latency = _modeled_times(prog, priced, contention=slow)
-    durations = {kind: [times[k][kind] for k in range(prog.S)] for kind in prog.kinds}
-    sim = simulate(prog.schedule, durations, latency=latency, cores=cores)
-    tail = float(shared_time(_once_times(prog, priced, slow), cores))
-    return float(sim.makespan) + tail, sim, tail
+    return spmd_step(prog, stage_durations(prog, times), latency, _once_times(prog, priced, slow), cores)
 
 
 def mpmd_host_step(prog, cost=None, cores=None, contention=None):
@@ -369,7 +381,7 @@ def mpmd_host_step(prog, cost=None, cores=None, contention=None):
     SimResult, the driver's seconds)``."""
     priced, slow = _priced(cost, contention)
     times, _ = _modeled_times(prog, priced, contention=slow)
-    durations = {kind: [times[k][kind] for k in range(prog.S)] for kind in prog.kinds}
+    durations = stage_durations(prog, times)
     copies = [8 * _boundary_floats(prog, k) / priced.memory_bytes_per_s / slow for k in range(prog.S - 1)]
     return mpmd_step(prog, durations, copies, _once_times(prog, priced, slow), cores,
                      getattr(priced, "dispatch_s", None) or 0.0, getattr(priced, "transfer_s", None) or 0.0)
@@ -589,7 +601,7 @@ class PipelineFunction:
         rejects every configuration under the free plan, a plan holding fewer bytes per
         device may still fit: the first rounds count from the free plan's build with the
         pipeline search not held to the limit."""
-        from .pipeline_submesh import SubmeshOverflow
+        from ..passes.auto.search import NoPlanFits
         limit = self.memory_limit
         try:
             c = self._build(args)
@@ -605,7 +617,7 @@ class PipelineFunction:
             budget = ask if budget is None else min(budget, ask)
             try:
                 c = self._build(args, submesh_limit=budget)
-            except SubmeshOverflow as e:
+            except NoPlanFits as e:
                 raise self._submesh_overflow(e, budget, c, free) from e
         if c.device_peak <= limit:
             return c
@@ -711,8 +723,7 @@ class PipelineFunction:
         c.pipeline_config = pl
         c.search = search_rows
         c.stage_times, c.latency = _modeled_times(prog, self.cost)
-        durations = {kind: [c.stage_times[k][kind] for k in range(S)] for kind in prog.kinds}
-        c.model_sim = simulate(schedule, durations, latency=c.latency)
+        c.model_sim = simulate(schedule, stage_durations(prog, c.stage_times), latency=c.latency)
         c.paths = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
         c.sub, c.consts = sub, tr.consts
         c.paths += [f"<constant {n}>" for n in range(len(c.consts))]

@@ -54,19 +54,6 @@ TAG = "sp_stage_boundary"
 # micro-batch's rows to this rank's block is a layout move, not a batch-mixing op
 LAYOUT_MOVE = "sp_layout_move"
 _TAG_RE = re.compile(TAG + r"\.(forward|backward)\.(\d+)")
-# the least modeled peak in passes/auto's error when no plan fits its memory limit
-# (search.SearchStrategies._overflow)
-_SMALLEST_RE = re.compile(r"no plan fits memory_limit=[\d,]+ bytes per device.*?the smallest modeled peak found "
-                          r"is ([\d,]+) bytes", re.S)
-
-
-class SubmeshOverflow(ShardingError):
-    """The strategy search on the sub-mesh found no plan under its memory budget;
-    ``smallest``: the least modeled peak per device it met (bytes)."""
-
-    def __init__(self, message: str, smallest: float):
-        super().__init__(message)
-        self.smallest = smallest
 
 
 def marks_as_copies(closed):
@@ -254,20 +241,14 @@ def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, ar
     propagation prices its choices by (None: the default); ``replay``: one dict shared by
     the plans of one step's traces: with ``mode="auto"`` the first is searched, the others
     take its strategies (``_run_passes``); ``memory_limit``: with ``mode="auto"``, bytes per
-    device the searched plan's modeled peak must fit (a ``SubmeshOverflow`` where none does)."""
+    device the searched plan's modeled peak must fit (``passes/auto``'s ``NoPlanFits`` where none does)."""
     args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
     graph = _imported(closed, names, ir_mesh, batch_mask, arg_leaves)
     graph.pinned_inputs.update(pins or {})
     state = [a for a in range(len(args)) if a not in batch_argnums]
     graph.tied_outputs = state_ties(args, state, out_shape)
     options = Options(mode=mode, memory_limit=memory_limit, **({} if cost is None else {"cost": cost}))
-    try:
-        graph = _run_passes(graph, options, replay)
-    except ShardingError as e:
-        found = _SMALLEST_RE.search(str(e)) if memory_limit is not None else None
-        if found is None:
-            raise
-        raise SubmeshOverflow(str(e), float(found.group(1).replace(",", ""))) from e
+    graph = _run_passes(graph, options, replay)
     if jax_mesh is None:   # the plan only
         return SubmeshProgram(None, [], [], [], [], [], [], graph)
     return SubmeshProgram(per_rank_jaxpr(graph, jax_mesh), [partition_spec(v.layout) for v in graph.inputs],

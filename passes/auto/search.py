@@ -85,6 +85,15 @@ class Alternative:
                        + (f", peak {self.rejected_peak / 2**20:.2f} MiB" if self.rejected_peak is not None else ""))
 
 
+class NoPlanFits(ShardingError):
+    """No plan fits the search's memory limit; ``smallest``: the least modeled peak per
+    device it found (bytes), for a caller that sets the limit (a pipeline's stages)."""
+
+    def __init__(self, message: str, smallest: float):
+        super().__init__(message)
+        self.smallest = smallest
+
+
 @dataclass
 class SearchResult:
     """What ``plan.cost`` shows: the modeled step of the chosen plan, per device."""
@@ -595,10 +604,11 @@ class SearchStrategies:
         peak, at = memory.peak(choice)
         biggest = memory.largest(choice, at, 5)
         names = "; ".join(f"{name} {shape} ({nbytes / 2**20:.2f} MiB per device)" for name, shape, nbytes in biggest)
-        return ShardingError(
+        return NoPlanFits(
             f"no plan fits memory_limit={self.memory_limit:,} bytes per device on mesh {problem.mesh}: the smallest "
             f"modeled peak found is {peak:,.0f} bytes per device ({peak / 2**20:.2f} MiB); the largest tensors alive "
-            f"there: {names}. Fix: raise memory_limit, use more devices, or shrink the batch or the model")
+            f"there: {names}. Fix: raise memory_limit, use more devices, or shrink the batch or the model",
+            float(peak))
 
 
 def _warm_model(problem: Problem, memory: "_Liveness", fams: list):

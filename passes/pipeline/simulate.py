@@ -491,19 +491,6 @@ def shared_finish(jobs, cores=None):
 
 def shared_time(works, cores=None):
     """Time for independent jobs of durations ``works`` that start together on ranks that
-    share ``cores`` (``None``: side by side, the longest job): processor sharing, as
-    ``simulate(..., cores=)`` runs a schedule's actions."""
-    works = list(works)
-    exact = _exact(works + _core_values(cores))
-    works = sorted(_num(w, exact) for w in works if w > 0)
-    if not works:
-        return 0
-    if cores is None or not (cores.shares(len(works)) if isinstance(cores, Capacity) else cores < len(works)):
-        return works[-1]
-    cores = _exact_cores(cores, exact)
-    t, done = 0, 0                        # done: work every unfinished job has had so far
-    for i, w in enumerate(works):
-        rate = min(1, _capacity(cores, len(works) - i) / (len(works) - i))
-        t += (w - done) / rate
-        done = w
-    return t
+    share ``cores`` (``None``: side by side, the longest job): ``shared_finish`` with every
+    job starting at 0."""
+    return shared_finish([(0, w) for w in works], cores)
