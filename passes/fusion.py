@@ -40,3 +40,12 @@ def resident_values(graph) -> frozenset:
                                                   for u in users):
                 out.add(v)
     return frozenset(out)
+
+
+def unwritten_values(graph) -> frozenset:
+    """The resident values that never get a buffer of their own: those with one reader,
+    which fusion computes inside that reader's loop. A resident value with several
+    readers (a forward value the backward reads again) is computed once and written
+    where the readers land in different fusions, which the structure alone does not say."""
+    readers = graph.users()
+    return frozenset(v for v in resident_values(graph) if len(readers[v]) == 1)

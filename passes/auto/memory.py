@@ -24,7 +24,8 @@ import re
 from typing import Optional
 
 from ...ir.errors import ShardingError
-from ...ir.graph import Graph
+from ...ir.graph import CONSTRAINT, Graph
+from ..fusion import unwritten_values
 from ..redistribute import plan_redistribution
 
 _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9, "gb": 10 ** 9,
@@ -70,6 +71,7 @@ def view_shadows(graph: Graph) -> dict:
 
 
 def _intervals(graph: Graph) -> tuple[dict, dict]:
+    residents = fused_away(graph)
     end = len(graph.ops)
     out = {}
     for v in graph.inputs:
@@ -81,6 +83,14 @@ def _intervals(graph: Graph) -> tuple[dict, dict]:
         for v in op.inputs:
             if v in out and out[v][0] >= 0:
                 out[v] = (out[v][0], max(out[v][1], t))
+    for t in range(len(graph.ops) - 1, -1, -1):     # later readers first: a chain's inputs reach its end
+        op = graph.ops[t]
+        for v in op.outputs:
+            if v in residents and v in out:
+                d = out.pop(v)[1]
+                for u in op.inputs:
+                    if u in out and u.literal is None:
+                        out[u] = (out[u][0], max(out[u][1], d))
     in_place = in_donated_buffers(graph)
     for v in graph.outputs:
         if v not in out:
@@ -90,7 +100,7 @@ def _intervals(graph: Graph) -> tuple[dict, dict]:
         else:
             out[v] = (-1, end)
     held, shadows = {}, {}    # buffer -> the last point one of its values is alive at so far
-    for v, (t, buf) in views(graph).items():      # in program order
+    for v, (t, buf) in views(graph, residents).items():      # in program order
         if v not in out:
             continue
         until = held.get(buf, out[buf][1] if buf in out else end)    # (not in: in a donated buffer)
@@ -105,10 +115,19 @@ def _intervals(graph: Graph) -> tuple[dict, dict]:
     return out, shadows
 
 
-VIEW_KINDS = frozenset({"transpose", "reshape"})
+VIEW_KINDS = frozenset({"transpose", "reshape", CONSTRAINT})
 
 
-def views(graph: Graph) -> dict:
+def fused_away(graph: Graph) -> frozenset:
+    """The values that hold no buffer because fusion computes them inside their one
+    reader's loop (``fusion.unwritten_values``): an elementwise chain's intermediates.
+    Their operands are alive to that reader instead (``live_intervals``). A view keeps
+    its own rule (``views``)."""
+    made_by_views = {v for op in graph.ops if op.kind in VIEW_KINDS for v in op.outputs}
+    return unwritten_values(graph) - made_by_views
+
+
+def views(graph: Graph, residents=None) -> dict:
     """value -> (position of its op, the earlier value whose buffer it is): the result of a transpose or a
     reshape, which XLA writes as a bitcast of its operand's buffer (layout assignment
     picks the operand's layout) or folds into its reader (a transpose into a dot's
@@ -119,11 +138,12 @@ def views(graph: Graph) -> dict:
     counted only at the op, as its redistribution's copy.) A view the function returns
     is its own output buffer."""
     returned = set(graph.outputs)
+    residents = fused_away(graph) if residents is None else residents
     out: dict = {}
     for t, op in enumerate(graph.ops):
         if op.kind in VIEW_KINDS and len(op.inputs) == 1 and len(op.outputs) == 1:
             v, w = op.inputs[0], op.outputs[0]
-            if v.literal is None and w not in returned:
+            if v.literal is None and w not in returned and w not in residents and v not in residents:
                 out[w] = (t, out[v][1] if v in out else v)
     return out
 
@@ -173,24 +193,23 @@ def copy_bytes(v, have, need, mesh) -> float:
     return float(most)
 
 
-def plan_profile(graph: Graph, ops: dict, inputs: dict):
-    """Modeled live bytes per device at each program point of a plan (op -> OpStrategy,
-    input index -> Layout): the values alive there, plus, at each op, the copy a
-    redistribution makes of an operand the op needs in another layout (a weight
-    gathered for its matmul, ``copy_bytes``), alive at the op itself."""
-    import numpy as np
+def plan_buffers(graph: Graph, ops: dict, inputs: dict) -> list:
+    """The buffers a plan (op -> OpStrategy, input index -> Layout) holds, as
+    (first profile index, last profile index, bytes per device): every value over its
+    live interval, and, at each op, the copy a redistribution makes of an operand the
+    op needs in another layout (a weight gathered for its matmul, ``copy_bytes``), alive
+    at the op itself. Profile index: op position + 1; 0 and len(ops) + 1 are the call's
+    start and end (the arguments and outputs span them)."""
     mesh = graph.mesh
     intervals, shadows = _intervals(graph)
-    diff = np.zeros(len(graph.ops) + 3)
+    out = []
     layout = {}
 
     def add(v, lay):
         layout[v] = lay
         if v in intervals:
             b, d = intervals[v]
-            n = local_bytes(v, lay, mesh)
-            diff[b + 1] += n
-            diff[d + 2] -= n
+            out.append((b + 1, d + 1, local_bytes(v, lay, mesh)))
     for i, lay in inputs.items():
         add(graph.inputs[i], lay)
     for t, op in enumerate(graph.ops):
@@ -201,16 +220,23 @@ def plan_profile(graph: Graph, ops: dict, inputs: dict):
                 continue
             need = st.operand_layout(m, v.type.rank, mesh)
             if need != have:
-                n = copy_bytes(v, have, need, mesh)
-                diff[t + 1] += n
-                diff[t + 2] -= n
+                out.append((t + 1, t + 1, copy_bytes(v, have, need, mesh)))
             if t in shadows:
                 b, d = shadows[t]
-                n = view_bytes(v, have, need, mesh)
-                diff[b + 1] += n
-                diff[d + 2] -= n
+                out.append((b + 1, d + 1, view_bytes(v, have, need, mesh)))
         for k, v in enumerate(op.outputs):
             add(v, st.result_layout(k, mesh))
+    return out
+
+
+def plan_profile(graph: Graph, ops: dict, inputs: dict):
+    """Modeled live bytes per device at each program point of a plan: the sum of
+    ``plan_buffers`` alive there."""
+    import numpy as np
+    diff = np.zeros(len(graph.ops) + 3)
+    for b, d, n in plan_buffers(graph, ops, inputs):
+        diff[b] += n
+        diff[d + 1] -= n
     return np.cumsum(diff)[:len(graph.ops) + 2]
 
 
