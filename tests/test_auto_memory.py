@@ -102,7 +102,9 @@ def test_zoo_transformer_blocks_never_worse_than_their_hand_plans(case, frac):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("frac", [0.5, 0.9])
+# (0.6 of the free plan's modeled peak is 4.2 MiB, what 0.5 was before the model left Adam's and the
+# GELU's fused intermediates out of the free plan's peak)
+@pytest.mark.parametrize("frac", [0.6, 0.9])
 def test_zoo_gpt_step_never_worse_than_its_hand_plans(frac):
     sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
     sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
