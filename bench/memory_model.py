@@ -38,6 +38,9 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 DUMP = None
 if __name__ == "__main__" and "--xla-live" in sys.argv:     # (XLA reads its flags once, at start)
     DUMP = tempfile.mkdtemp(prefix="memory_model_")
+    import atexit
+    import shutil
+    atexit.register(shutil.rmtree, DUMP, True)
     os.environ["XLA_FLAGS"] += f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_body"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
