@@ -152,6 +152,23 @@ def views(graph: Graph, residents=None) -> dict:
     return out
 
 
+def fused_reads(graph: Graph) -> list:
+    """(position of the reader, the operand's index there, position of its producer) of
+    every read of a fused value (``fused_away``). Where the reader needs the value in
+    another layout, XLA writes it and redistributes it, so there the value holds its
+    bytes from its producer to that reader (``fused_bytes``, in ``plan_buffers`` and the
+    search's rows alike)."""
+    gone = fused_away(graph)
+    made = {v: t for t, op in enumerate(graph.ops) for v in op.outputs if v in gone}
+    return [(r, m, made[v]) for r, op in enumerate(graph.ops) for m, v in enumerate(op.inputs) if v in made]
+
+
+def fused_bytes(v, have, need, mesh) -> float:
+    """Bytes per device a fused value holds up to its reader: none where the reader reads
+    it in the layout it is made in (it stays in the fused loop), else all of it."""
+    return 0.0 if have == need else float(local_bytes(v, have, mesh))
+
+
 def view_bytes(v, have, need, mesh) -> float:
     """Bytes per device a view of ``v`` holds where its buffer is alive anyway: none if
     ``v`` is read in the layout it has, else the redistribution's result (a new buffer)."""
@@ -206,6 +223,7 @@ def plan_buffers(graph: Graph, ops: dict, inputs: dict) -> list:
     start and end (the arguments and outputs span them)."""
     mesh = graph.mesh
     intervals, shadows = _intervals(graph)
+    fused = {(r, m): p for r, m, p in fused_reads(graph)}
     out = []
     layout = {}
 
@@ -228,6 +246,8 @@ def plan_buffers(graph: Graph, ops: dict, inputs: dict) -> list:
             if t in shadows:
                 b, d = shadows[t]
                 out.append((b + 1, d + 1, view_bytes(v, have, need, mesh)))
+            if (t, m) in fused:
+                out.append((fused[t, m] + 1, t + 1, fused_bytes(v, have, need, mesh)))
         for k, v in enumerate(op.outputs):
             add(v, st.result_layout(k, mesh))
     return out

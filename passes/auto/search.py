@@ -34,7 +34,8 @@ from ..plan_core.write import SEARCHED, USER, follows, follows_input, user_fixed
 from ..propagate import PropagateSharding
 from ..rules import FIXED
 from . import hand, lagrange, milp, warm_lp
-from .memory import copy_bytes, largest_at_peak, live_intervals, plan_peak, plan_profile, view_bytes, view_shadows
+from .memory import (copy_bytes, fused_bytes, fused_reads, largest_at_peak, live_intervals, plan_peak, plan_profile,
+                     view_bytes, view_shadows)
 from .refine import refine
 from .problem import DECIDERS, Problem, _unique
 
@@ -762,6 +763,7 @@ class _Liveness:
     def __init__(self, graph: Graph, problem: Problem):
         intervals = live_intervals(graph)
         self.shadows = view_shadows(graph)
+        self.fused = fused_reads(graph)
         self.graph, self.problem = graph, problem
         self.vals = [v for v in problem.values if v in intervals]
         self.birth = np.array([intervals[v][0] + 1 for v in self.vals])
@@ -795,6 +797,9 @@ class _Liveness:
         for p, (b, d) in self.shadows.items():       # views whose buffer is alive anyway
             if b + 1 <= at <= d + 1:
                 terms = terms + self.copies(self.graph.ops[p], view_bytes)
+        for r, m, p in self.fused:      # fused values whose reader needs them in another layout
+            if p + 1 <= at <= r + 1:
+                terms = terms + self.copies(self.graph.ops[r], fused_bytes, only=m)
         for term in terms:
             if len(term) == 2:
                 t, vec = term
@@ -803,7 +808,7 @@ class _Liveness:
                 row.pairs.append(term)
         return row
 
-    def copies(self, op, held=copy_bytes) -> list:
+    def copies(self, op, held=copy_bytes, only=None) -> list:
         """The copies redistributing ``op``'s operands makes (``held``: the bytes one
         holds, from the operand, its layout and the one needed): (template, bytes per
         candidate) where one decision fixes both layouts, else (producer's template,
@@ -816,7 +821,7 @@ class _Liveness:
         mesh = p.mesh
         out = []
         for m, v in enumerate(op.inputs):
-            if v.literal is not None or v not in p.owner:
+            if v.literal is not None or v not in p.owner or (only is not None and m != only):
                 continue
             pi, pp, k_out = p.owner[v]
             pnode = p.nodes[pi]
