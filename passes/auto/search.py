@@ -34,7 +34,8 @@ from ..plan_core.write import SEARCHED, USER, follows, follows_input, user_fixed
 from ..propagate import PropagateSharding
 from ..rules import FIXED
 from . import hand, lagrange, milp, warm_lp
-from .memory import copy_bytes, largest_at_peak, live_intervals, plan_peak, plan_profile
+from .memory import (copy_bytes, fused_bytes, fused_reads, largest_at_peak, live_intervals, plan_peak, plan_profile,
+                     view_bytes, view_shadows)
 from .refine import refine
 from .problem import DECIDERS, Problem, _unique
 
@@ -761,6 +762,8 @@ class _Liveness:
 
     def __init__(self, graph: Graph, problem: Problem):
         intervals = live_intervals(graph)
+        self.shadows = view_shadows(graph)
+        self.fused = fused_reads(graph)
         self.graph, self.problem = graph, problem
         self.vals = [v for v in problem.values if v in intervals]
         self.birth = np.array([intervals[v][0] + 1 for v in self.vals])
@@ -790,17 +793,24 @@ class _Liveness:
             t = self.temp[i]
             out[t] = out[t] + self.vec[i] if t in out else self.vec[i].copy()
         row = milp.MemoryRow(out, point=at)
-        if 1 <= at <= len(self.graph.ops):
-            for term in self.copies(self.graph.ops[at - 1]):
-                if len(term) == 2:
-                    t, vec = term
-                    out[t] = out[t] + vec if t in out else vec.copy()
-                else:
-                    row.pairs.append(term)
+        terms = self.copies(self.graph.ops[at - 1]) if 1 <= at <= len(self.graph.ops) else []
+        for p, (b, d) in self.shadows.items():       # views whose buffer is alive anyway
+            if b + 1 <= at <= d + 1:
+                terms = terms + self.copies(self.graph.ops[p], view_bytes)
+        for r, m, p in self.fused:      # fused values whose reader needs them in another layout
+            if p + 1 <= at <= r + 1:
+                terms = terms + self.copies(self.graph.ops[r], fused_bytes, only=m)
+        for term in terms:
+            if len(term) == 2:
+                t, vec = term
+                out[t] = out[t] + vec if t in out else vec.copy()
+            else:
+                row.pairs.append(term)
         return row
 
-    def copies(self, op) -> list:
-        """The copies redistributing ``op``'s operands makes: (template, bytes per
+    def copies(self, op, held=copy_bytes, only=None) -> list:
+        """The copies redistributing ``op``'s operands makes (``held``: the bytes one
+        holds, from the operand, its layout and the one needed): (template, bytes per
         candidate) where one decision fixes both layouts, else (producer's template,
         consumer's template, classes, classes, bytes by class pair)."""
         p = self.problem
@@ -811,18 +821,18 @@ class _Liveness:
         mesh = p.mesh
         out = []
         for m, v in enumerate(op.inputs):
-            if v.literal is not None or v not in p.owner:
+            if v.literal is not None or v not in p.owner or (only is not None and m != only):
                 continue
             pi, pp, k_out = p.owner[v]
             pnode = p.nodes[pi]
-            key = (pnode.template, pp, k_out, cnode.template, pc, m, pi == ci, v.type)
+            key = (pnode.template, pp, k_out, cnode.template, pc, m, pi == ci, v.type, held)
             term = self._copies.get(key)
             if term is None:
                 src = [p.layout_of(v, pnode, i) for i in range(len(pnode.candidates))]
                 dst = [row[pc].operand_layout(m, v.type.rank, mesh) for row in cnode.strategies]
 
                 def copy(a, b):
-                    return copy_bytes(v, a, b, mesh)
+                    return held(v, a, b, mesh)
                 if pi == ci or pnode.template == cnode.template:
                     term = (cnode.template, np.array([copy(a, b) for a, b in zip(src, dst)]))
                 else:
