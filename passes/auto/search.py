@@ -58,8 +58,9 @@ RELAXED_GAP = 0.05
 # the budget is spent and they have a plan that fits, but get at least this long to find one
 MULTIPLIERS_MIN_S = 10.0
 # where a rounded LP plan fits but is not proven within RELAXED_GAP, the exact rows get
-# this long to prove that gap or find a cheaper plan (on the GPT steps of bench/auto.py
-# at 12 layers they ran the whole 20 s budget to the same plan, 4.8-6.9% from the bound)
+# this long, over all their rounds (a row where a plan of theirs overflows, then again),
+# to prove that gap or find a cheaper plan (on the GPT steps of bench/auto.py at 12
+# layers they ran the whole 20 s budget to the same plan, 4.8-6.9% from the bound)
 EXACT_AFTER_ROUNDED_S = 3.0
 # LP diving (``_dive``) stops once the cheapest plan that fits it has met is within this
 # fraction of its LP's bound: diving on cannot find one cheaper by more (on the 2-layer
@@ -412,6 +413,7 @@ class SearchStrategies:
                     rows.append(memory.row(at))
                     points.add(at)
         found = None   # the cheapest rounded LP plan that fits: (time, Solution)
+        proving = None   # when the exact rows began to try to beat it
         for k in range(MAX_MEMORY_ROUNDS):
             left = self._left()
             if left is not None and left <= 0.05 and (start is not None or found is not None):
@@ -431,8 +433,10 @@ class SearchStrategies:
             try:
                 with self._phase("exact rows"):
                     if found is not None:   # (a rounded plan that fits: the rows prove RELAXED_GAP, briefly)
-                        sol = milp.solve(red, rows, limit, EXACT_AFTER_ROUNDED_S if left is None else
-                                         max(min(left, EXACT_AFTER_ROUNDED_S), 0.5), rel_gap=self.relaxed_gap)
+                        proving = proving if proving is not None else time.perf_counter()
+                        brief = EXACT_AFTER_ROUNDED_S - (time.perf_counter() - proving)
+                        sol = milp.solve(red, rows, limit, max(brief if left is None else min(left, brief), 0.5),
+                                         rel_gap=self.relaxed_gap)
                     else:
                         sol = milp.solve(red, rows, limit, None if left is None else max(left, 0.5))
             except ShardingError:   # the time limit, before any plan
@@ -463,7 +467,7 @@ class SearchStrategies:
                                    f"a gap of {lag.gap:.2%}, exact rows")
                     sol.bound = max(sol.bound, lag.bound)
                 return sol, smallest
-            if found is not None:
+            if found is not None and time.perf_counter() - proving >= EXACT_AFTER_ROUNDED_S:
                 break   # (the exact rows' brief try after a rounded plan found none that fits: it stands)
             rows.append(memory.row(at))
             points.add(at)
