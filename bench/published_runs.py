@@ -181,15 +181,21 @@ def cluster_for(r: Row, collectives: str, gpu_changes: dict = None, kernels: str
     return sp.Cluster(nodes, min(r.gpus_per_node, r.gpus), gpu, collectives, kernels=kernels or r.kernels)
 
 
+def row_step(r: Row):
+    """The row's training step as the runs trained it (examples/gpt_plan.py's GPT: the row's
+    sizes and dtype, full recomputation, its dropout and biases) and its arguments."""
+    import gpt_plan
+    cfg = gpt_plan.GPT(layers=r.layers, hidden=r.hidden, heads=r.heads, seq=r.seq, vocab=r.vocab, batch=r.batch,
+                       compute_dtype=r.dtype, remat=True, dropout=r.dropout, bias=r.bias)
+    return gpt_plan.train_step_and_args(cfg)
+
+
 def predict(r: Row, hierarchical: bool = True, gpu_changes: dict = None, kernels: str = None) -> dict:
     """The row planned and priced twice: with collectives over groups spanning nodes run
     as NCCL runs them (one flat ring: what these PyTorch / Paddle runs' NCCL did; the
     headline) and as hierarchical collectives (``sp.Cluster``'s default), with the row's kernel
     policy (``kernels``: another for every row)."""
-    import gpt_plan
-    cfg = gpt_plan.GPT(layers=r.layers, hidden=r.hidden, heads=r.heads, seq=r.seq, vocab=r.vocab, batch=r.batch,
-                       compute_dtype=r.dtype, remat=True, dropout=r.dropout, bias=r.bias)
-    step, args = gpt_plan.train_step_and_args(cfg)
+    step, args = row_step(r)
     if r.pp > 1:
         mesh = AbstractMesh((r.pp, r.dp, r.mp), ("pp", "dp", "mp"))
         # the run's micro-batch count, else any count that divides a replica's batch (the search's
@@ -252,14 +258,11 @@ def breakdown(rows, policies=("xla", None)) -> int:
     pattern and its backward together); ops over the vocabulary (the loss) apart."""
     import collections
 
-    import gpt_plan
     from shardprop.ir.graph import is_collective
     from shardprop.passes.cost import compute_unit, is_contraction, strategy_work, tensor_factors
     from shardprop.passes.fusion import builtin_policy, resident_values
     for r in rows:
-        cfg = gpt_plan.GPT(layers=r.layers, hidden=r.hidden, heads=r.heads, seq=r.seq, vocab=r.vocab,
-                           batch=r.batch, compute_dtype=r.dtype, remat=True, dropout=r.dropout, bias=r.bias)
-        step, args = gpt_plan.train_step_and_args(cfg)
+        step, args = row_step(r)
         for name in policies:
             cluster = cluster_for(r, "ring", kernels=name)
             cost = cluster.cost_model()

@@ -36,16 +36,16 @@ from pathlib import Path
 from ..ir.errors import ShardingError
 from .rules.elementwise import KINDS as ELEMENTWISE
 
-# ops a compiler fuses into an elementwise loop, as producers or consumers: no
-# arithmetic across elements, each output element read from one input position (a
-# transpose or reshape only moves where it is read from)
-LOOP_FUSIBLE = ELEMENTWISE | {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"}
-# consumers that read a fused producer inside their own loop (an input fusion)
-REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"})
 # ops that only move where elements are read from: a framework's views and implicit
 # broadcasts, absorbed by the kernel that reads them (a transpose then read by a
 # matmul is the copy a ``.contiguous()`` makes: its reader pays the write)
 VIEWS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"})
+# ops a compiler fuses into an elementwise loop, as producers or consumers: no
+# arithmetic across elements, each output element read from one input position (a
+# view only moves where it is read from)
+LOOP_FUSIBLE = ELEMENTWISE | VIEWS
+# consumers that read a fused producer inside their own loop (an input fusion)
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"})
 
 PATTERNS = ("dropout", "bias_dropout_add", "softmax", "layer_norm", "bias_gelu", "optimizer")
 KERNEL_SCHEMA = "shardprop.kernels/1"

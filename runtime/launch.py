@@ -61,11 +61,19 @@ class Config:
     script_args: list[str]
     role_env: dict = field(default_factory=dict)   # sync parameter-server runs: every rank is a worker
     stacks_after: Optional[float] = None
-    exit_grace: float = 30.0
+    exit_grace: float = EXIT_GRACE_S
 
     @property
     def world(self) -> int:
         return self.nproc * self.nnodes
+
+    def rank(self, local: int) -> int:
+        """The global rank of this host's ``local``-th process."""
+        return self.node_rank * self.nproc + local
+
+    def finished_mark(self, rank: int) -> str:
+        """The file a rank writes once its script and exit handlers are done (runtime/bootstrap.py)."""
+        return os.path.join(self.log_dir, f".finished.{rank}")
 
 
 def _port_is_free(host: str, port: int) -> bool:
@@ -192,15 +200,10 @@ def _parse_ps(a):
     return PSConfig(a.server_num, a.worker_num, a.log_dir, a.script, a.script_args)
 
 
-def finished_mark(cfg: Config, rank: int) -> str:
-    """The file a rank writes once its script and exit handlers are done (runtime/bootstrap.py)."""
-    return os.path.join(cfg.log_dir, f".finished.{rank}")
-
-
 def worker_env(cfg: Config, local_rank: int) -> dict:
     env = dict(os.environ)
-    rank = cfg.node_rank * cfg.nproc + local_rank
-    env[ENV_FINISHED_MARK] = finished_mark(cfg, rank)
+    rank = cfg.rank(local_rank)
+    env[ENV_FINISHED_MARK] = cfg.finished_mark(rank)
     env[ENV_COORDINATOR] = cfg.coordinator
     env[ENV_NUM_PROCESSES] = str(cfg.world)
     env[ENV_PROCESS_ID] = str(rank)
@@ -232,11 +235,10 @@ class Workers:
     def start(self) -> None:
         os.makedirs(self.cfg.log_dir, exist_ok=True)
         for local in range(self.cfg.nproc):
-            rank = self.cfg.node_rank * self.cfg.nproc + local
+            rank = self.cfg.rank(local)
             path = os.path.join(self.cfg.log_dir, f"workerlog.{rank}")
             self.logs.append(path)
-            if os.path.exists(finished_mark(self.cfg, rank)):   # (a previous run's)
-                os.remove(finished_mark(self.cfg, rank))
+            self._remove_mark(local)   # (a previous run's)
             # each rank joins the run before the script's first line (runtime/bootstrap.py)
             cmd = [sys.executable, "-u", "-m", "shardprop.runtime.bootstrap", self.cfg.script] + self.cfg.script_args
             p, tee = start_logged(cmd, worker_env(self.cfg, local), path, console=(rank == 0))
@@ -248,7 +250,7 @@ class Workers:
         for local, p in enumerate(self.procs):
             code = p.poll()
             if code not in (None, 0) and local not in self.cut_short:
-                return self.cfg.node_rank * self.cfg.nproc + local, code
+                return self.cfg.rank(local), code
         return None
 
     def stop_hung_teardowns(self) -> list[int]:
@@ -257,11 +259,11 @@ class Workers:
         Returns their ranks."""
         stopped = []
         for local, p in enumerate(self.procs):
-            rank = self.cfg.node_rank * self.cfg.nproc + local
+            rank = self.cfg.rank(local)
             if local in self.cut_short or p.poll() is not None:
                 continue
             try:
-                finished = os.path.getmtime(finished_mark(self.cfg, rank))
+                finished = os.path.getmtime(self.cfg.finished_mark(rank))
             except OSError:
                 continue
             if time.time() - finished > self.cfg.exit_grace:
@@ -278,10 +280,13 @@ class Workers:
         for t in self._threads:
             t.join(timeout=2)
         for local in range(len(self.procs)):
-            try:
-                os.remove(finished_mark(self.cfg, self.cfg.node_rank * self.cfg.nproc + local))
-            except OSError:
-                pass
+            self._remove_mark(local)
+
+    def _remove_mark(self, local: int) -> None:
+        try:
+            os.remove(self.cfg.finished_mark(self.cfg.rank(local)))
+        except OSError:
+            pass
 
 
 def run(cfg: Config) -> int:

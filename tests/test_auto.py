@@ -350,6 +350,27 @@ def traced_graph(fn, args, mesh: Mesh, tied=()):
     return BindUserStrategies()(g)
 
 
+def row_lp(frac=0.7):
+    """A 2-layer SGD step on 2 x 4 with one memory row at ``frac`` of the unlimited LP
+    plan's peak: the problem, its liveness, reduction, warm model, row, limit, LP and the
+    point the row is at."""
+    from shardprop.passes.auto import milp, warm_lp
+    from shardprop.passes.auto.problem import Problem
+    from shardprop.passes.auto.search import _Liveness
+    from shardprop.passes.cost import DEFAULT_COST
+    params, x, y = problem_data(256, 64, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
+    problem = Problem(g, DEFAULT_COST)
+    memory = _Liveness(g, problem)
+    red = milp.reduce(problem, memory_matters=True)
+    model = warm_lp.WarmLP(red)
+    peak, at = memory.peak(model.solve().choice)
+    rows, limit = [memory.row(at)], frac * peak
+    lp = model.solve(red.kept, rows, limit)
+    assert lp.rounded   # (fractional: what the dive is for)
+    return problem, memory, red, model, rows, limit, lp, at
+
+
 @pytest.mark.parametrize("layers,batch,width,mesh", [
     (2, 8192, 256, (2, 4)), (3, 64, 1024, (2, 4)), (4, 2048, 512, (2, 4)),
     # 1.3-2.9% above the exact ILP before refinement moved an op with what follows it and

@@ -14,7 +14,7 @@ from shardprop.passes.auto.candidates import factor_assignments, tensor_layouts
 from shardprop.passes.plan_core.context import PlanContext, RuleBook
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_auto import assert_close, problem_data, sgd_step, traced_graph  # noqa: E402
+from test_auto import assert_close, problem_data, row_lp, sgd_step, traced_graph  # noqa: E402
 
 
 def matmul_rule(mesh):
@@ -260,23 +260,12 @@ def test_lp_dive_meets_the_row_near_the_exact_optimum(frac=0.7):
     candidate and switching the rest to their leanest was 1.4-5x above it)."""
     from shardprop.passes.auto import milp, warm_lp
     from shardprop.passes.auto.memory import plan_profile
-    from shardprop.passes.auto.problem import Problem
-    from shardprop.passes.auto.search import _dive, _Liveness
-    from shardprop.passes.cost import DEFAULT_COST
+    from shardprop.passes.auto.search import _dive
     assert warm_lp.available(), "highspy is a dependency of the package: its HiGHS bindings must load"
-    params, x, y = problem_data(256, 64, 2)
-    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
-    problem = Problem(g, DEFAULT_COST)
-    memory = _Liveness(g, problem)
-    red = milp.reduce(problem, memory_matters=True)
-    model = warm_lp.WarmLP(red)
-    peak, at = memory.peak(model.solve().choice)
-    rows, limit = [memory.row(at)], frac * peak
-    lp = model.solve(red.kept, rows, limit)
-    assert lp.rounded   # (fractional: what the dive is for)
+    problem, memory, red, model, rows, limit, lp, at = row_lp(frac)
     dived = _dive(lp, model, red, rows, limit, None, problem)
     assert dived is not None
-    assert plan_profile(g, *problem.op_strategies(dived))[at] <= limit
+    assert plan_profile(problem.graph, *problem.op_strategies(dived))[at] <= limit
     exact = milp.solve(red, rows, limit, 60)
     assert lp.bound <= problem.objective(exact.choice) * (1 + 1e-9)
     assert problem.objective(exact.choice) * (1 - 1e-9) <= problem.objective(dived) <= \

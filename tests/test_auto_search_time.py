@@ -10,27 +10,7 @@ from shardprop.ir.errors import ShardingError
 from shardprop.ir.mesh import Mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_auto import problem_data, sgd_step, traced_graph  # noqa: E402
-
-
-def row_lp(frac=0.7):
-    """A 2-layer SGD step on 2 x 4 with one memory row at ``frac`` of the unlimited LP
-    plan's peak: the problem, its liveness, reduction, warm model, row, limit and LP."""
-    from shardprop.passes.auto import milp, warm_lp
-    from shardprop.passes.auto.problem import Problem
-    from shardprop.passes.auto.search import _Liveness
-    from shardprop.passes.cost import DEFAULT_COST
-    params, x, y = problem_data(256, 64, 2)
-    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
-    problem = Problem(g, DEFAULT_COST)
-    memory = _Liveness(g, problem)
-    red = milp.reduce(problem, memory_matters=True)
-    model = warm_lp.WarmLP(red)
-    peak, at = memory.peak(model.solve().choice)
-    rows, limit = [memory.row(at)], frac * peak
-    lp = model.solve(red.kept, rows, limit)
-    assert lp.rounded   # (fractional: what the dive is for)
-    return problem, memory, red, model, rows, limit, lp
+from test_auto import row_lp  # noqa: E402
 
 
 @pytest.mark.slow
@@ -38,7 +18,7 @@ def test_dive_stops_at_an_incumbent_it_cannot_beat():
     """Given a plan that fits at the LP's own bound, the dive solves nothing more and
     returns it (no plan below the bound exists)."""
     from shardprop.passes.auto.search import _dive
-    problem, memory, red, model, rows, limit, lp = row_lp()
+    problem, memory, red, model, rows, limit, lp, _ = row_lp()
     plan = {t: 0 for t in problem.unary}
     solves = model.solves
     out = _dive(lp, model, red, rows, limit, None, problem, fits=lambda c: c is plan, incumbent=(lp.bound, plan))
@@ -50,7 +30,7 @@ def test_dive_returns_a_plan_that_fits_and_no_dearer_than_its_start():
     """With the modeled peak as its test, the dive returns a plan that fits the limit,
     no dearer than the incumbent it was given."""
     from shardprop.passes.auto.search import _dive
-    problem, memory, red, model, rows, limit, lp = row_lp()
+    problem, memory, red, model, rows, limit, lp, _ = row_lp()
 
     def fits(c):
         return memory.peak(c)[0] <= limit
