@@ -197,6 +197,42 @@ def test_a_rounded_lp_that_fits_no_plan_leaves_the_decision_to_the_exact_rows(mo
 
 
 @pytest.mark.slow
+def test_under_a_limit_the_cheapest_plan_any_part_met_is_kept(monkeypatch):
+    """A rounded LP plan outside RELAXED_GAP, and the exact rows out of time before any
+    plan (simulated): the multipliers' plan is returned where it is cheaper (here the
+    exact rows' own optimum, found first), with the best bound any part proved; where
+    they find none, the rounded plan stands. Either way every plan offered is at least
+    the one returned."""
+    from shardprop.passes.auto import SearchStrategies, lagrange, milp, search
+    params, x, y = problem_data(512, 256, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,))
+    _, free, free_peak = SearchStrategies().search(g)
+    limit = int(0.6 * free_peak)
+    _, best, _ = SearchStrategies(memory_limit=limit, exact_ops=0).search(g)
+    solve = milp.solve
+
+    def out_of_time(red, memory_rows=(), *a, **k):
+        if memory_rows and not k.get("relax"):
+            raise sp.ShardingError("the strategy search found no plan within its time limit of 1 s")
+        return solve(red, memory_rows, *a, **k)
+    monkeypatch.setattr(milp, "solve", out_of_time)
+    offered = []
+    offer = search._Best.offer
+    monkeypatch.setattr(search._Best, "offer", lambda self, c, part, how: offered.append(
+        self.problem.objective(c)) or offer(self, c, part, how))
+    for found in (best.choice, None):
+        monkeypatch.setattr(lagrange, "search", lambda red, objective, *a, rows=(), **k: lagrange.Outcome(
+            found, objective(found) if found else float("inf"), 0.0, list(rows), 1, 0.0))
+        offered.clear()
+        _, sol, peak = SearchStrategies(memory_limit=limit, exact_ops=0).search(g)
+        rounded = [t for t in offered if found is None or t > best.objective * (1 + 1e-9)]
+        assert peak <= limit and rounded and min(rounded) > best.objective * (1 + 1e-9)   # (the LP's plan: dearer)
+        assert sol.objective == pytest.approx(min(offered), rel=1e-12)
+        assert sol.status.startswith("Lagrange multipliers") == (found is not None), sol.status
+        assert sol.bound <= best.objective * (1 + 1e-9) and sol.gap == pytest.approx(1 - sol.bound / sol.objective)
+
+
+@pytest.mark.slow
 def test_hand_plans_solved_once_per_problem_and_priced_again():
     """The searches one compile runs again (memory_check) build the same problem: the
     hand plans' solves are reused, each plan priced again, the same figures."""
