@@ -65,8 +65,8 @@ EXACT_AFTER_ROUNDED_S = 3.0
 # ... and first the Lagrange multipliers get at most this long, from the rows met so far:
 # their solves are unlimited problems, which meet rows where plans overflow in a fraction
 # of an exact solve with rows (on the 2-layer SGD MLP step of tests/test_auto.py at 0.7 of
-# the free peak, un-coarsened: the rows the exact optimum needs in 8 solves and 0.1 s,
-# where the exact rows met one row per 0.4-1.8 s solve and ran out of their 3 s)
+# the free peak, un-coarsened: 4 of the rows the exact optimum needs in 8 solves, 0.1 s,
+# where the exact rows met one row per 0.3-1.6 s solve and ran out of their 3 s)
 MULTIPLIERS_BRIEF_S = 1.0
 # LP diving (``_dive``) stops once the cheapest plan that fits it has met is within this
 # fraction of its LP's bound: diving on cannot find one cheaper by more (on the 2-layer
