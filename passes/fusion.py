@@ -426,3 +426,12 @@ class _Framework:
 def _scaled(op) -> bool:
     """A multiply or divide by a scalar literal (dropout's 1 / (1 - p))."""
     return any(v.literal is not None or not v.type.shape for v in op.inputs[1:])
+
+
+def unwritten_values(graph) -> frozenset:
+    """The resident values that never get a buffer of their own: those with one reader,
+    which fusion computes inside that reader's loop. A resident value with several
+    readers (a forward value the backward reads again) is computed once and written
+    where the readers land in different fusions, which the structure alone does not say."""
+    readers = graph.users()
+    return frozenset(v for v in resident_values(graph) if len(readers[v]) == 1)

@@ -582,6 +582,31 @@ def test_lagrange_multipliers_bound_the_optimum_and_their_plan_fits(seed):
     assert out.gap == pytest.approx((out.objective - out.bound) / out.objective)
 
 
+def test_multipliers_out_of_time_return_what_they_met(monkeypatch):
+    """A priced solve that runs out of time before any plan ends the multipliers with the
+    plans and rows met so far (the search briefly gives them 1 s), not with an error;
+    they start from the rows given."""
+    from shardprop.passes.auto import lagrange
+    red, rows = _memory_problem(0)
+
+    def peak(choice):
+        held = [lagrange.row_bytes(r, choice) for r in rows]
+        return max(held), int(np.argmax(held))
+    limit = 0.85 * peak(milp.solve(red).choice)[0]
+    solve, calls = milp.solve, []
+
+    def once(*a, **k):
+        calls.append(1)
+        if len(calls) > 1:
+            raise sp.ShardingError("the strategy search found no plan within its time limit of 1 s")
+        return solve(*a, **k)
+    monkeypatch.setattr(milp, "solve", once)
+    out = lagrange.search(red, lambda c: evaluate_reduced(red, c), peak, lambda at: rows[at], limit,
+                          rows=rows[:1])
+    assert len(calls) == 2 and out.iterations == 2 and out.rows[0] is rows[0]
+    assert out.history and out.smallest is not None
+
+
 @pytest.mark.slow
 def test_multipliers_and_exact_rows_plan_alike_under_a_limit():
     """The MLP step whose weights do not fit: multipliers first (exact rows where they

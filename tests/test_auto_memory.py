@@ -102,7 +102,9 @@ def test_zoo_transformer_blocks_never_worse_than_their_hand_plans(case, frac):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("frac", [0.5, 0.9])
+# (0.6 of the free plan's modeled peak is 4.2 MiB, what 0.5 was before the model left Adam's and the
+# GELU's fused intermediates out of the free plan's peak)
+@pytest.mark.parametrize("frac", [0.6, 0.9])
 def test_zoo_gpt_step_never_worse_than_its_hand_plans(frac):
     sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
     sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
@@ -192,6 +194,42 @@ def test_a_rounded_lp_that_fits_no_plan_leaves_the_decision_to_the_exact_rows(mo
     _, free, free_peak = SearchStrategies().search(g)
     _, sol, peak = SearchStrategies(memory_limit=int(0.6 * free_peak)).search(g)
     assert sol is not None and peak <= 0.6 * free_peak and "LP relaxation" not in sol.status
+
+
+@pytest.mark.slow
+def test_under_a_limit_the_cheapest_plan_any_part_met_is_kept(monkeypatch):
+    """A rounded LP plan outside RELAXED_GAP, and the exact rows out of time before any
+    plan (simulated): the multipliers' plan is returned where it is cheaper (here the
+    exact rows' own optimum, found first), with the best bound any part proved; where
+    they find none, the rounded plan stands. Either way every plan offered is at least
+    the one returned."""
+    from shardprop.passes.auto import SearchStrategies, lagrange, milp, search
+    params, x, y = problem_data(512, 256, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,))
+    _, free, free_peak = SearchStrategies().search(g)
+    limit = int(0.6 * free_peak)
+    _, best, _ = SearchStrategies(memory_limit=limit, exact_ops=0).search(g)
+    solve = milp.solve
+
+    def out_of_time(red, memory_rows=(), *a, **k):
+        if memory_rows and not k.get("relax"):
+            raise sp.ShardingError("the strategy search found no plan within its time limit of 1 s")
+        return solve(red, memory_rows, *a, **k)
+    monkeypatch.setattr(milp, "solve", out_of_time)
+    offered = []
+    offer = search._Best.offer
+    monkeypatch.setattr(search._Best, "offer", lambda self, c, part, how: offered.append(
+        self.problem.objective(c)) or offer(self, c, part, how))
+    for found in (best.choice, None):
+        monkeypatch.setattr(lagrange, "search", lambda red, objective, *a, rows=(), **k: lagrange.Outcome(
+            found, objective(found) if found else float("inf"), 0.0, list(rows), 1, 0.0))
+        offered.clear()
+        _, sol, peak = SearchStrategies(memory_limit=limit, exact_ops=0).search(g)
+        rounded = [t for t in offered if found is None or t > best.objective * (1 + 1e-9)]
+        assert peak <= limit and rounded and min(rounded) > best.objective * (1 + 1e-9)   # (the LP's plan: dearer)
+        assert sol.objective == pytest.approx(min(offered), rel=1e-12)
+        assert sol.status.startswith("Lagrange multipliers") == (found is not None), sol.status
+        assert sol.bound <= best.objective * (1 + 1e-9) and sol.gap == pytest.approx(1 - sol.bound / sol.objective)
 
 
 @pytest.mark.slow
@@ -352,3 +390,144 @@ def test_written_price_is_at_most_the_objectives():
     assert problem.written(ops, inputs) <= e["compute"] + e["communication"] + 1e-15
     plan = sp.parallelize(norm_mlp_step, mesh=((2, 4), ("dp", "mp")), mode="auto", progress=False).plan(*args)
     assert plan.cost.written_time is not None and plan.cost.written_time <= plan.cost.step_time * (1 + 1e-12)
+
+
+
+
+def test_a_transpose_or_reshape_is_a_view_of_its_operands_buffer():
+    """XLA writes a transpose or a reshape as a bitcast of its operand's buffer (or folds
+    it into the dot that reads it), so the model counts a view only where no value of its
+    buffer is alive already: a value read only through its views is counted once, at
+    every point up to the views' last reader; views of a value alive anyway cost
+    nothing; a view the function returns is its own output buffer. The search's rows
+    (``_Liveness``) count what ``plan_profile`` counts at every program point."""
+    import jax.numpy as jnp
+    from shardprop.passes.auto import SearchStrategies
+    from shardprop.passes.auto.memory import live_intervals, plan_profile, views
+    from shardprop.passes.auto.search import _Liveness
+
+    def through_views(x, w):
+        h = x @ w                               # (64, 32), read only through its views
+        return jnp.sum(jnp.cos(h.T.reshape(32, 8, 8)) * 2.0)
+
+    def also_returned(x, w):
+        h = x @ w
+        return jnp.sum(jnp.cos(h.T.reshape(32, 8, 8)) * 2.0), h.T
+    x, w = np.ones((64, 128), np.float32), np.ones((128, 32), np.float32)
+    mesh = Mesh(("a", "b"), (2, 4))
+    for fn in (through_views, also_returned):
+        g = traced_graph(fn, (x, w), mesh)
+        intervals, seen = live_intervals(g), views(g)
+        pos = {op: t for t, op in enumerate(g.ops)}
+        dot, cos = (next(op for op in g.ops if op.kind == k) for k in ("dot_general", "cos"))
+        h = dot.outputs[0]
+        inner = [op.outputs[0] for op in g.ops
+                 if op.kind in ("transpose", "reshape") and op.outputs[0] not in g.outputs]
+        assert len(inner) == 2 and all(seen[v][1] is h for v in inner) and cos.inputs[0] is inner[-1]
+        assert all(v not in seen and intervals[v] == (-1, len(g.ops)) for v in g.outputs)
+        group = [v for v in [h] + inner if v in intervals]
+        for t in range(pos[dot], pos[cos] + 1):     # one buffer alive from h's op to the last view's reader
+            assert sum(intervals[v][0] <= t <= intervals[v][1] for v in group) == 1, (fn.__name__, t)
+        if fn is also_returned:                     # h is read at the end: its views cost nothing
+            assert group == [h]
+
+        problem, sol, _ = SearchStrategies().search(g)
+        memory = _Liveness(g, problem)
+        rng = np.random.default_rng(0)      # and random plans
+        choices = [sol.choice] + [{t: int(rng.integers(len(u))) for t, u in problem.unary.items()} for _ in range(20)]
+        for choice in choices:
+            ops, inputs = problem.op_strategies(choice)
+            prof = plan_profile(g, ops, inputs)
+            for at in range(len(prof)):
+                row = memory.row(at)
+                counted = sum(float(vec[choice[t]]) for t, vec in row.nodes.items())
+                counted += sum(float(b[rows[choice[a]], cols[choice[c]]]) for a, c, rows, cols, b in row.pairs)
+                assert counted == pytest.approx(prof[at], rel=1e-9, abs=1e-6), (fn.__name__, at)
+
+
+
+def test_a_view_of_a_redistributed_operand_holds_the_new_buffer():
+    """A view whose operand is redistributed for it reads a new buffer: where its operand
+    is alive anyway, the gathered copy is counted beside it, up to the view's last reader."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from shardprop.ir.layout import Layout
+    from shardprop.passes.auto import SearchStrategies
+    from shardprop.passes.auto.memory import copy_bytes, local_bytes, plan_profile, view_shadows
+
+    def f(x, w):
+        h = jnp.sin(x @ w)
+        return jnp.sum(jnp.cos(h.T) * 2.0), h      # h is alive to the end: its transpose is a view
+    g = traced_graph(f, (np.ones((64, 128), np.float32), np.ones((128, 32), np.float32)), Mesh(("a", "b"), (2, 4)))
+    problem, sol, _ = SearchStrategies().search(g)
+    sin, tr, cos = (next(op for op in g.ops if op.kind == k) for k in ("sin", "transpose", "cos"))
+    h, mesh = sin.outputs[0], g.mesh
+    ci, _ = problem.node_of_op[sin]
+    t = problem.nodes[ci].template
+    split = next(k for k in range(len(problem.unary[t]))            # a plan with h split
+                 if local_bytes(h, problem.op_strategies({**sol.choice, t: k})[0][sin].result_layout(0, mesh), mesh)
+                 < local_bytes(h, Layout.replicated(2), mesh))
+    ops, inputs = problem.op_strategies({**sol.choice, t: split})
+    assert ops[tr].operand_layout(0, 2, mesh) == ops[sin].result_layout(0, mesh)     # (the view follows h)
+    gathered = dataclasses.replace(ops[tr], factors=tuple(() for _ in ops[tr].factors), passthrough=None,
+                                   _layouts={})      # (not the cached layouts of the split one)
+    pos = g.ops.index(cos)
+    # (up to the reduction the cos and its product fuse into: fused, they hold no buffer and read the view there)
+    end = g.ops.index(next(op for op in g.ops if op.kind == "reduce_sum"))
+    assert view_shadows(g) == {g.ops.index(tr): (pos, end)}
+    before = plan_profile(g, ops, inputs)
+    after = plan_profile(g, {**ops, tr: gathered}, inputs)
+    whole = Layout.replicated(2)
+    # at the cos: the whole transposed copy, and the slice cos takes of it
+    want = local_bytes(h, whole, mesh) + copy_bytes(tr.outputs[0], whole, ops[cos].operand_layout(0, 2, mesh), mesh)
+    assert after[pos + 1] - before[pos + 1] == pytest.approx(want) and want > 0
+
+
+# -- the modeled peak against the compiled one -------------------------------------------------
+
+def _gelu_mlp_adam_step(marked: bool):
+    """A GELU MLP's Adam step, Megatron's two marks (column, then row split over mp) or none."""
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+    opt = optax.adam(1e-3)
+
+    def loss(params, x, y):
+        w1, w2 = params
+        up = sp.shard(jnp.matmul, (P(), P(None, "mp"))) if marked else jnp.matmul
+        down = sp.shard(jnp.matmul, (P(None, "mp"), P("mp", None))) if marked else jnp.matmul
+        return jnp.mean((down(jax.nn.gelu(up(x, w1)), w2) - y) ** 2)
+
+    def step(params, state, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+    rng = np.random.default_rng(0)
+    params = [(rng.standard_normal((128, 512)) * .05).astype(np.float32),
+              (rng.standard_normal((512, 128)) * .05).astype(np.float32)]
+    x, y = (rng.standard_normal((256, 128)).astype(np.float32) for _ in range(2))
+    return step, (params, opt.init(params), x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["marks", "DP", "tp+FSDP"])
+def test_the_modeled_peak_is_what_xla_compiles(plan):
+    """The modeled peak per device (``plan_peak`` of the planned strategies) is within 15% of
+    the compiled program's (``memory_analysis()``: arguments + outputs + temp - aliased), on
+    a GELU MLP's Adam step on 2 x 4: the GELU's fused intermediates hold no buffer and a
+    mark's sharding constraint is a view of its operand (before both, the marks modeled
+    at 1.48 of compiled), while what the backward reads again is held."""
+    from shardprop.compiler.pipeline import default_passes
+    from shardprop.passes.auto.memory import plan_peak
+    kw = {"marks": {}, "DP": dict(mode="data_parallel", batch_argnums=(2, 3)),
+          "tp+FSDP": dict(shard_params=True)}[plan]
+    step, args = _gelu_mlp_adam_step(marked=plan != "DP")
+    pf = sp.parallelize(step, mesh=((2, 4), ("dp", "mp")), donate_argnums=(0, 1), progress=False, **kw)
+    g, _ = pf._trace(args, {})
+    bind, choose = default_passes(pf.options)[:2]
+    g = choose(bind(g))
+    modeled = plan_peak(g, {op: op.strategy for op in g.ops}, {i: v.layout for i, v in enumerate(g.inputs)})
+    m = pf.lower(*args).compile().memory_analysis()
+    compiled = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    assert 0.85 <= modeled / compiled <= 1.15, (plan, modeled, compiled)

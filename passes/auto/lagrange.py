@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ...ir.errors import ShardingError
 from . import milp
 
 
@@ -86,15 +87,16 @@ def row_bytes(row: milp.MemoryRow, choice: dict) -> float:
 
 def search(red: milp.Reduced, objective: Callable[[dict], float], peak: Callable[[dict], tuple],
            row_at: Callable[[int], milp.MemoryRow], limit: float, tolerance: float = 0.01,
-           max_iterations: int = 30, time_limit: Optional[float] = None) -> Outcome:
+           max_iterations: int = 30, time_limit: Optional[float] = None, rows: tuple = ()) -> Outcome:
     """The multiplier search. ``objective(choice)``: a plan's modeled time; ``peak(choice)``:
-    (its modeled peak, the program point of it); ``row_at(point)``: the exact row there."""
+    (its modeled peak, the program point of it); ``row_at(point)``: the exact row there;
+    ``rows``: rows to start from (``Outcome.rows`` holds them, then those met)."""
     t0 = time.perf_counter()
-    rows: list = []
-    points: list = []
-    lam = np.zeros(0)
+    rows = list(rows)
+    points: list = [r.point for r in rows]
+    lam = np.zeros(len(rows))
     seen: list = []          # every relaxed plan: (choice, its time); each is a cut of the dual
-    excess = np.zeros((0, 0))   # per seen plan, per row: its bytes there less the limit
+    excess = np.zeros((0, len(rows)))   # per seen plan, per row: its bytes there less the limit
     best, best_time = None, float("inf")
     bound = -float("inf")
     smallest = None
@@ -102,7 +104,10 @@ def search(red: milp.Reduced, objective: Callable[[dict], float], peak: Callable
     scale = None
     it = variables = binaries = 0
     for it in range(1, max_iterations + 1):
-        sol = milp.solve(price_rows(red, rows, lam), time_limit=_left(time_limit, t0))
+        try:
+            sol = milp.solve(price_rows(red, rows, lam), time_limit=_left(time_limit, t0))
+        except ShardingError:   # (its time limit before any plan: what was met so far; a brief call
+            break               # of 1 s ran out on the 8-device GPT step at load 10 and sank the search)
         if not sol.choice:   # (an unlimited problem always has a plan; a time limit can leave none)
             break
         choice = sol.choice

@@ -8,12 +8,18 @@ and its outputs for the whole step (the caller's buffers, and output buffers
 allocated beside the scratch for the whole run), except an output returned in
 place of a donated argument, which XLA writes into that argument's buffer; every
 other value from the op that makes it to its last reader (the saved activations
-of a training step are alive from the forward to the backward that reads them);
+of a training step are alive from the forward to the backward that reads them),
+except a transpose, a reshape or a mark's sharding constraint, which XLA writes
+into its operand's buffer (``views``) and which is counted only where that buffer is
+not alive already, and an elementwise value fused into its one reader's loop
+(``fused_away``), which holds no buffer (its operands live to that reader instead);
 and at each op, the copies redistributions make of its operands (a weight
 gathered for its matmul lives while the matmul runs).
 
-XLA's own schedule, layout copies and packing are not modeled: the compiled
-program is checked against the limit after planning (``compiler/memory_check.py``).
+XLA's own schedule, layout copies and packing are not modeled (packing alone makes
+the compiled peak 1.02-1.29x XLA's own live peak on the GPT steps of
+``bench/memory_model.py``): the compiled program is checked against the limit after
+planning (``compiler/memory_check.py``).
 """
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ import re
 from typing import Optional
 
 from ...ir.errors import ShardingError
-from ...ir.graph import Graph
+from ...ir.graph import CONSTRAINT, Graph
+from ..fusion import unwritten_values
 from ..redistribute import plan_redistribution
 
 _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9, "gb": 10 ** 9,
@@ -55,7 +62,20 @@ def parse_memory_limit(limit) -> Optional[int]:
 def live_intervals(graph: Graph) -> dict:
     """value -> (first program point it is alive at, last one); points are op positions,
     arguments and outputs are alive from -1 to len(ops); an output in a donated
-    argument's buffer has no interval of its own."""
+    argument's buffer has no interval of its own, and a view of another value's buffer
+    (``views``) none where that buffer is alive anyway."""
+    return _intervals(graph)[0]
+
+
+def view_shadows(graph: Graph) -> dict:
+    """position of a view's op -> (first, last) program points where the view is not
+    counted as a value of its own, its buffer being alive anyway: there it holds bytes
+    only if its operand was redistributed for it (a new buffer; ``plan_profile``)."""
+    return _intervals(graph)[1]
+
+
+def _intervals(graph: Graph) -> tuple[dict, dict]:
+    residents = fused_away(graph)
     end = len(graph.ops)
     out = {}
     for v in graph.inputs:
@@ -67,6 +87,14 @@ def live_intervals(graph: Graph) -> dict:
         for v in op.inputs:
             if v in out and out[v][0] >= 0:
                 out[v] = (out[v][0], max(out[v][1], t))
+    for t in range(len(graph.ops) - 1, -1, -1):     # later readers first: a chain's inputs reach its end
+        op = graph.ops[t]
+        for v in op.outputs:
+            if v in residents and v in out:
+                d = out.pop(v)[1]
+                for u in op.inputs:
+                    if u in out and u.literal is None:
+                        out[u] = (out[u][0], max(out[u][1], d))
     in_place = in_donated_buffers(graph)
     for v in graph.outputs:
         if v not in out:
@@ -75,7 +103,76 @@ def live_intervals(graph: Graph) -> dict:
             del out[v]            # counted as the donated argument it overwrites
         else:
             out[v] = (-1, end)
+    held, shadows = {}, {}    # buffer -> the last point one of its values is alive at so far
+    for v, (t, buf) in views(graph, residents).items():      # in program order
+        if v not in out:
+            continue
+        until = held.get(buf, out[buf][1] if buf in out else end)    # (not in: in a donated buffer)
+        b, d = out[v]
+        if b + 1 <= min(d, until):      # (at its op, a redistribution's copy is the view's buffer)
+            shadows[t] = (b + 1, min(d, until))
+        if d <= until:
+            del out[v]        # its buffer is alive anyway
+        else:
+            out[v] = (max(b, until + 1), d)
+        held[buf] = max(until, d)
+    return out, shadows
+
+
+VIEW_KINDS = frozenset({"transpose", "reshape", CONSTRAINT})
+
+
+def fused_away(graph: Graph) -> frozenset:
+    """The values that hold no buffer because fusion computes them inside their one
+    reader's loop (``fusion.unwritten_values``): an elementwise chain's intermediates.
+    Their operands are alive to that reader instead (``live_intervals``). A view keeps
+    its own rule (``views``)."""
+    made_by_views = {v for op in graph.ops if op.kind in VIEW_KINDS for v in op.outputs}
+    return unwritten_values(graph) - made_by_views
+
+
+def views(graph: Graph, residents=None) -> dict:
+    """value -> (position of its op, the earlier value whose buffer it is): the result of a transpose or a
+    reshape, which XLA writes as a bitcast of its operand's buffer (layout assignment
+    picks the operand's layout) or folds into its reader (a transpose into a dot's
+    dimension numbers). ``live_intervals`` counts a view only where no value of its
+    buffer is alive already: a transpose of a weight costs nothing, and a value read
+    only through its view is counted once. (Where the view's operand is redistributed
+    first, the view reads a new buffer: while the operand is alive too, that one is
+    counted only at the op, as its redistribution's copy.) A view the function returns
+    is its own output buffer."""
+    returned = set(graph.outputs)
+    residents = fused_away(graph) if residents is None else residents
+    out: dict = {}
+    for t, op in enumerate(graph.ops):
+        if op.kind in VIEW_KINDS and len(op.inputs) == 1 and len(op.outputs) == 1:
+            v, w = op.inputs[0], op.outputs[0]
+            if v.literal is None and w not in returned and w not in residents and v not in residents:
+                out[w] = (t, out[v][1] if v in out else v)
     return out
+
+
+def fused_reads(graph: Graph) -> list:
+    """(position of the reader, the operand's index there, position of its producer) of
+    every read of a fused value (``fused_away``). Where the reader needs the value in
+    another layout, XLA writes it and redistributes it, so there the value holds its
+    bytes from its producer to that reader (``fused_bytes``, in ``plan_buffers`` and the
+    search's rows alike)."""
+    gone = fused_away(graph)
+    made = {v: t for t, op in enumerate(graph.ops) for v in op.outputs if v in gone}
+    return [(r, m, made[v]) for r, op in enumerate(graph.ops) for m, v in enumerate(op.inputs) if v in made]
+
+
+def fused_bytes(v, have, need, mesh) -> float:
+    """Bytes per device a fused value holds up to its reader: none where the reader reads
+    it in the layout it is made in (it stays in the fused loop), else all of it."""
+    return 0.0 if have == need else float(local_bytes(v, have, mesh))
+
+
+def view_bytes(v, have, need, mesh) -> float:
+    """Bytes per device a view of ``v`` holds where its buffer is alive anyway: none if
+    ``v`` is read in the layout it has, else the redistribution's result (a new buffer)."""
+    return 0.0 if have == need else float(local_bytes(v, need, mesh))
 
 
 def in_donated_buffers(graph: Graph) -> set:
@@ -117,24 +214,24 @@ def copy_bytes(v, have, need, mesh) -> float:
     return float(most)
 
 
-def plan_profile(graph: Graph, ops: dict, inputs: dict):
-    """Modeled live bytes per device at each program point of a plan (op -> OpStrategy,
-    input index -> Layout): the values alive there, plus, at each op, the copy a
-    redistribution makes of an operand the op needs in another layout (a weight
-    gathered for its matmul, ``copy_bytes``), alive at the op itself."""
-    import numpy as np
+def plan_buffers(graph: Graph, ops: dict, inputs: dict) -> list:
+    """The buffers a plan (op -> OpStrategy, input index -> Layout) holds, as
+    (first profile index, last profile index, bytes per device): every value over its
+    live interval, and, at each op, the copy a redistribution makes of an operand the
+    op needs in another layout (a weight gathered for its matmul, ``copy_bytes``), alive
+    at the op itself. Profile index: op position + 1; 0 and len(ops) + 1 are the call's
+    start and end (the arguments and outputs span them)."""
     mesh = graph.mesh
-    intervals = live_intervals(graph)
-    diff = np.zeros(len(graph.ops) + 3)
+    intervals, shadows = _intervals(graph)
+    fused = {(r, m): p for r, m, p in fused_reads(graph)}
+    out = []
     layout = {}
 
     def add(v, lay):
         layout[v] = lay
         if v in intervals:
             b, d = intervals[v]
-            n = local_bytes(v, lay, mesh)
-            diff[b + 1] += n
-            diff[d + 2] -= n
+            out.append((b + 1, d + 1, local_bytes(v, lay, mesh)))
     for i, lay in inputs.items():
         add(graph.inputs[i], lay)
     for t, op in enumerate(graph.ops):
@@ -145,11 +242,25 @@ def plan_profile(graph: Graph, ops: dict, inputs: dict):
                 continue
             need = st.operand_layout(m, v.type.rank, mesh)
             if need != have:
-                n = copy_bytes(v, have, need, mesh)
-                diff[t + 1] += n
-                diff[t + 2] -= n
+                out.append((t + 1, t + 1, copy_bytes(v, have, need, mesh)))
+            if t in shadows:
+                b, d = shadows[t]
+                out.append((b + 1, d + 1, view_bytes(v, have, need, mesh)))
+            if (t, m) in fused:
+                out.append((fused[t, m] + 1, t + 1, fused_bytes(v, have, need, mesh)))
         for k, v in enumerate(op.outputs):
             add(v, st.result_layout(k, mesh))
+    return out
+
+
+def plan_profile(graph: Graph, ops: dict, inputs: dict):
+    """Modeled live bytes per device at each program point of a plan: the sum of
+    ``plan_buffers`` alive there."""
+    import numpy as np
+    diff = np.zeros(len(graph.ops) + 3)
+    for b, d, n in plan_buffers(graph, ops, inputs):
+        diff[b] += n
+        diff[d + 1] -= n
     return np.cumsum(diff)[:len(graph.ops) + 2]
 
 

@@ -35,7 +35,8 @@ from ..plan_core.write import SEARCHED, USER, follows, follows_input, user_fixed
 from ..propagate import PropagateSharding
 from ..rules import FIXED
 from . import hand, lagrange, milp, warm_lp
-from .memory import copy_bytes, largest_at_peak, live_intervals, plan_peak, plan_profile
+from .memory import (copy_bytes, fused_bytes, fused_reads, largest_at_peak, live_intervals, plan_peak, plan_profile,
+                     view_bytes, view_shadows)
 from .refine import refine
 from .problem import DECIDERS, Problem, _unique
 
@@ -57,9 +58,16 @@ RELAXED_GAP = 0.05
 # the budget is spent and they have a plan that fits, but get at least this long to find one
 MULTIPLIERS_MIN_S = 10.0
 # where a rounded LP plan fits but is not proven within RELAXED_GAP, the exact rows get
-# this long to prove that gap or find a cheaper plan (on the GPT steps of bench/auto.py
-# at 12 layers they ran the whole 20 s budget to the same plan, 4.8-6.9% from the bound)
+# this long, over all their rounds (a row where a plan of theirs overflows, then again),
+# to prove that gap or find a cheaper plan (on the GPT steps of bench/auto.py at 12
+# layers they ran the whole 20 s budget to the same plan, 4.8-6.9% from the bound)
 EXACT_AFTER_ROUNDED_S = 3.0
+# ... and first the Lagrange multipliers get at most this long, from the rows met so far:
+# their solves are unlimited problems, which meet rows where plans overflow in a fraction
+# of an exact solve with rows (on the 2-layer SGD MLP step of tests/test_auto.py at 0.7 of
+# the free peak, un-coarsened: 4 of the rows the exact optimum needs in 8 solves, 0.1 s,
+# where the exact rows met one row per 0.3-1.6 s solve and ran out of their 3 s)
+MULTIPLIERS_BRIEF_S = 1.0
 # LP diving (``_dive``) stops once the cheapest plan that fits it has met is within this
 # fraction of its LP's bound: diving on cannot find one cheaper by more (on the 2-layer
 # GPT step on 4 x 2 it had met a plan within 0.05% of its LP at its 7th of 12 solves,
@@ -322,8 +330,11 @@ class SearchStrategies:
             # them (the unlimited optimum, like DP, peaks where the arguments and the
             # activations meet), rather than from the unlimited solve
             over = [memory.peak(h.choice)[1] for h in plans if h.choice is not None and not h.fits]
+            # (the un-coarsened search of a small graph is there to be exact: its exact rows are
+            # not cut short, the coarse plan to beat keeping the problem small)
             sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest, start, seed=over,
-                                                    warm=warm)
+                                                    warm=warm, brief=EXACT_AFTER_ROUNDED_S if follow or share_layers
+                                                    else None)
             if sol is None and start is None:
                 return problem, None, smallest
         small = follow and share_layers and len(graph.ops) <= self.exact_ops
@@ -389,123 +400,151 @@ class SearchStrategies:
         return left if self.time_limit is None else min(self.time_limit, left)
 
     def _solve_under_limit(self, red, problem: Problem, memory: "_Liveness", limit: float, smallest: tuple,
-                           start=None, seed=(), warm=None):
-        """(solution that fits or None, the smallest-peak plan met). First, from the rows
-        ``seed`` gives (where the hand plans over the limit peak), the rows' LP
-        relaxation, rounded (``_relaxed_round``): a rounded plan that fits within
-        ``relaxed_gap`` of the LP's bound is kept. Then the exact rows: solve,
-        add the row where the plan peaks over the limit, solve again. With
-        ``memory_method="lagrange"`` the multipliers (``lagrange.py``) go first, and their
-        plan is kept where it is proven within ``memory_tolerance`` of the best; either
-        way, where an exact solve runs out of time before any plan, the multipliers'
-        plan that fits is returned with its gap. ``start``: the best hand plan that fits
-        (``hand.py``); where the time budget runs out (or a solve runs out of time before
-        any plan) the search returns None and falls back to it, with the first round's
-        bound (the unlimited optimum) as its proven gap. ``warm``: the problem's
+                           start=None, seed=(), warm=None, brief: Optional[float] = EXACT_AFTER_ROUNDED_S):
+        """(solution that fits or None, the smallest-peak plan met). Each part below offers
+        the plans it meets that fit and raises the bound it proves; the cheapest plan
+        offered is returned with the largest bound (``_Best``), so a later part can only
+        improve on an earlier one's plan, never lose it. In order:
+
+        1. With ``memory_method="lagrange"``, the multipliers (``lagrange.py``), kept where
+           proven within ``memory_tolerance``.
+        2. The rows' LP relaxation, rounded and dived (``_relaxed_round``), from the rows
+           ``seed`` gives (where the hand plans over the limit peak; else where the
+           unlimited plan does), a row added where its plans overflow, until a plan is
+           proven within ``relaxed_gap`` or the LP is integral.
+        3. The exact rows: solve, add the row where the plan peaks over the limit, solve
+           again. With no plan yet they get what is left of the budget, and where a solve
+           runs out of time before any plan (and no hand plan fits) the multipliers are
+           the last resort. With a plan outside ``relaxed_gap``, first the multipliers
+           from the rows so far, for at most ``MULTIPLIERS_BRIEF_S`` (they meet rows in
+           unlimited solves, which are fast where the DP solves most of the problem),
+           the LP rounds again from the rows they met, then the exact rows from every
+           row met, for at most ``brief`` seconds (None: the budget, solved to optimality;
+           the un-coarsened search of a small graph, which is there to be exact).
+
+        ``start``: the best hand plan that fits (``hand.py``); where the budget runs out
+        with no plan the search returns None and falls back to it. ``warm``: the problem's
         ``warm_lp.WarmLP`` (the LP rounds go on from its last basis), or None."""
+        t0 = time.perf_counter()
+        best = _Best(problem)
+        self._bound = 0.0
+        rows, points = [], set()
+        notes = []   # what the parts whose plan is not kept found
         lag = None
 
-        def multipliers():
-            nonlocal smallest
-            # (the last resort where no plan was found: within the budget, but given at least
-            # MULTIPLIERS_MIN_S to find one that fits)
-            left = self._left()
+        def add_row(at: int):
+            if at not in points:
+                rows.append(memory.row(at))
+                points.add(at)
+
+        def multipliers(seconds: Optional[float]):
+            nonlocal smallest, lag
             with self._phase("multipliers"):
-                out = lagrange.search(red, problem.objective, memory.peak, memory.row, limit,
-                                      tolerance=self.memory_tolerance,
-                                      time_limit=self.time_limit if left is None else max(left, MULTIPLIERS_MIN_S))
-            if out.smallest is not None and out.smallest[0] < smallest[0]:
-                smallest = out.smallest
-            return out
-        if self.memory_method == "lagrange":
-            lag = multipliers()
-            if lag.choice is not None and lag.gap <= self.memory_tolerance:
-                sol = milp.Solution(lag.choice, lag.objective, lag.bound, lag.gap,
-                                    f"Lagrange multipliers on {len(lag.rows)} memory rows: {lag.iterations} solves, "
-                                    f"within {lag.gap:.2%} of the lower bound ({lag.seconds:.1f} s)", lag.seconds,
-                                    lag.variables, lag.binaries)
-                sol.rounds = lag.iterations
-                return sol, smallest
-        rows = list(lag.rows) if lag is not None else []
-        exact_seconds = 0.0
-        self._bound = 0.0
-        relaxed = self.relaxed_gap is not None   # (LP rounds first, while they make progress)
-        points: set = set()
-        if relaxed:
-            for at in seed:
-                if at not in points:
-                    rows.append(memory.row(at))
-                    points.add(at)
-        found = None   # the cheapest rounded LP plan that fits: (time, Solution)
-        for k in range(MAX_MEMORY_ROUNDS):
-            left = self._left()
-            if left is not None and left <= 0.05 and (start is not None or found is not None):
-                break   # (the budget is spent: the best plan so far, with the bound so far)
-            if relaxed and rows:
-                with self._phase("LP rounds"):
-                    step = self._relaxed_round(red, problem, memory, rows, points, limit, left, warm)
-                exact_seconds += step[2]
-                if step[0] is not None and (found is None or step[0][0] < found[0]):
-                    found = step[0]
-                if found is not None and (found[1].gap <= self.relaxed_gap or step[1] == "optimal"):
-                    found[1].seconds, found[1].rounds = exact_seconds, k + 1
-                    return found[1], smallest
-                if step[1] == "more":
-                    continue   # (a new row; solve the relaxation again)
-                relaxed = False   # (the exact rows from here; the rounded plan is their fallback)
-            try:
-                with self._phase("exact rows"):
-                    if found is not None:   # (a rounded plan that fits: the rows prove RELAXED_GAP, briefly)
-                        sol = milp.solve(red, rows, limit, EXACT_AFTER_ROUNDED_S if left is None else
-                                         max(min(left, EXACT_AFTER_ROUNDED_S), 0.5), rel_gap=self.relaxed_gap)
-                    else:
-                        sol = milp.solve(red, rows, limit, None if left is None else max(left, 0.5))
-            except ShardingError:   # the time limit, before any plan
-                if start is not None or found is not None:
+                lag = lagrange.search(red, problem.objective, memory.peak, memory.row, limit,
+                                      tolerance=self.memory_tolerance, time_limit=seconds, rows=rows)
+            for row in lag.rows[len(rows):]:
+                add_row(row.point)
+            if lag.smallest is not None and lag.smallest[0] < smallest[0]:
+                smallest = lag.smallest
+            self._bound = max(self._bound, lag.bound)
+            best.rounds += lag.iterations
+            how = f"Lagrange multipliers on {len(lag.rows)} memory rows ({lag.iterations} solves, {lag.seconds:.1f} s)"
+            if lag.choice is None or not best.offer(lag.choice, "the multipliers", how):
+                notes.append(how + (", no plan that fits" if lag.choice is None else ", none cheaper"))
+
+        def exact_rows(seconds: Optional[float], rounds: int = MAX_MEMORY_ROUNDS):
+            """Until a plan fits the limit, ``seconds`` (None: the budget) or ``rounds`` run
+            out, or the rows leave no plan; the time limit's error where a solve ran out
+            of time before any plan, else None."""
+            nonlocal smallest
+            until = None if seconds is None else time.perf_counter() + seconds
+            for _ in range(rounds):
+                left = self._left()
+                if left is not None and left <= 0.05 and (start is not None or best.choice is not None):
+                    return None   # (the budget is spent: the best plan so far, with the bound so far)
+                if until is not None:
+                    left = until - time.perf_counter() if left is None else min(left, until - time.perf_counter())
+                try:
+                    with self._phase("exact rows"):
+                        sol = milp.solve(red, rows, limit, None if left is None else max(left, 0.5),
+                                         **({} if until is None else {"rel_gap": self.relaxed_gap}))
+                except ShardingError as e:   # (the time limit, before any plan)
+                    notes.append("the exact rows found no plan within their time limit")
+                    return e
+                best.rounds += 1
+                if not sol.choice:
+                    return None   # (no plan meets the rows)
+                if np.isfinite(sol.bound):   # (each round's problem relaxes the next, and the limit's)
+                    self._bound = max(self._bound, sol.bound)
+                best.size = (sol.variables, sol.binaries)
+                peak, at = memory.peak(sol.choice)
+                if peak <= limit:
+                    if not best.offer(sol.choice, "the exact rows", sol.status):
+                        notes.append(f"the exact rows' plan that fits is dearer "
+                                     f"({problem.objective(sol.choice) * 1e3:.4f} ms)")
+                    return None
+                if peak < smallest[0]:
+                    smallest = (peak, sol.choice)
+                add_row(at)
+                if until is not None and time.perf_counter() >= until:
                     break
-                lag = lag or multipliers()
-                if lag.choice is None:
-                    raise
-                break
-            exact_seconds += sol.seconds
-            if not sol.choice:
-                break
-            if np.isfinite(sol.bound):   # (each round's problem relaxes the next, and the limit's)
-                self._bound = max(self._bound, sol.bound)
-            peak, at = memory.peak(sol.choice)
-            if found is not None and peak <= limit and problem.objective(sol.choice) >= found[0]:
-                sol.choice = found[1].choice   # (the exact solve stopped at its time limit above the rounded plan)
-                sol.status += f"; the rounded LP plan kept ({found[1].status})"
-                sol.bound = max(sol.bound, self._bound)   # (the best proven bound: the LP's, or the rows')
-                sol.gap = max(0.0, (found[0] - sol.bound) / found[0]) if found[0] else 0.0
-            if peak <= limit:
-                if lag is not None and lag.choice is not None and lag.objective < problem.objective(sol.choice):
-                    sol.choice = lag.choice   # (the exact solve hit its time limit above the multipliers' plan)
-                sol.seconds = exact_seconds + (lag.seconds if lag is not None else 0.0)
-                sol.rounds = k + 1 + (lag.iterations if lag is not None else 0)
-                if lag is not None:
-                    sol.status += (f"; after Lagrange multipliers ({lag.iterations} solves, {lag.seconds:.1f} s) left "
-                                   f"a gap of {lag.gap:.2%}, exact rows")
-                    sol.bound = max(sol.bound, lag.bound)
-                return sol, smallest
-            if found is not None:
-                break   # (the exact rows' brief try after a rounded plan found none that fits: it stands)
-            rows.append(memory.row(at))
-            points.add(at)
-            if peak < smallest[0]:
-                smallest = (peak, sol.choice)
-        if found is not None:   # (the exact rows ran out of time; the rounded LP plan that fits)
-            found[1].seconds, found[1].rounds = exact_seconds, k + 1
-            found[1].status += "; the exact rows found none cheaper within the time budget"
-            return found[1], smallest
-        if lag is not None and lag.choice is not None:   # (only where an exact solve ran out of time)
-            sol = milp.Solution(lag.choice, lag.objective, lag.bound, lag.gap,
-                                f"Lagrange multipliers ({lag.iterations} solves), within {lag.gap:.2%} of the lower "
-                                f"bound; the exact rows found no plan within their time limit",
-                                exact_seconds + lag.seconds, lag.variables, lag.binaries)
-            sol.rounds = lag.iterations + k
-            return sol, smallest
-        return None, smallest
+            if best.choice is not None:
+                notes.append("the exact rows found none cheaper within " +
+                             ("the time budget" if seconds is None else f"{seconds:.0f} s"))
+            return None
+
+        def lp_rounds():
+            """The rows' LP, rounded and dived, a row added where its plans overflow, until
+            a plan is within ``relaxed_gap`` or no new row."""
+            for _ in range(MAX_MEMORY_ROUNDS):
+                left = self._left()
+                if best.choice is not None and best.gap(self._bound) <= self.relaxed_gap:
+                    break   # (an integral LP's plan that fits is proven too: its gap is nil)
+                if not rows or (left is not None and left <= 0.05 and (start is not None or best.choice is not None)):
+                    break
+                with self._phase("LP rounds"):
+                    plan, what, _ = self._relaxed_round(red, problem, memory, rows, points, limit, left, warm)
+                best.rounds += 1
+                if plan is not None:
+                    best.offer(plan[1].choice, "the LP rounds", plan[1].status)
+                    best.size = (plan[1].variables, plan[1].binaries)
+                if what != "more":
+                    break
+
+        if self.memory_method == "lagrange":
+            left = self._left()
+            multipliers(self.time_limit if left is None else max(left, MULTIPLIERS_MIN_S))
+            if best.choice is not None and best.gap(self._bound) <= self.memory_tolerance:
+                return best.solution(self._bound, notes, time.perf_counter() - t0), smallest
+        if self.relaxed_gap is not None:
+            for at in seed:
+                add_row(at)
+            if not rows:   # (no hand plan over the limit: the first row is where the unlimited plan peaks)
+                exact_rows(None, rounds=1)
+            lp_rounds()
+        left = self._left()
+        if best.choice is None or self.relaxed_gap is None:
+            error = exact_rows(None)
+            if error is not None and best.choice is None:
+                if start is not None:
+                    return None, smallest   # (the hand plan, with the bound so far)
+                left = self._left()
+                if lag is None:
+                    multipliers(self.time_limit if left is None else max(left, MULTIPLIERS_MIN_S))
+                if best.choice is None:
+                    raise error
+        elif best.gap(self._bound) > self.relaxed_gap and (left is None or left > 0.05):
+            # (a plan outside relaxed_gap: rows met cheaply, then the exact rows from all of them, briefly)
+            if lag is None:
+                before = len(rows)
+                multipliers(MULTIPLIERS_BRIEF_S if left is None else min(left, MULTIPLIERS_BRIEF_S))
+                if len(rows) > before:
+                    lp_rounds()   # (from their rows, warm: a fraction of an exact solve)
+            if best.gap(self._bound) > self.relaxed_gap:
+                exact_rows(brief)
+        if best.choice is None:
+            return None, smallest
+        return best.solution(self._bound, notes, time.perf_counter() - t0), smallest
 
     def _relaxed_round(self, red, problem: Problem, memory: "_Liveness", rows: list, points: set, limit: float,
                        left: Optional[float], warm=None) -> tuple:
@@ -851,12 +890,45 @@ def _switch_cost(problem: Problem, choice: dict, t: int, k: int) -> float:
     return float(problem.switch_deltas(choice, t)[k])
 
 
+class _Best:
+    """The cheapest plan that fits among those the parts of a search under a limit
+    offer (the LP rounds, the multipliers, the exact rows), and how it was found."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.choice, self.time, self.how, self.part = None, float("inf"), "", ""
+        self.rounds, self.size = 0, (0, 0)   # solves so far; the last model's variables and binaries
+        self.beaten: list = []   # the plans it replaced, in words
+
+    def offer(self, choice: dict, part: str, how: str) -> bool:
+        """Keep ``choice``, found by ``part`` (``how``: in words), if it is cheaper than
+        the plan kept so far (whether it is)."""
+        t = self.problem.objective(choice)
+        if t >= self.time * (1 - 1e-12):
+            return False
+        if self.choice is not None:
+            self.beaten.append(f"cheaper than {self.part}' plan ({self.time * 1e3:.4f} ms)")
+        self.choice, self.time, self.how, self.part = choice, t, how, part
+        return True
+
+    def gap(self, bound: float) -> float:
+        return max(0.0, (self.time - bound) / self.time) if self.time > 0 else 0.0
+
+    def solution(self, bound: float, notes: list, seconds: float) -> milp.Solution:
+        sol = milp.Solution(self.choice, self.time, bound, self.gap(bound), "; ".join([self.how] + self.beaten + notes),
+                            seconds, *self.size)
+        sol.rounds = self.rounds
+        return sol
+
+
 class _Liveness:
     """Modeled live bytes per program point of a choice (``memory.plan_profile``: values
     and redistribution copies), and the constraint of one point."""
 
     def __init__(self, graph: Graph, problem: Problem):
         intervals = live_intervals(graph)
+        self.shadows = view_shadows(graph)
+        self.fused = fused_reads(graph)
         self.graph, self.problem = graph, problem
         self.vals = [v for v in problem.values if v in intervals]
         self.birth = np.array([intervals[v][0] + 1 for v in self.vals])
@@ -886,17 +958,24 @@ class _Liveness:
             t = self.temp[i]
             out[t] = out[t] + self.vec[i] if t in out else self.vec[i].copy()
         row = milp.MemoryRow(out, point=at)
-        if 1 <= at <= len(self.graph.ops):
-            for term in self.copies(self.graph.ops[at - 1]):
-                if len(term) == 2:
-                    t, vec = term
-                    out[t] = out[t] + vec if t in out else vec.copy()
-                else:
-                    row.pairs.append(term)
+        terms = self.copies(self.graph.ops[at - 1]) if 1 <= at <= len(self.graph.ops) else []
+        for p, (b, d) in self.shadows.items():       # views whose buffer is alive anyway
+            if b + 1 <= at <= d + 1:
+                terms = terms + self.copies(self.graph.ops[p], view_bytes)
+        for r, m, p in self.fused:      # fused values whose reader needs them in another layout
+            if p + 1 <= at <= r + 1:
+                terms = terms + self.copies(self.graph.ops[r], fused_bytes, only=m)
+        for term in terms:
+            if len(term) == 2:
+                t, vec = term
+                out[t] = out[t] + vec if t in out else vec.copy()
+            else:
+                row.pairs.append(term)
         return row
 
-    def copies(self, op) -> list:
-        """The copies redistributing ``op``'s operands makes: (template, bytes per
+    def copies(self, op, held=copy_bytes, only=None) -> list:
+        """The copies redistributing ``op``'s operands makes (``held``: the bytes one
+        holds, from the operand, its layout and the one needed): (template, bytes per
         candidate) where one decision fixes both layouts, else (producer's template,
         consumer's template, classes, classes, bytes by class pair)."""
         p = self.problem
@@ -907,18 +986,18 @@ class _Liveness:
         mesh = p.mesh
         out = []
         for m, v in enumerate(op.inputs):
-            if v.literal is not None or v not in p.owner:
+            if v.literal is not None or v not in p.owner or (only is not None and m != only):
                 continue
             pi, pp, k_out = p.owner[v]
             pnode = p.nodes[pi]
-            key = (pnode.template, pp, k_out, cnode.template, pc, m, pi == ci, v.type)
+            key = (pnode.template, pp, k_out, cnode.template, pc, m, pi == ci, v.type, held)
             term = self._copies.get(key)
             if term is None:
                 src = [p.layout_of(v, pnode, i) for i in range(len(pnode.candidates))]
                 dst = [row[pc].operand_layout(m, v.type.rank, mesh) for row in cnode.strategies]
 
                 def copy(a, b):
-                    return copy_bytes(v, a, b, mesh)
+                    return held(v, a, b, mesh)
                 if pi == ci or pnode.template == cnode.template:
                     term = (cnode.template, np.array([copy(a, b) for a, b in zip(src, dst)]))
                 else:
