@@ -371,6 +371,7 @@ def run_limited(case: zoo.Case, reps: int, fracs: list, cost_model, measure: boo
             out = jax.tree_util.tree_unflatten(compiled.out_tree, list(step()))
         except sp.ShardingError as e:
             row["error"] = str(e).splitlines()[0]
+            row["hands_fit"] = [k for k, h in hands.items() if "error" not in h and h["memory"] <= limit]
             rows.append(row)
             continue
         row.update(search_s=plan.pass_seconds["search-strategies"], plan_s=t_plan,
@@ -404,7 +405,8 @@ def limits_table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['case']:<22} {r['mesh']:<4} {r['frac']:>5} auto failed: {r['error']}")
+            lines.append(f"{r['case']:<22} {r['mesh']:<4} {r['frac']:>5} auto failed (hand plans that fit: "
+                         f"{', '.join(r.get('hands_fit', [])) or 'none'}): {r['error']}")
             continue
         b = r["best_hand"]
         h = r["hand"].get(b, {}) if b else {}

@@ -278,9 +278,10 @@ class ParallelFunction:
         per device to the limit; over it, search again under a lower modeled limit
         (``memory_check.ModeledLimits``). ``plan.cost`` gets every round."""
         limit = self.options.memory_limit
-        limits, modeled, largest = ModeledLimits(limit), limit, []
+        limits, modeled, largest, hands = ModeledLimits(limit), limit, [], []
         while True:
             if compiled is not None:
+                hands = compiled.plan.cost.hand_plans or hands
                 progress.stage("XLA compile (memory check)")
                 leaves = list(jax.tree_util.tree_leaves((args, kwargs))) + compiled.consts
                 with jax.set_mesh(compiled.mesh):   # as _run calls it, so the call reuses this compile
@@ -295,7 +296,13 @@ class ParallelFunction:
                 limits.add(MemoryRound(modeled))
             modeled = limits.next()
             if modeled is None:
-                raise does_not_fit(limit, limits.rounds, largest)
+                # no searched plan fits once compiled: a hand plan the search compared with may
+                # (the lower modeled limits are set by the search's own plans' overshoot)
+                compiled = self._hand_that_fits(hands, args, kwargs, progress, base)
+                if compiled is None:
+                    raise does_not_fit(limit, limits.rounds, largest)
+                compiled.plan.cost.memory_checks = tuple(limits.rounds)
+                return compiled
             options = replace(base, memory_limit=modeled)
             try:
                 compiled = self._plan_and_lower(args, kwargs, progress, options)
@@ -317,23 +324,11 @@ class ParallelFunction:
         leaves = list(jax.tree_util.tree_leaves((args, kwargs)))
         runs, left_out = [("search", compiled, mine)], []
         for h in measuring.candidates(cost.hand_plans, mine, limit):
-            progress.stage(f"the hand plan {h.name}, to time it")
-            options = replace(base, pick_hand=h.label, search_deadline=None)
-            try:
-                c = self._plan_and_lower(args, kwargs, progress, options)
-            except ShardingError as e:
-                left_out.append(measuring.Measured(h.label, h.written, None, "not planned: " + str(e).splitlines()[0]))
-                continue
-            used = None
-            if limit is not None:
-                with jax.set_mesh(c.mesh):
-                    used = compiled_memory(c.fn, abstract_inputs(leaves + c.consts, c.in_shardings))
-            if used is not None and used.total > limit:
-                left_out.append(measuring.Measured(h.label, h.written, None,
-                                                 f"compiled {used.total:,} bytes per device, over the limit {limit:,}"))
-                continue
-            c.plan.cost.compiled_memory = used if used is not None else c.plan.cost.compiled_memory
-            runs.append((h.label, c, h.written))
+            c, why = self._hand_compiled(h, args, kwargs, progress, base)
+            if c is None:
+                left_out.append(measuring.Measured(h.label, h.written, None, why))
+            else:
+                runs.append((h.label, c, h.written))
         progress.stage(f"timing {len(runs)} plans")
         steps = []
         for _, c, _ in runs:
@@ -349,6 +344,38 @@ class ParallelFunction:
             kept.plan.cost.memory_limit = cost.memory_limit
             kept.plan.cost.memory_checks = cost.memory_checks
         return kept
+
+    def _hand_compiled(self, h, args, kwargs, progress: CompileProgress, base: Options) -> tuple:
+        """(the hand plan ``h`` of the search's comparison planned and lowered, or None;
+        why not): None where it cannot be planned, or its compiled peak is over the
+        memory limit (``plan.cost.compiled_memory`` has it where checked)."""
+        progress.stage(f"the hand plan {h.name}")
+        try:
+            c = self._plan_and_lower(args, kwargs, progress, replace(base, pick_hand=h.label, search_deadline=None))
+        except ShardingError as e:
+            return None, "not planned: " + str(e).splitlines()[0]
+        limit = self.options.memory_limit
+        if limit is None:
+            return c, ""
+        leaves = list(jax.tree_util.tree_leaves((args, kwargs)))
+        with jax.set_mesh(c.mesh):
+            used = compiled_memory(c.fn, abstract_inputs(leaves + c.consts, c.in_shardings))
+        if used is not None and used.total > limit:
+            return None, f"compiled {used.total:,} bytes per device, over the limit {limit:,}"
+        cost = c.plan.cost
+        cost.memory_limit, cost.compiled_memory = limit, used
+        return c, ""
+
+    def _hand_that_fits(self, hands: list, args, kwargs, progress: CompileProgress, base: Options):
+        """The cheapest (as written) of the hand plans ``hands`` modeled under the memory
+        limit whose compiled peak is under it too (at most MEASURE_MAX tried), or None."""
+        for h in measuring.candidates(hands, float("inf"), self.options.memory_limit):
+            c, _ = self._hand_compiled(h, args, kwargs, progress, base)
+            if c is not None:
+                c.plan.cost.solver["status"] += ("; no searched plan fit the limit once compiled, and this hand "
+                                                 "plan does")
+                return c
+        return None
 
     def _trace(self, args, kwargs):
         graph, out_tree = self._trace_pinned(args, kwargs)

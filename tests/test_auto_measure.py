@@ -89,3 +89,29 @@ def test_measure_with_a_pipeline_is_refused():
     with pytest.raises(sp.ShardingError, match="measure"):
         sp.parallelize(sgd_step, mesh=((2, 4), ("pp", "mp")), mode="auto", measure=True,
                        pipeline=sp.Pipeline(microbatches=2))
+
+
+@pytest.mark.slow
+def test_a_hand_plan_that_fits_once_compiled_is_returned_where_no_searched_plan_does(monkeypatch):
+    # the search's plan compiles over the limit (its check made to read 64 MiB more) and no
+    # further round is allowed: the hand plans it compared with are compiled in turn, and
+    # the cheapest whose compiled peak fits is returned, not a "no plan fits" error
+    from dataclasses import replace
+    from shardprop.compiler import api, memory_check
+    params, x, y = problem_data(64, 256, 2)
+    free = sp.parallelize(sgd_step, mesh=MESH, mode="auto", cost_model="cpu", progress=False).plan(params, x, y)
+    limit = int(free.cost.peak_memory * 0.9)   # (FSDP's modeled peak is under it)
+    checks = []
+
+    def first_over(jitted, abstract):
+        used = memory_check.compiled_memory(jitted, abstract)
+        checks.append(used)
+        return replace(used, temp=used.temp + 64 * 2**20) if len(checks) == 1 else used
+    monkeypatch.setattr(api, "compiled_memory", first_over)
+    monkeypatch.setattr(api.ModeledLimits, "next", lambda self: None)
+    pf = sp.parallelize(sgd_step, mesh=MESH, mode="auto", cost_model="cpu", progress=False, memory_limit=limit)
+    plan = pf.plan(params, x, y)
+    assert len(checks) >= 2 and "no searched plan fit the limit once compiled" in plan.cost.solver["status"]
+    assert plan.cost.compiled_memory.total <= limit and plan.cost.memory_limit == limit
+    assert plan.cost.solver["status"].startswith("the hand plan ")
+    assert_close(pf(params, x, y), jax.jit(sgd_step)(params, x, y))
