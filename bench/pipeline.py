@@ -328,14 +328,19 @@ def threading(fns, width, batch, p):
     fns[("threads", "separate", p)] = lambda: jax.block_until_ready([one(*a) for a in own])
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(ap) -> None:
+    """The bench's model and pipeline (bench/pipeline_mpmd_processes.py takes them too)."""
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--reps", type=int, default=7)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
     ap.add_argument("--schedules", nargs="*", default=["gpipe", "1f1b"])
     ap.add_argument("--lowerings", nargs="+", default=["spmd", "mpmd"], choices=["spmd", "mpmd"],
                     help='Pipeline(lowering=...): the one SPMD program, the per-stage programs (MPMD), or both side '

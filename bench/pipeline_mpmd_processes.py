@@ -15,12 +15,16 @@ arrays it holds, then all meet at a barrier), so a lowering's last transfers and
 optimizer steps are inside its time.
 """
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+_flags = os.environ.get("XLA_FLAGS", "")
+from pipeline import add_model_args, make   # noqa: E402  (bench/pipeline.py's model; its import asks
+os.environ["XLA_FLAGS"] = _flags             # for 8 devices, undone here before jax starts)
 
 import shardprop as sp   # noqa: E402
 from shardprop.runtime.distributed import in_multiprocess_environment, use_cpu_devices  # noqa: E402
@@ -28,22 +32,13 @@ from shardprop.runtime.distributed import in_multiprocess_environment, use_cpu_d
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--pp", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=8)
+    add_model_args(ap)
     ap.add_argument("--schedule", default="1f1b")
-    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3, help="steps per timed round")
     ap.add_argument("--lowerings", nargs="+", default=["spmd", "mpmd"], choices=["spmd", "mpmd"])
     a = ap.parse_args(argv)
     if not in_multiprocess_environment():
         use_cpu_devices(a.pp)
-    import os
-    flags = os.environ.get("XLA_FLAGS", "")
-    from pipeline import make   # bench/pipeline.py's model (its import asks for 8 devices: undone below)
-    os.environ["XLA_FLAGS"] = flags
     import jax
     from jax.experimental import multihost_utils
 
