@@ -283,9 +283,7 @@ class ParallelFunction:
             if compiled is not None:
                 hands = compiled.plan.cost.hand_plans or hands
                 progress.stage("XLA compile (memory check)")
-                leaves = list(jax.tree_util.tree_leaves((args, kwargs))) + compiled.consts
-                with jax.set_mesh(compiled.mesh):   # as _run calls it, so the call reuses this compile
-                    used = compiled_memory(compiled.fn, abstract_inputs(leaves, compiled.in_shardings))
+                used = _compiled_memory(compiled, args, kwargs)
                 if used is None:                    # the backend reports nothing to check
                     return compiled
                 limits.add(MemoryRound(modeled, compiled.plan.cost.peak_memory, used))
@@ -320,10 +318,8 @@ class ParallelFunction:
         timed in turns; the fastest is returned, every figure in ``plan.cost.measured``."""
         cost = compiled.plan.cost
         mine = cost.written_time or cost.step_time
-        limit = self.options.memory_limit
-        leaves = list(jax.tree_util.tree_leaves((args, kwargs)))
         runs, left_out = [("search", compiled, mine)], []
-        for h in measuring.candidates(cost.hand_plans, mine, limit):
+        for h in measuring.candidates(cost.hand_plans, mine, self.options.memory_limit):
             c, why = self._hand_compiled(h, args, kwargs, progress, base)
             if c is None:
                 left_out.append(measuring.Measured(h.label, h.written, None, why))
@@ -332,16 +328,15 @@ class ParallelFunction:
         progress.stage(f"timing {len(runs)} plans")
         steps = []
         for _, c, _ in runs:
-            abstract = abstract_inputs(leaves + c.consts, c.in_shardings)
-            steps.append((functools.partial(_call_in_mesh, c), functools.partial(measuring.zero_inputs, abstract)))
+            steps.append((functools.partial(_call_in_mesh, c),
+                          functools.partial(measuring.zero_inputs, _abstract_inputs(c, args, kwargs))))
         seconds = measuring.median_steps(steps)
         best = min(range(len(runs)), key=seconds.__getitem__)
         timed = [measuring.Measured(name, modeled, t, "kept" if i == best else "")
                  for i, ((name, _, modeled), t) in enumerate(zip(runs, seconds))]
         kept = runs[best][1]
         kept.plan.cost.measured = tuple(timed + left_out)
-        if best:   # (what the limit's checks found holds for the search's plan, not this one)
-            kept.plan.cost.memory_limit = cost.memory_limit
+        if best:   # (the limit's rounds searched for the search's plan, not this one)
             kept.plan.cost.memory_checks = cost.memory_checks
         return kept
 
@@ -357,9 +352,7 @@ class ParallelFunction:
         limit = self.options.memory_limit
         if limit is None:
             return c, ""
-        leaves = list(jax.tree_util.tree_leaves((args, kwargs)))
-        with jax.set_mesh(c.mesh):
-            used = compiled_memory(c.fn, abstract_inputs(leaves + c.consts, c.in_shardings))
+        used = _compiled_memory(c, args, kwargs)
         if used is not None and used.total > limit:
             return None, f"compiled {used.total:,} bytes per device, over the limit {limit:,}"
         cost = c.plan.cost
@@ -556,6 +549,19 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                             shard_optimizer_state=shard_optimizer_state, optimizer_argnums=optimizer_argnums,
                             progress=progress, memory_limit=memory_limit, shard_params=shard_params,
                             param_argnums=param_argnums, measure=measure)
+
+
+def _abstract_inputs(c: Compiled, args, kwargs) -> list:
+    """What ``c``'s program is called with, abstractly: the arguments' leaves and its
+    constants, under its input shardings."""
+    return abstract_inputs(list(jax.tree_util.tree_leaves((args, kwargs))) + c.consts, c.in_shardings)
+
+
+def _compiled_memory(c: Compiled, args, kwargs):
+    """What XLA allocates per device for ``c``'s program (``memory_check.compiled_memory``),
+    compiled under its mesh as the call runs it, so the call reuses this compile."""
+    with jax.set_mesh(c.mesh):
+        return compiled_memory(c.fn, _abstract_inputs(c, args, kwargs))
 
 
 def _call_in_mesh(c: Compiled, *inputs):

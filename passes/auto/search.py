@@ -223,9 +223,10 @@ class SearchStrategies:
             solved.append((mesh,) + found)
             if found[1] is not None and (best_objective is None or found[1].objective < best_objective):
                 best_objective = found[1].objective
-        if self.pick is not None:   # (the arrangement that has the hand plan of that name)
-            solved = [s for s in solved if s[2] is not None] or solved
-        mesh, problem, solution, peak = self._refine_best(graph, solved) if len(meshes) > 1 else solved[0]
+        if self.pick is not None:   # (the arrangement that has the hand plan of that name, refined already)
+            mesh, problem, solution, peak = next((s for s in solved if s[2] is not None), solved[0])
+        else:
+            mesh, problem, solution, peak = self._refine_best(graph, solved) if len(meshes) > 1 else solved[0]
         graph.set_mesh(mesh)
         if solution is None:
             if self.pick is not None:
