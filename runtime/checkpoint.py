@@ -5,6 +5,12 @@ coordinates them), not once per rank. A step is finalised atomically: orbax
 writes into a temporary folder and renames it when complete, so a save cut off
 midway is never taken for a good checkpoint (``latest_step`` ignores it).
 Restoring takes target shardings, so a run can resume on another mesh.
+
+An array of a multi-process run whose devices all belong to one process (a pipeline
+rank's state under ``lowering="mpmd"``) is written from host memory: orbax writes an
+array from the shards each process holds and refuses one that a process holds whole.
+Such an array is gathered to every process (``to_numpy``) and written once; restored,
+it is placed on its devices by the process that owns them.
 """
 from __future__ import annotations
 
@@ -12,9 +18,10 @@ import os
 from typing import Any, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-from .distributed import initialize
+from .distributed import initialize, to_numpy
 
 
 class Checkpointer:
@@ -25,6 +32,8 @@ class Checkpointer:
                                              options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
 
     def save(self, step: int, state: Any, wait: bool = True) -> None:
+        state = jax.tree_util.tree_map(lambda x: to_numpy(x) if _on_one_process(getattr(x, "sharding", None)) else x,
+                                       state)
         self.manager.save(step, args=ocp.args.StandardSave(state))
         if wait:
             self.manager.wait_until_finished()
@@ -40,10 +49,26 @@ class Checkpointer:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
         if shardings is None:
             shardings = jax.tree_util.tree_map(lambda x: getattr(x, "sharding", None), like)
-        target = jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x), sharding=s),
-            like, shardings)
-        return self.manager.restore(step, args=ocp.args.StandardRestore(target))
+        def target(x, s):
+            shape, dtype = jax.numpy.shape(x), jax.numpy.result_type(x)
+            # (written from host memory by ``save``: read back as such, placed below)
+            return np.empty(shape, dtype) if _on_one_process(s) else jax.ShapeDtypeStruct(shape, dtype, sharding=s)
+        got = self.manager.restore(step, args=ocp.args.StandardRestore(jax.tree_util.tree_map(target, like, shardings)))
+        return jax.tree_util.tree_map(lambda x, s: _placed(x, s) if _on_one_process(s) else x, got, shardings)
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _on_one_process(sharding) -> bool:
+    """Whether ``sharding`` (of a multi-process run) lies on the devices of one process."""
+    return sharding is not None and jax.process_count() > 1 and \
+        len({d.process_index for d in sharding.device_set}) == 1
+
+
+def _placed(value: np.ndarray, sharding):
+    """``value`` under ``sharding``: on this process's devices, or, where they are another
+    process's, the global array that names them and holds no block here."""
+    if any(d.process_index == jax.process_index() for d in sharding.device_set):
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_single_device_arrays(value.shape, sharding, [], dtype=value.dtype)

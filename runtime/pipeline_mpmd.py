@@ -600,17 +600,7 @@ class MpmdProgram:
     def __call__(self, leaves):
         vals = [None] * self.nreg
         self.input_transfers = []
-        if self.multi:
-            self._load_multi(leaves, vals)
-        else:
-            copies = {id(x): (x, c) for x, c, _ in self._copies}
-            for (i, d), r in self.loads.items():
-                x = leaves[i]
-                kept = copies.get(id(x))
-                vals[r] = kept[1][d] if kept is not None and kept[0] is x and d in kept[1] else self._put(x, i, d)
-            for (i, d), regs in self.batch_loads.items():
-                for r, x in zip(regs, self._split_fn(i, d)(self._put(leaves[i], i, d, "batch"))):
-                    vals[r] = x
+        self._load(leaves, vals)
         for ins in self.local_code:
             if ins[0] == "run":
                 _, fn, args, outs, frees = ins
@@ -668,24 +658,28 @@ class MpmdProgram:
             from jax.experimental import multihost_utils
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         raise ShardingError(f'Pipeline(lowering="mpmd"): input {self.prog.j.invars[i]} ({x.shape}) lies on devices '
-                            f'{sorted(int(dev.id) for dev in x.devices())} of process {procs.pop()} alone, not on a '
-                            'pipeline rank\'s devices: pass host data (numpy), or the step\'s own outputs')
+                            f'{sorted(int(dev.id) for dev in x.devices())} of process {procs.pop()} alone, and not on one '
+                            'pipeline rank\'s devices as every process sees it: pass host data (numpy), the step\'s '
+                            'outputs, or state restored (sp.Checkpointer) into the layouts they were saved from')
 
-    def _load_multi(self, leaves, vals):
-        """The inputs on this process's ranks. A state input that another process's rank
-        holds (the step's own output there) comes over by a move both processes take part
-        in; any other input is each process's own copy (host data, or an array on its
-        devices), placed on its ranks. Every process walks the loads in the same order and
+    def _load(self, leaves, vals):
+        """The inputs on this process's ranks. A state input that a rank holds (the step's
+        own output there) is read there, or comes over from its (lowest) holder: a copy
+        within a process, a move both processes take part in between two. Any other input
+        is each process's own copy (host data, or an array on its devices), placed on its
+        ranks. Over several processes every process walks the loads in the same order and
         takes the same decisions: whether an input is the step's output is the same on all
         of them, where an array of its own lies is not (jax puts it on each process's first
         device)."""
         copies = {id(x): (x, c, homes) for x, c, homes in self._copies}
         spanning = {}                   # inputs gathered from every process (once each)
-        for i in sorted({i for i, _ in list(self.loads) + list(self.batch_loads)}):
-            x = leaves[i]
-            if isinstance(x, jax.Array) and id(x) not in copies and \
-                    len({dev.process_index for dev in x.devices()}) > 1 and not x.sharding.is_fully_replicated:
-                spanning[i] = self._host_side(x, i)
+        if self.multi:
+            copies.update(self._held_by_a_rank(leaves, copies))
+            for i in sorted({i for i, _ in list(self.loads) + list(self.batch_loads)}):
+                x = leaves[i]
+                if isinstance(x, jax.Array) and id(x) not in copies and \
+                        len({dev.process_index for dev in x.devices()}) > 1 and not x.sharding.is_fully_replicated:
+                    spanning[i] = self._host_side(x, i)
         for (i, d), r in self.loads.items():
             x = leaves[i]
             kept = copies.get(id(x))
@@ -713,6 +707,29 @@ class MpmdProgram:
                 x = spanning[i] if i in spanning else self._host_side(leaves[i], i)
                 for r, x in zip(regs, self._split_fn(i, d)(self._put(x, i, d, "batch"))):
                     vals[r] = x
+
+    def _held_by_a_rank(self, leaves, copies) -> dict:
+        """The inputs that are not this program's own last outputs but lie on exactly one
+        rank's devices on every process (another signature's outputs, or state restored
+        by ``sp.Checkpointer`` into the layouts it was saved from), as ``copies`` entries:
+        they move from that rank like the step's own state. An array of the process's own
+        is alike on the rank that holds it, so every process says which rank it sees each
+        input on (one small all-gather), and only an input seen on the same rank by every
+        process is taken as held there."""
+        loaded = sorted({i for i, _ in self.loads if id(leaves[i]) not in copies})
+        if not loaded:
+            return {}
+        from jax.experimental import multihost_utils
+        seen = [_rank_of_array(leaves[i], self.groups) for i in loaded]
+        every = np.asarray(multihost_utils.process_allgather(np.asarray([-1 if r is None else r for r in seen],
+                                                                        dtype=np.int32))).reshape(-1, len(loaded))
+        out = {}
+        for n, i in enumerate(loaded):
+            d = int(every[0, n])
+            if d >= 0 and (every[:, n] == d).all():
+                x = leaves[i]
+                out[id(x)] = (x, {d: x} if self.local[d] else {}, {d})
+        return out
 
     def _state_sharding(self, d, n):
         """Where output ``n`` lies on rank ``d``, and its shape: a stage's state."""

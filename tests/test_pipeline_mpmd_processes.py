@@ -69,6 +69,9 @@ def run_case(name, out_dir):
     if name == "spanning":
         spanning(out_dir)
         return
+    if name == "resumed":
+        resumed(out_dir)
+        return
     mesh, pipe, kw, build = cases()[name]
     step, args, train = build()
     pipe = dict(dict(microbatches=4, lowering="mpmd"), **pipe)
@@ -130,6 +133,59 @@ def assert_cases_equal_one_device(tmp_path, names):
                                            err_msg=f"{name} {key}")
 
 
+def resumed_steps():
+    """The ``resumed`` case: the tied GPT (its embedding kept by ranks 0 and 3, in
+    different processes), (step, params, opt_state, the data of its 3 steps): the second
+    step's batch is half the first's (a new compiled signature), the third the first's
+    again (the first signature, given the second's outputs)."""
+    from tests.test_pipeline_lowering import gpt_pipeline_case
+    step, params, opt_state, (tokens, targets) = gpt_pipeline_case(4, 16, 4, tied=True)
+    half = (tokens[:8], targets[:8])
+    return step, params, opt_state, [(tokens, targets), half, (tokens, targets)]
+
+
+def resumed(out_dir):
+    """State that no call of this compiled step returned: after the first step the state
+    is saved with ``sp.Checkpointer`` and restored (into the layouts it was saved from),
+    the second step runs on half the batch (another signature, whose program has not seen
+    that state), the third on the first signature again, given the second's outputs."""
+    import jax
+
+    import shardprop as sp
+    step, params, opt_state, data = resumed_steps()
+    pstep = sp.parallelize(step, mesh=((4, 2), ("pp", "dp")), batch_argnums=(2, 3),
+                           pipeline=sp.Pipeline(microbatches=2, schedule="1f1b", lowering="mpmd"))
+    state, losses = (params, opt_state), []
+    for n, batch in enumerate(data):
+        *state, loss = pstep(*state, *batch)
+        losses.append(float(sp.to_numpy(loss)))
+        if n == 0:
+            ckpt = sp.Checkpointer(str(Path(out_dir) / "ckpt"))
+            ckpt.save(1, tuple(state))
+            state = ckpt.restore(tuple(state))
+            ckpt.close()
+    leaves = jax.tree.leaves(tuple(state))
+    np.savez(Path(out_dir) / f"resumed.{jax.process_index()}.npz", losses=np.asarray(losses),
+             **{f"full{n}": sp.to_numpy(x) for n, x in enumerate(leaves)})
+
+
+def assert_resumed_equals_one_device(tmp_path):
+    import jax
+    step, params, opt_state, data = resumed_steps()
+    ref, state, losses = jax.jit(step), (params, opt_state), []
+    for batch in data:
+        *state, loss = ref(*state, *batch)
+        losses.append(float(loss))
+    leaves = jax.tree.leaves(tuple(state))
+    for p in (0, 1):
+        f = np.load(tmp_path / f"resumed.{p}.npz")
+        np.testing.assert_allclose(f["losses"], losses, rtol=1e-5)
+        assert len(f.files) == len(leaves) + 1
+        for n, want in enumerate(leaves):
+            np.testing.assert_allclose(f[f"full{n}"], np.asarray(want), atol=2e-5, rtol=1e-4,
+                                       err_msg=f"resumed leaf {n} on process {p}")
+
+
 def spanning(out_dir):
     """The pipeline axis last: each rank's two devices lie in different processes."""
     import jax
@@ -153,10 +209,11 @@ def spanning(out_dir):
 def test_two_processes_equal_one_device(tmp_path):
     from tests.test_launch import launch_once_more_if_hung
     names = list(cases())
-    proc = launch_once_more_if_hung(["--nproc", 2, "--devices-per-proc", 4, Path(__file__), tmp_path, "spanning"]
-                                    + names, cwd=tmp_path, timeout=240)
+    proc = launch_once_more_if_hung(["--nproc", 2, "--devices-per-proc", 4, Path(__file__), tmp_path, "spanning",
+                                     "resumed"] + names, cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_cases_equal_one_device(tmp_path, names)
+    assert_resumed_equals_one_device(tmp_path)
     # a rank over two processes is refused, naming the rank, its stage, its devices, the fix
     msg = (tmp_path / "spanning.txt").read_text()
     # (jax numbers the second process's CPU devices from 2048)
