@@ -1069,14 +1069,22 @@ class PipelineFunction:
                 rows[d, off:off + flat.size] = flat
             sources = [jax.device_put(rows, NamedSharding(self.mesh, P(self.pipeline.axis)))]
             desc = [{v: (0, prog.state_pack[d].offset[v]) for v in prog.state_pack[d].vars} for d in range(p)]
-        rep = {i: jnp.asarray(np.asarray(leaves[i]) if isinstance(leaves[i], PackedLeaf) else leaves[i])
-               for i, d in enumerate(prog.owner) if d == -1}
+        rep = {i: self._replicated_input(leaves[i]) for i, d in enumerate(prog.owner) if d == -1}
         batch = {}
         for i, d in enumerate(prog.owner):
             if d == "batch":
                 x = jnp.asarray(leaves[i])
                 batch[i] = x.reshape((c.m, x.shape[0] // c.m) + x.shape[1:])
         return sources, desc, rep, batch
+
+    def _replicated_input(self, x):
+        """An input every rank reads, as the step's program takes it: the step's own output
+        (on the mesh) as it is; host data, a packed leaf, or an array committed to other
+        devices (Adam's step count restored by ``sp.Checkpointer`` onto the device it was
+        saved from) as an uncommitted array that jit places, as a first call's."""
+        if isinstance(x, jax.Array) and (x.sharding.device_set == set(self.mesh.devices.flat) or not x.committed):
+            return x
+        return jnp.asarray(np.asarray(x))
 
     def _inputs_sub(self, c, leaves):
         """``_inputs`` over a sub-mesh: each (pipeline rank, sub-mesh rank) holds its blocks

@@ -65,3 +65,30 @@ def test_cut_off_write_is_never_taken(tmp_path):
     fresh = T.make_model(8)
     fresh.restore(sp.Checkpointer(str(ckpt)), x, y)
     assert fresh.position == (1, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lowering", ["spmd", "mpmd"])
+def test_pipeline_state_saved_restored_and_stepped_equals_one_device(tmp_path, lowering):
+    """A pipelined step's state (the SPMD lowering's packed leaves, the MPMD lowering's
+    arrays on each rank's devices, Adam's step count) through a save and a restore into
+    the layouts it came from, then stepped: as one device's. The restored step count is
+    an array committed to the device it was saved from, which the SPMD lowering's program
+    once refused beside its packed state (incompatible devices)."""
+    import jax
+
+    from tests.test_pipeline_lowering import mlp
+    step, params, opt_state, batch = mlp(4, {0, 1, 2})
+    pstep = sp.parallelize(step, mesh=((4, 2), ("pp", "dp")),
+                           pipeline=sp.Pipeline(microbatches=2, lowering=lowering))
+    ref = jax.jit(step)
+    *state, _ = pstep(params, opt_state, batch)
+    *want, _ = ref(params, opt_state, batch)
+    ckpt = sp.Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(1, tuple(state))
+    state = ckpt.restore(tuple(state))
+    *state, loss = pstep(*state, batch)
+    *want, want_loss = ref(*want, batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(tuple(state)), jax.tree.leaves(tuple(want))):
+        np.testing.assert_allclose(sp.to_numpy(a), np.asarray(b), atol=1e-5, rtol=1e-4)
