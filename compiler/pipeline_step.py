@@ -762,7 +762,7 @@ class PipelineFunction:
                          optimizer_argnums=self.optimizer_argnums, batch_argnums=batch_argnums) \
             if self.zero_axes else {}
 
-        replay = {}   # mode="auto": the micro-batch's step is searched, the other traces take its plan
+        replay = {}   # the micro-batch's step chooses its strategies, the other traces take its plan
 
         def planned(closed, leaves):
             outs = outs_of(closed)

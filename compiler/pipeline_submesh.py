@@ -16,9 +16,10 @@ replay binds those copies back as ``stage_boundary`` equations with a ``cut`` pa
 its result on the other, and a copy has one layout in and out: both stages see the same
 layout.
 
-With ``mode="auto"`` the step traced on a micro-batch (the program the stages run) is
-searched, and the traces at the other batch sizes take its strategies op by op
-(:class:`ReplaySearchedPlan`), so the plans the pipeline compares agree by construction.
+The step traced on a micro-batch (the program the stages run) chooses its strategies
+(propagation, or with ``mode="auto"`` the search), and the traces at the other batch
+sizes take them op by op (:class:`ReplaySearchedPlan`), so the plans the pipeline
+compares agree by construction.
 Under ``memory_limit`` that search is given a budget (``plan_submesh(memory_limit=)``):
 what the pipeline leaves of the limit once it has kept its micro-batches in flight and
 its accumulator (``compiler/pipeline_step.py`` ``PipelineFunction._fit_submesh``).
@@ -156,7 +157,7 @@ def zero_pins(closed, names, *, ir_mesh, batch_mask, arg_leaves, args_tree, out_
 
 @dataclass
 class SearchedPlan:
-    """What ``mode="auto"``'s search chose for one trace of the step, to be written into the
+    """What the choosing pass (propagation, or ``mode="auto"``'s search) chose for one trace of the step, to be written into the
     traces at the other batch sizes (:class:`ReplaySearchedPlan`): the mesh arrangement it
     kept, every input's layout, and per op (program order) the primitive and the strategy's
     factors and passthrough."""
@@ -171,11 +172,11 @@ def searched_plan(graph) -> SearchedPlan:
 
 
 class ReplaySearchedPlan:
-    """``mode="auto"`` at a second batch size: the strategies the search chose for the first
-    trace, written op by op into this one (the traces have the same equations), in place of
-    a second search. A pipeline runs one per-rank program for a micro-batch and reads the
-    batch dims off the other traces, so the plans must agree; searched apart, the solver
-    may price a choice differently at other row counts and flip it."""
+    """A second batch size: the strategies chosen for the first trace (by propagation, or
+    ``mode="auto"``'s search), written op by op into this one (the traces have the same
+    equations), in place of choosing again. A pipeline runs one per-rank program for a
+    micro-batch and reads the batch dims off the other traces, so the plans must agree;
+    chosen apart, a choice priced by bytes can flip at other row counts."""
     name = "replay-searched-plan"
 
     def __init__(self, plan: SearchedPlan):
@@ -188,7 +189,7 @@ class ReplaySearchedPlan:
         plan = self.plan
         if len(graph.ops) != len(plan.ops) or any(op.kind != k for op, (k, _, _) in zip(graph.ops, plan.ops)):
             raise ShardingError("internal: the traces of a pipelined step at two batch sizes imported to different "
-                                "programs, so the plan mode='auto' searched for one cannot be written into the other")
+                                "programs, so the plan chosen for one cannot be written into the other")
         graph.set_mesh(plan.mesh)
         book, placed = RuleBook(), []
         for op, (_, factors, passthrough) in zip(graph.ops, plan.ops):
@@ -198,7 +199,7 @@ class ReplaySearchedPlan:
                 src = op.__dict__.get("_source")
                 raise ShardingError(
                     f"{op.kind} at {source_of(getattr(src, 'info', None)) if src is not None else '<unknown>'}: "
-                    f"mode='auto' chose its strategy on a micro-batch, and at a larger batch its shapes "
+                    f"its strategy was chosen on a micro-batch, and at a larger batch its shapes "
                     f"{[tuple(v.type.shape) for v in op.inputs]} do not take it ({'; '.join(problems)}); use "
                     "another micro-batch count, or fix the layout there with an sp.shard mark")
             placed.append((op, st, SEARCHED, None, None))
@@ -206,16 +207,22 @@ class ReplaySearchedPlan:
         return graph
 
 
+# the pass that chooses every op's strategy: the search (mode="auto") or propagation
+CHOOSERS = ("search-strategies", "propagate-sharding")
+
+
 def _run_passes(graph, options: Options, replay: dict):
-    """The non-pipeline passes. ``mode="auto"``: the first trace planned is searched and its
-    plan kept in ``replay["plan"]``; every later one takes that plan (``ReplaySearchedPlan``).
-    A step with loop or cond bodies is searched at every size (the replay writes top-level
-    ops only), and the pipeline then checks that the plans agree."""
-    if options.mode != "auto" or replay is None or any(op.subgraphs for op in graph.ops):
+    """The non-pipeline passes. The first trace planned chooses its strategies (the search
+    with ``mode="auto"``, else propagation) and its plan is kept in ``replay["plan"]``;
+    every later one takes that plan (``ReplaySearchedPlan``): propagation prices moves by
+    bytes too, so it can choose differently at another row count. A step with loop or
+    cond bodies is planned at every size (the replay writes top-level ops only), and the
+    pipeline then checks that the plans agree."""
+    if replay is None or any(op.subgraphs for op in graph.ops):
         return run_pipeline(graph, options).graph
     passes = default_passes(options)
-    search = next(n for n, p in enumerate(passes) if p.name == "search-strategies")
-    passes[search] = ReplaySearchedPlan(replay["plan"]) if "plan" in replay else _Recorded(passes[search], replay)
+    choose = next(n for n, p in enumerate(passes) if p.name in CHOOSERS)
+    passes[choose] = ReplaySearchedPlan(replay["plan"]) if "plan" in replay else _Recorded(passes[choose], replay)
     return run_pipeline(graph, options, passes=passes).graph
 
 

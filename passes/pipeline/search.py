@@ -373,10 +373,13 @@ def search_pipeline(costs: Union[LayerCosts, Callable[[int], LayerCosts]], devic
     if not final:
         mem = [c for c in rejected if c.reason.startswith("memory")]
         why = (mem or rejected or [None])[0]
+        # (the fix named is for what rejected them: memory, or the shapes the search was given)
+        fix = ("raise the memory limit, allow more pipeline stages or tensor parallelism, or recompute activations"
+               if mem else "give micro-batches, stages and a schedule that divide as the example says, or let the "
+               "search choose them (microbatches=\"auto\", schedule=\"auto\")")
         raise (NoPipelineFits if mem else ShardingError)("pipeline search: no configuration fits" + (
             f" memory_limit={memory_limit:.6g} bytes" if memory_limit else "") + f" on {devices} devices"
-            + (f"; for example {why.describe()}" if why else "") + "; raise the memory limit, allow more "
-            "pipeline stages or tensor parallelism, or recompute activations")
+            + (f"; for example {why.describe()}" if why else "") + "; " + fix)
     return SearchResult(final[0], ranked, rejected, pruned, len(screened), seconds)
 
 

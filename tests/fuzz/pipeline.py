@@ -1,0 +1,260 @@
+"""Differential fuzzing of pipelines: random models, cuts and pipeline configurations,
+each trained two steps by ``sp.parallelize(..., pipeline=sp.Pipeline(...))`` and by
+``jax.jit`` on one device, and compared (losses, parameters, optimizer state; a
+forward's outputs).
+
+    python -m tests.fuzz.pipeline --n 200 --seed 7        # the run: one line per draw, then counts
+    python -m tests.fuzz.pipeline --seed 7 --index 12     # one draw: its configuration and outcome
+
+The op fuzzer (``python -m tests.fuzz``) draws op graphs on one mesh; this one draws what
+a pipeline adds: a chain of blocks of different kinds and widths of work, cuts by
+``stage_boundary`` marks or none (the compiler's cuts), a tied weight read by the first
+and the last stage, a scalar parameter every stage may read, ``pp`` alone or beside
+``dp`` and ``mp`` (with Megatron column marks), the schedule, the number of
+micro-batches, the lowering, ZeRO-1, the optimizer. A draw is one of: ``right`` (equal
+to one device), ``rejected`` (a ``ShardingError``; counted, with its first line),
+``wrong`` (a result differs) or ``crash`` (any other exception): the last two are bugs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+
+BLOCKS = ("dense", "residual", "norm", "gated", "softmax", "reshape")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+RTOL, ATOL = 1e-4, 2e-5   # relative, and absolute per unit of the largest magnitude
+
+
+@dataclass
+class Draw:
+    """One pipeline configuration, all of it from (seed, index)."""
+    index: int
+    width: int
+    blocks: list
+    tied: bool
+    scalar: bool
+    mesh: tuple                 # ((sizes), (names))
+    schedule: str
+    virtual: int
+    microbatches: int
+    rows: int                   # rows per micro-batch per data-parallel device
+    marks: bool                 # stage_boundary marks (else the compiler cuts)
+    column_marks: bool          # Megatron column marks over mp on the dense blocks
+    lowering: str
+    zero1: bool
+    optimizer: str
+    forward_only: bool
+    cuts: list = field(default_factory=list)
+
+    @property
+    def pp(self) -> int:
+        return self.mesh[0][self.mesh[1].index("pp")]
+
+    def axis(self, name) -> int:
+        return self.mesh[0][self.mesh[1].index(name)] if name in self.mesh[1] else 1
+
+    @property
+    def batch(self) -> int:
+        return self.microbatches * self.axis("dp") * self.rows
+
+    def __str__(self):
+        mesh = " x ".join(f"{n}={s}" for s, n in zip(*self.mesh))
+        return (f"#{self.index}: {mesh}, {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "") +
+                f", m={self.microbatches}, batch {self.batch}, {self.lowering}, width {self.width}, blocks "
+                f"{','.join(self.blocks)}" + (f", cuts after {self.cuts}" if self.marks else ", compiler's cuts") +
+                (", tied" if self.tied else "") + (", scalar" if self.scalar else "") +
+                (", column marks" if self.column_marks else "") + (", ZeRO-1" if self.zero1 else "") +
+                f", {'forward only' if self.forward_only else self.optimizer}")
+
+
+def draw(seed: int, index: int) -> Draw:
+    import numpy as np
+    rng = np.random.default_rng([seed, index])
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]   # noqa: E731
+    pp = pick([2, 2, 4, 4, 8])
+    others = [a for a in (("dp", 2), ("mp", 2)) if rng.random() < 0.4 and pp * 2 <= 8]
+    if len(others) == 2 and pp * 4 > 8:
+        others = others[:1]
+    mesh = ((pp,) + tuple(s for _, s in others), ("pp",) + tuple(n for n, _ in others))
+    schedule = pick(SCHEDULES)
+    virtual = 2 if schedule == "interleaved" else 1
+    stages = pp * virtual
+    n_blocks = int(rng.integers(max(2, stages), max(2, stages) + 5))
+    width = pick([4, 8, 12])
+    blocks = [pick(BLOCKS) for _ in range(n_blocks)]
+    cuts = sorted(rng.choice(n_blocks - 1, size=stages - 1, replace=False).tolist()) if stages > 1 else []
+    d = Draw(index=index, width=width, blocks=blocks, tied=bool(rng.random() < 0.3), scalar=bool(rng.random() < 0.3),
+             mesh=mesh, schedule=schedule, virtual=virtual, microbatches=pick([1, 2, pp, 2 * pp]),
+             rows=pick([2, 3]), marks=bool(rng.random() < 0.6), column_marks=False,
+             lowering=pick(["spmd", "mpmd"]), zero1=False, optimizer=pick(OPTIMIZERS),
+             forward_only=bool(rng.random() < 0.15), cuts=cuts)
+    d.column_marks = "mp" in mesh[1] and rng.random() < 0.6
+    d.zero1 = "dp" in mesh[1] and not d.forward_only and d.optimizer in ("adam", "adamw", "momentum") \
+        and rng.random() < 0.4
+    return d
+
+
+def build(d: Draw):
+    """(step, args, batch_argnums, train): the step written for one device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import shardprop as sp
+    rng = np.random.default_rng([d.index, 99])
+    w = d.width
+
+    def normal(*shape, scale=0.4):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    params = {"blocks": []}
+    for kind in d.blocks:
+        if kind in ("dense", "gated"):
+            params["blocks"].append({"w": normal(w, w), "b": normal(w, scale=0.1)})
+        elif kind == "residual":
+            params["blocks"].append({"w1": normal(w, 2 * w), "w2": normal(2 * w, w)})
+        elif kind == "norm":
+            params["blocks"].append({"g": 1 + normal(w, scale=0.1)})
+        else:
+            params["blocks"].append({"w": normal(w, w)})
+    params["embed"] = normal(w, w)
+    if d.scalar:
+        params["temperature"] = np.float32(1.3)
+    column = sp.shard(jnp.matmul, (P(None, None), P(None, "mp"))) if d.column_marks else jnp.matmul
+
+    def forward(params, x):
+        h = x @ params["embed"]
+        for i, (kind, p) in enumerate(zip(d.blocks, params["blocks"])):
+            if kind == "dense":
+                h = jnp.tanh(column(h, p["w"]) + p["b"])
+            elif kind == "gated":
+                h = h * jax.nn.sigmoid(h @ p["w"] + p["b"])
+            elif kind == "residual":
+                h = h + jax.nn.gelu(column(h, p["w1"])) @ p["w2"]
+            elif kind == "norm":
+                mu = h.mean(-1, keepdims=True)
+                h = (h - mu) / jnp.sqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * p["g"]
+            elif kind == "softmax":
+                h = jax.nn.softmax(h @ p["w"], axis=-1) * w
+            else:   # a reshape round trip around a matmul over halves of the features
+                b = h.shape[0]
+                h = jnp.tanh((h.reshape(b, 2, w // 2) @ p["w"][: w // 2, : w // 2]).reshape(b, w))
+            if d.marks and i in d.cuts:
+                h = sp.stage_boundary(h)
+        if d.tied:
+            h = h @ params["embed"].T
+        if d.scalar:
+            h = h / params["temperature"]
+        return h
+
+    x = normal(d.batch, w, scale=1.0)
+    if d.forward_only:
+        def infer(params, x):
+            out = forward(params, x)
+            return out, jnp.sum(out ** 2)
+        return infer, (params, x), (1,), False
+    y = normal(d.batch, w, scale=1.0)
+    opt = {"sgd": optax.sgd(0.05), "momentum": optax.sgd(0.05, momentum=0.9), "adam": optax.adam(1e-2),
+           "adamw": optax.adamw(1e-2, weight_decay=0.1)}[d.optimizer]
+
+    def loss_fn(params, x, y):
+        return jnp.mean((forward(params, x) - y) ** 2)
+
+    def step(params, opt_state, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(params, x, y)
+        up, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, up), opt_state, loss
+    return step, (params, opt.init(params), x, y), (2, 3), True
+
+
+def _compare(got, want, what: str):
+    import jax
+    import numpy as np
+
+    import shardprop as sp
+    gl, wl = jax.tree.leaves(got), jax.tree.leaves(want)
+    if len(gl) != len(wl):
+        return f"{what}: {len(gl)} leaves, one device gives {len(wl)}"
+    for k, (g, w) in enumerate(zip(gl, wl)):
+        g, w = np.asarray(sp.to_numpy(g), np.float64), np.asarray(w, np.float64)
+        if g.shape != w.shape:
+            return f"{what} leaf {k}: shape {g.shape}, one device gives {w.shape}"
+        scale = max(1.0, float(np.abs(w).max(initial=0.0)))
+        err = np.abs(g - w)
+        if (err > RTOL * np.abs(w) + ATOL * scale).any() or np.isfinite(g).all() != np.isfinite(w).all():
+            return f"{what} leaf {k} {list(w.shape)}: max error {err.max():.3g} (scale {scale:.3g})"
+    return None
+
+
+def run(d: Draw, steps: int = 2) -> tuple:
+    """(outcome, detail) of one draw."""
+    import jax
+
+    import shardprop as sp
+    step, args, batch_argnums, train = build(d)
+    try:
+        pipe = sp.Pipeline(microbatches=d.microbatches, schedule=d.schedule, virtual_stages=d.virtual,
+                           lowering=d.lowering)
+        kw = dict(shard_optimizer_state=True) if d.zero1 else {}
+        pstep = sp.parallelize(step, mesh=d.mesh, pipeline=pipe, batch_argnums=batch_argnums, **kw)
+        ref = jax.jit(step)
+        if not train:
+            bad = _compare(pstep(*args), ref(*args), "output")
+            return ("wrong", bad) if bad else ("right", "")
+        got, want = args, args
+        for n in range(steps):
+            *gs, gl = pstep(*got)
+            *ws, wl = ref(*want)
+            bad = _compare(gl, wl, f"step {n + 1} loss")
+            if bad:
+                return "wrong", bad
+            got, want = tuple(gs) + args[len(gs):], tuple(ws) + args[len(ws):]
+        bad = _compare(got[:2], want[:2], f"after {steps} steps, state")
+        return ("wrong", bad) if bad else ("right", "")
+    except sp.ShardingError as e:
+        return "rejected", str(e).splitlines()[0][:200]
+    except Exception as e:   # noqa: BLE001 (a crash on a valid program is what this looks for)
+        return "crash", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}\n" + \
+            "".join(traceback.format_exc().splitlines(True)[-6:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.fuzz.pipeline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--index", type=int, action="append", help="only these draws")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    counts, bad, reasons = Counter(), [], Counter()
+    t0 = time.perf_counter()
+    for i in a.index or range(a.n):
+        d = draw(a.seed, i)
+        t = time.perf_counter()
+        outcome, detail = run(d)
+        counts[outcome] += 1
+        print(f"{outcome:<8} {time.perf_counter() - t:5.1f} s  {d}" + (f"\n         {detail}" if detail and
+                                                                     outcome != "right" else ""), flush=True)
+        if outcome == "rejected":
+            reasons[detail[:90]] += 1
+        if outcome in ("wrong", "crash"):
+            bad.append((d, outcome, detail))
+    print(f"\n{sum(counts.values())} draws (seed {a.seed}) in {time.perf_counter() - t0:.0f} s: " +
+          ", ".join(f"{counts[k]} {k}" for k in ("right", "rejected", "wrong", "crash")))
+    for r, n in reasons.most_common():
+        print(f"  rejected {n}x: {r}")
+    for d, outcome, _ in bad:
+        print(f"  {outcome}: python -m tests.fuzz.pipeline --seed {a.seed} --index {d.index}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

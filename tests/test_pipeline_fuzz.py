@@ -1,0 +1,38 @@
+"""The pipeline fuzzer (``python -m tests.fuzz.pipeline``): its draws, its comparison, and
+the draws it found refused on valid steps, kept as regression cases."""
+import numpy as np
+import pytest
+
+from tests.fuzz.pipeline import _compare, draw, run
+
+
+def test_a_draw_is_a_function_of_seed_and_index_and_divides():
+    for i in range(40):
+        d = draw(5, i)
+        assert str(d) == str(draw(5, i))
+        assert d.batch % (d.microbatches * d.axis("dp")) == 0 and d.rows >= 2
+        assert int(np.prod(d.mesh[0])) <= 8 and d.mesh[1][0] == "pp"
+        assert len(d.cuts) == d.pp * d.virtual - 1 and all(0 <= c < len(d.blocks) - 1 for c in d.cuts)
+        assert not d.zero1 or "dp" in d.mesh[1]
+    assert len({str(draw(5, i)) for i in range(40)}) == 40
+
+
+def test_compare_finds_a_difference_and_takes_rounding():
+    want = [np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)]
+    assert _compare([want[0] + 1e-6], want, "x") is None          # rounding, at the largest magnitude's scale
+    off = want[0].copy()
+    off[1, 2] += 1e-3
+    assert "max error" in _compare([off], want, "x")
+    assert "shape" in _compare([want[0].T], want, "x")
+    assert "leaves" in _compare(want * 2, want, "x")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed,index", [(2, 63), (2, 68)])
+def test_steps_propagation_once_planned_apart_equal_one_device(seed, index):
+    """pp=4 x dp=2 with ZeRO-1 on layer norms and residuals: propagation chose an
+    all_gather on the whole batch's trace and a local matmul on the micro-batch's, and the
+    pipeline refused the step ("the plan ... differs between a micro-batch and the whole
+    batch"). The micro-batch's strategies are now replayed on the other traces."""
+    outcome, detail = run(draw(seed, index))
+    assert outcome == "right", detail
