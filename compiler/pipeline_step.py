@@ -718,7 +718,7 @@ class PipelineFunction:
                                dp_axis="dp" if self.dp > 1 else None, sub=sub,
                                ties=tr.ties)
         if sub is not None:
-            self._check_planned_outputs(prog)
+            self._check_planned_outputs(prog, pl.lowering)
         c = _Compiled(prog, tr.out_tree, m, B, an, schedule)
         c.pipeline_config = pl
         c.search = search_rows
@@ -824,12 +824,13 @@ class PipelineFunction:
             return (n - 1,)
         return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
-    def _check_planned_outputs(self, prog) -> None:
+    def _check_planned_outputs(self, prog, lowering: str) -> None:
         for v, s_ in zip(prog.j.outvars, prog.out_spec):
-            if s_[0] == "batched":
+            if s_[0] == "batched" and lowering == "spmd":
                 raise ShardingError("a pipelined step with tensor-parallel axes returns a per-example output (a "
                                     f"{v.aval.shape} array per micro-batch): not yet supported beside a planned "
-                                    "sub-mesh; return a reduced value (a loss), or pipeline over 'pp' (and 'dp') only")
+                                    "sub-mesh by the SPMD lowering; use sp.Pipeline(lowering=\"mpmd\"), return a "
+                                    "reduced value (a loss), or pipeline over 'pp' (and 'dp') only")
             if s_[0] == "float":
                 reads = prog._reads(prog.float_idxs)
                 split = [r for r in reads if r in prog.invar_index and any(prog.sub.in_dims[prog.invar_index[r]])]

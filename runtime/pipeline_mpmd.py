@@ -626,13 +626,7 @@ class MpmdProgram:
             elif spec[0] == "float":
                 outs.append(None)                   # filled by the caller (computed from inputs only)
             elif spec[0] == "batched":
-                parts = [vals[r] for r in spec[1]]
-                if self.dp > 1:
-                    # each device's rows of a micro-batch, in dp order along the batch dim
-                    bd = spec[2]
-                    parts = [jnp.moveaxis(x, 0, bd).reshape(x.shape[1:bd + 1] + (-1,) + x.shape[bd + 2:])
-                             for x in parts]
-                outs.append(jnp.concatenate(parts, axis=spec[2]) if len(parts) > 1 else parts[0])
+                outs.append(self._rows(vals, n, spec))
             else:
                 held = {d: vals[r] for d, r in zip(spec[2], spec[1])}
                 if self.sub is not None:
@@ -731,6 +725,19 @@ class MpmdProgram:
                 out[id(x)] = (x, {d: x} if self.local[d] else {}, {d})
         return out
 
+    def _rows(self, vals, n, spec):
+        """A per-example output (``("batched", registers, batch dim, rank)``): each
+        micro-batch's value, as one array, concatenated along the batch dim in micro-batch
+        order. With dp each device's rows, in dp order; beside a planned sub-mesh each
+        micro-batch's stacked per-device values under the output's planned layout."""
+        regs, bd, h = spec[1], spec[2], spec[3]
+        parts = [vals[r] for r in regs]
+        if self.sub is not None:
+            parts = [self._out_fn(h, n)(x) for x in parts]
+        elif self.dp > 1:
+            parts = [jnp.moveaxis(x, 0, bd).reshape(x.shape[1:bd + 1] + (-1,) + x.shape[bd + 2:]) for x in parts]
+        return jnp.concatenate(parts, axis=bd) if len(parts) > 1 else parts[0]
+
     def _state_sharding(self, d, n):
         """Where output ``n`` lies on rank ``d``, and its shape: a stage's state."""
         v = self.j.outvars[n]
@@ -754,15 +761,9 @@ class MpmdProgram:
                 outs.append(None)
             elif spec[0] == "batched":
                 h, bd = spec[3], spec[2]
-                x = None
-                if self.local[h]:
-                    parts = [vals[r] for r in spec[1]]
-                    if self.dp > 1:
-                        parts = [jnp.moveaxis(y, 0, bd).reshape(y.shape[1:bd + 1] + (-1,) + y.shape[bd + 2:])
-                                 for y in parts]
-                    x = jnp.concatenate(parts, axis=bd) if len(parts) > 1 else parts[0]
-                shape = list(v.aval.shape)
-                shape[bd] *= self.m * self.dp
+                x = self._rows(vals, n, spec) if self.local[h] else None
+                shape = list(v.aval.shape) if self.sub is None else list(self.sub.out_shapes[n])
+                shape[bd] *= self.m * (self.dp if self.sub is None else 1)
                 outs.append(self.xfers.broadcast(x, jax.ShapeDtypeStruct(tuple(shape), v.aval.dtype),
                                                  self.group_lists[h]))
             else:

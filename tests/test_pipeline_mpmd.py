@@ -199,3 +199,37 @@ def test_mpmd_fewer_microbatches_than_stages_and_automatic_cuts_equal_one_device
 def test_mpmd_refuses_unknown_lowerings():
     with pytest.raises(sp.ShardingError, match=r"lowering='mimd'.*'spmd', 'mpmd'"):
         sp.Pipeline(lowering="mimd")
+
+
+def tp_forward(cuts):
+    """A forward of Megatron MLP pairs (column marks over mp) returning its per-example
+    output and a sum: (infer, weights, x)."""
+    rng = np.random.default_rng(0)
+    ws = [(rng.standard_normal((8, 16)).astype(np.float32) * .3, rng.standard_normal((16, 8)).astype(np.float32) * .3)
+          for _ in range(4)]
+
+    def infer(ws, x):
+        h = x
+        for i, (a, b) in enumerate(ws):
+            h = jnp.tanh(sp.shard(jnp.matmul, (P(None, None), P(None, "mp")))(h, a)) @ b
+            if i in cuts:
+                h = sp.stage_boundary(h)
+        return h, jnp.sum(h ** 2)
+    return infer, ws, rng.standard_normal((16, 8)).astype(np.float32)
+
+
+@pytest.mark.parametrize("mesh,cuts", [(((4, 2), ("pp", "mp")), {0, 1, 2}), (((2, 2, 2), ("pp", "dp", "mp")), {1})])
+def test_mpmd_forward_beside_tensor_parallel_returns_per_example_outputs(mesh, cuts):
+    """Inference of a tensor-parallel model over pipeline stages: each micro-batch's output
+    comes off its rank's sub-mesh under its planned layout and the micro-batches are
+    joined in order. The SPMD lowering refuses it and names the MPMD one."""
+    infer, ws, x = tp_forward(cuts)
+    want, want_sum = jax.jit(infer)(ws, x)
+    f = sp.parallelize(infer, mesh=mesh, batch_argnums=(1,),
+                       pipeline=sp.Pipeline(microbatches=4, schedule="gpipe", lowering="mpmd"))
+    got, got_sum = f(ws, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(got_sum), float(want_sum), rtol=1e-5)
+    spmd = sp.parallelize(infer, mesh=mesh, batch_argnums=(1,), pipeline=sp.Pipeline(microbatches=4))
+    with pytest.raises(sp.ShardingError, match='per-example output.*lowering="mpmd"'):
+        spmd(ws, x)
