@@ -11,7 +11,8 @@ a pipeline adds: a chain of blocks of different kinds and widths of work, cuts b
 ``stage_boundary`` marks or none (the compiler's cuts), a tied weight read by the first
 and the last stage, a scalar parameter every stage may read, ``pp`` alone or beside
 ``dp`` and ``mp`` (with Megatron column marks), the schedule, the number of
-micro-batches, the lowering, ZeRO-1, the optimizer. A draw is one of: ``right`` (equal
+micro-batches (or both searched), the lowering, ZeRO-1, the optimizer, ``mode="auto"`` on
+the axes beside ``pp``. A draw is one of: ``right`` (equal
 to one device), ``rejected`` (a ``ShardingError``; counted, with its first line),
 ``wrong`` (a result differs) or ``crash`` (any other exception): the last two are bugs.
 """
@@ -51,6 +52,7 @@ class Draw:
     optimizer: str
     forward_only: bool
     cuts: list = field(default_factory=list)
+    search: str = ""            # "", "schedule" (microbatches and schedule "auto") or "mode" (mode="auto")
 
     @property
     def pp(self) -> int:
@@ -70,6 +72,7 @@ class Draw:
                 f"{','.join(self.blocks)}" + (f", cuts after {self.cuts}" if self.marks else ", compiler's cuts") +
                 (", tied" if self.tied else "") + (", scalar" if self.scalar else "") +
                 (", column marks" if self.column_marks else "") + (", ZeRO-1" if self.zero1 else "") +
+                {"": "", "schedule": ", microbatches and schedule searched", "mode": ", mode=auto"}[self.search] +
                 f", {'forward only' if self.forward_only else self.optimizer}")
 
 
@@ -90,11 +93,15 @@ def draw(seed: int, index: int) -> Draw:
     blocks = [pick(BLOCKS) for _ in range(n_blocks)]
     cuts = sorted(rng.choice(n_blocks - 1, size=stages - 1, replace=False).tolist()) if stages > 1 else []
     d = Draw(index=index, width=width, blocks=blocks, tied=bool(rng.random() < 0.3), scalar=bool(rng.random() < 0.3),
-             mesh=mesh, schedule=schedule, virtual=virtual, microbatches=pick([1, 2, pp, 2 * pp]),
+             mesh=mesh, schedule=schedule, virtual=virtual,
+             microbatches=pick([pp, 2 * pp] if schedule == "interleaved" else [1, 2, pp, 2 * pp]),
              rows=pick([2, 3]), marks=bool(rng.random() < 0.6), column_marks=False,
              lowering=pick(["spmd", "mpmd"]), zero1=False, optimizer=pick(OPTIMIZERS),
              forward_only=bool(rng.random() < 0.15), cuts=cuts)
     d.column_marks = "mp" in mesh[1] and rng.random() < 0.6
+    roll = rng.random()
+    d.search = "schedule" if roll < 0.15 and d.marks and virtual == 1 else \
+        "mode" if roll > 0.85 else ""
     d.zero1 = "dp" in mesh[1] and not d.forward_only and d.optimizer in ("adam", "adamw", "momentum") \
         and rng.random() < 0.4
     return d
@@ -200,9 +207,13 @@ def run(d: Draw, steps: int = 2) -> tuple:
     import shardprop as sp
     step, args, batch_argnums, train = build(d)
     try:
-        pipe = sp.Pipeline(microbatches=d.microbatches, schedule=d.schedule, virtual_stages=d.virtual,
+        searched = d.search == "schedule"
+        pipe = sp.Pipeline(microbatches="auto" if searched else d.microbatches,
+                           schedule="auto" if searched else d.schedule, virtual_stages=d.virtual,
                            lowering=d.lowering)
         kw = dict(shard_optimizer_state=True) if d.zero1 else {}
+        if d.search == "mode":
+            kw["mode"] = "auto"
         pstep = sp.parallelize(step, mesh=d.mesh, pipeline=pipe, batch_argnums=batch_argnums, **kw)
         ref = jax.jit(step)
         if not train:
