@@ -99,11 +99,12 @@ def draw(seed: int, index: int) -> Draw:
              lowering=pick(["spmd", "mpmd"]), zero1=False, optimizer=pick(OPTIMIZERS),
              forward_only=bool(rng.random() < 0.15), cuts=cuts)
     d.column_marks = "mp" in mesh[1] and rng.random() < 0.6
+    d.zero1 = "dp" in mesh[1] and not d.forward_only and d.optimizer in ("adam", "adamw", "momentum") \
+        and rng.random() < 0.4
+    # (drawn last, so that the draws made before it was added stay as they were)
     roll = rng.random()
     d.search = "schedule" if roll < 0.15 and d.marks and virtual == 1 else \
         "mode" if roll > 0.85 else ""
-    d.zero1 = "dp" in mesh[1] and not d.forward_only and d.optimizer in ("adam", "adamw", "momentum") \
-        and rng.random() < 0.4
     return d
 
 
