@@ -65,23 +65,31 @@ import statistics
 import sys
 import time
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.extend import core as jcore
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.extend import core as jcore  # noqa: E402
+import shardprop as sp
+from shardprop.compiler.calibrate import host_cores
+from shardprop.compiler.pipeline_step import (_eqn_time, _modeled_times, alone_cost, calibration_contention,
+                                              devices_at_once, host_step, mpmd_host_step, shared_cores, spmd_step,
+                                              stage_durations)
+from shardprop.passes.cost import CostModel
+from shardprop.passes.pipeline.simulate import _capacity
+from shardprop.runtime.distributed import use_cpu_devices
+from shardprop.runtime.pipeline_lower import bubble_computes_nothing, noop_branch_opcodes
 
-import shardprop as sp  # noqa: E402
-from shardprop.compiler.calibrate import host_cores  # noqa: E402
-from shardprop.compiler.pipeline_step import (_eqn_time, _modeled_times, alone_cost,  # noqa: E402
-                                              calibration_contention, devices_at_once, host_step,
-                                              mpmd_host_step, shared_cores, spmd_step, stage_durations)
-from shardprop.passes.cost import CostModel  # noqa: E402
-from shardprop.passes.pipeline.simulate import _capacity  # noqa: E402
-from shardprop.runtime.pipeline_lower import bubble_computes_nothing, noop_branch_opcodes  # noqa: E402
+DEVICES = 8
+
+
+def force_cpu_devices(n: int = DEVICES) -> None:
+    """Run on ``n`` forced CPU devices: called by ``main`` before jax starts its backend,
+    so that importing this module (its model, ``make``) changes nothing."""
+    use_cpu_devices(n)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
 
 
 def make(width, layers, batch, stages):
@@ -353,6 +361,7 @@ def main(argv=None):
     ap.add_argument("--heavy-cuts", nargs="+", metavar="CUTS",
                     help="time bench/pipeline_cuts.py's light/heavy MLP at these cut sets (e.g. 1,3,5) instead")
     a = ap.parse_args(argv)
+    force_cpu_devices()
     if a.heavy_cuts:
         return heavy_cuts(a)
     cost = CostModel.builtin(a.cost_model) if not a.cost_model.endswith(".json") else CostModel.load(a.cost_model)
