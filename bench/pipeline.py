@@ -73,9 +73,9 @@ from jax.extend import core as jcore
 
 import shardprop as sp
 from shardprop.compiler.calibrate import host_cores
-from shardprop.compiler.pipeline_step import (_eqn_time, _modeled_times, alone_cost, calibration_contention,
-                                              devices_at_once, host_step, mpmd_host_step, shared_cores, spmd_step,
-                                              stage_durations)
+from shardprop.compiler.pipeline_step import (_eqn_time, _modeled_times, action_cores, alone_cost,
+                                              calibration_contention, core_share, devices_at_once, host_step,
+                                              mpmd_host_step, shared_cores, spmd_step, stage_durations)
 from shardprop.passes.cost import CostModel
 from shardprop.passes.pipeline.simulate import _capacity
 from shardprop.runtime.distributed import use_cpu_devices
@@ -177,17 +177,41 @@ def stage_programs(prog, m):
     return out
 
 
-def interleaved(fns: dict, reps: int) -> dict:
-    """Median seconds per callable, timed round-robin ``reps`` times after one warm-up."""
+def interleaved(fns: dict, reps: int, cores=None) -> dict:
+    """Median seconds per callable, timed round-robin ``reps`` times after one warm-up;
+    into ``cores`` (a dict, where given) the cores each kept busy: this process's CPU
+    seconds over its wall seconds, summed over the repetitions."""
     for f in fns.values():
         f()
     times = {k: [] for k in fns}
+    cpu = dict.fromkeys(fns, 0.0)
     for _ in range(reps):
         for k, f in fns.items():
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t)
+            cpu[k] += time.process_time() - c
+    if cores is not None:
+        cores.update({k: cpu[k] / max(sum(times[k]), 1e-12) for k in fns})
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+class Together:
+    """Each model stage's ``kind`` program on its own rank's device, all dispatched from
+    one thread ``m`` rounds in a row (as the MPMD driver issues them), then waited for:
+    the ranks' programs at once, against the same programs alone (``Program``)."""
+
+    def __init__(self, prog, programs, kind, m):
+        devices = np.asarray(prog.mesh.devices).reshape(prog.p, -1)[:, 0]
+        self.m = m
+        self.calls = [(programs[(kind, k)].fn, [jax.device_put(x, devices[prog.rank_of(k)])
+                                                  for x in programs[(kind, k)].args]) for k in range(prog.S)]
+
+    def __call__(self):
+        out = []
+        for _ in range(self.m):
+            out += [fn(*args) for fn, args in self.calls]
+        jax.block_until_ready(out)
 
 
 def modeled_step(prog, durations, latency, once, cores=None):
@@ -387,6 +411,8 @@ def main(argv=None):
                 works[wkey] = stage_programs(prog, m)
                 for key, pr in works[wkey].items():
                     fns[("work", wkey, key)] = pr
+                for kind in prog.kinds:     # the ranks' programs of a kind at once (criterion 4)
+                    fns[("together", wkey, kind)] = Together(prog, works[wkey], kind, m)
             label = name if low == "spmd" else f"{name} mpmd"
             if low == "spmd":
                 compiled = pstep.compiled(*args)
@@ -401,7 +427,8 @@ def main(argv=None):
     if a.breakdown and not a.only:
         bprog = branches(a, fns)
     load = os.getloadavg()[0]
-    med = interleaved(fns, a.reps)
+    used = {}
+    med = interleaved(fns, a.reps, used)
     t1 = med["one device"]
     lines.append(f"load average (1 min) {load:.1f} before the timings, {os.getloadavg()[0]:.1f} after; "
                  f"one-device step: {t1 * 1e3:.1f} ms")
@@ -486,10 +513,34 @@ def main(argv=None):
                  f"{p * med[('threads', 1)] / med[('threads', 'separate', p)]:.2f} alone); 'measured cores' is the same model with that in place of the "
                  f"{host_cores()} cores, in the sharing and in the calibration's contention ({cost.device_count} / "
                  f"{together:.2f}: as if calibrated under this run's load)")
+    shown = set()
+    for name, r in runs.items():
+        prog, wkey = r["prog"], r["wkey"]
+        if wkey in shown:
+            continue
+        shown.add(wkey)
+        priced = action_cores(prog, cost)
+        share = core_share(mesh, p, cost, prog)
+        for kind in prog.kinds:
+            alone = [med[("work", wkey, (kind, k))] for k in range(prog.S)]
+            at_once = sum(alone) / med[("together", wkey, kind)]
+            uses = [used[("work", wkey, (kind, k))] for k in range(prog.S)]
+            model_uses = [priced[0][k][kind] for k in range(prog.S)] if priced else None
+            predicted = (f"{prog.S * share.rate([u * len(np.asarray(mesh.devices).reshape(-1)) / p for u in model_uses]):.2f}"
+                         if model_uses and hasattr(share, "rate") else "-")
+            counted = f"{min(prog.S, float(_capacity(cores, prog.S))):.2f}" if cores is not None else f"{prog.S}"
+            lines.append(f"   {kind:<8} programs (S={prog.S}): cores each keeps busy alone (CPU / wall s) "
+                         f"{' '.join(f'{u:.2f}' for u in uses)} measured"
+                         + (f", {' '.join(f'{u:.2f}' for u in model_uses)} modeled" if model_uses else "")
+                         + f"; all {prog.S} ranks' at once (dispatched from one thread) did {at_once:.2f} ranks' "
+                         f"work alone ({used[('together', wkey, kind)]:.2f} cores busy); modeled: {predicted} "
+                         f"by their cores, {counted} counting ranks")
     for name, r in runs.items():
         prog, works_ = r["prog"], works[r["wkey"]]
         host_model = mpmd_host_step if "mpmd" in r else host_step
-        model, _, _ = host_model(prog, cost, cores)
+        share = core_share(mesh, p, cost, prog)
+        model, _, _ = host_model(prog, cost, share)
+        model_counted, _, _ = host_model(prog, cost, cores)
         model_here, _, _ = host_model(prog, cost, together,
                                       contention=max(1.0, (cost.device_count or 1) / together))
         # the model before calibrate measured the host: contention from devices over cores, the
@@ -508,6 +559,8 @@ def main(argv=None):
         meas_fb = sum(med[("work", r["wkey"], (kind, k))] for k in range(prog.S) for kind in prog.kinds)
         t = med[name]
         lines.append(f"   {name:<17} step {t * 1e3:7.1f} ms, modeled {model * 1e3:7.1f} ms: {t / model:5.2f}   "
+                     f"[counting ranks, not their cores: modeled {model_counted * 1e3:.1f} ms, "
+                     f"{t / model_counted:.2f}] "
                      f"[the model before: contention from devices / cores, MPMD as SPMD: modeled {model_derived * 1e3:.1f} "
                      f"ms, {t / model_derived:.2f}] "
                      f"[measured cores: modeled {model_here * 1e3:.1f} ms, {t / model_here:.2f}; side by side at the "
