@@ -22,8 +22,10 @@ time is not the bubble. What the CPU can show, each figure next to its target:
    the cost model given (default the calibrated ``"cpu"`` profile) at one device's rate
    alone (``alone_cost``: the rates ``shardprop calibrate`` measured on one device alone,
    or for a profile without them the rates over the contention derived from its devices
-   and the host's cores), the ranks sharing what the host runs at once (``shared_cores``:
-   the profile's measured ``at_once`` curve, or the host's cores). For the SPMD
+   and the host's cores), the ranks sharing what the host runs at once (``core_share``:
+   each action's cores alone, from the profile's measured ``cores_alone``, against its
+   ``at_once`` curve; without ``cores_alone``, ``shared_cores``: the curve counting ranks,
+   or the host's cores; the counting model is printed beside it). For the SPMD
    lowering (``host_step``) the tick table simulated so, then the ranks' once ops sharing
    the cores too; for the MPMD lowering (``mpmd_host_step``) the same with each action
    released when the Python driver has issued it (the profile's ``dispatch_s`` per
@@ -32,7 +34,10 @@ time is not the bubble. What the CPU can show, each figure next to its target:
    profile's contended rates (the plan's ``step_time`` plus the slowest rank's once ops),
    and the shared-cores simulation fed the measured stage programs instead of the cost
    model. A profile from ``shardprop calibrate`` on the host that runs the bench is the
-   one to pass (``--cost-model profile.json``).
+   one to pass (``--cost-model profile.json``). Above the rows: per action kind, the
+   cores each stage program keeps busy alone (CPU over wall seconds) measured and
+   modeled, and the ranks' programs of that kind run at once (``Together``) against
+   them alone, beside what the two models predict.
 
 Every time is a median over ``--reps`` repetitions, taken round-robin over every
 program (one-device step, each schedule, each stage program), so that the machine's load
@@ -554,6 +559,11 @@ def main(argv=None):
                      for d in range(p)]
         sim_meas = modeled_step(prog, measured, 0.0, once_meas, cores)
         sim_here = modeled_step(prog, measured, 0.0, once_meas, together)
+        # the ranks' own programs at once (Together), F and B together: the work they got
+        # done with all S running, as the sharing (what concurrency alone would explain)
+        own = (sum(med[("work", r["wkey"], (kind, k))] for kind in prog.kinds for k in range(prog.S))
+               / sum(med[("together", r["wkey"], kind)] for kind in prog.kinds))
+        sim_own = modeled_step(prog, measured, 0.0, once_meas, min(float(p), own))
         modeled_fb = sum(works_[(kind, k)].modeled(cost) for k in range(prog.S) for kind in prog.kinds) * m
         alone_fb = sum(works_[(kind, k)].modeled(alone_cost(cost)) for k in range(prog.S) for kind in prog.kinds) * m
         meas_fb = sum(med[("work", r["wkey"], (kind, k))] for k in range(prog.S) for kind in prog.kinds)
@@ -568,7 +578,8 @@ def main(argv=None):
         lines.append(f"   {'':<17} where it misses: {cost.name}'s F+B x m alone {alone_fb * 1e3:.1f} ms "
                      f"({modeled_fb * 1e3:.1f} contended) against {meas_fb * 1e3:.1f} measured alone; the shared-cores "
                      f"simulation on the measured stage programs {sim_meas * 1e3:.1f} ms (step / that "
-                     f"{t / sim_meas:.2f}), on measured cores {sim_here * 1e3:.1f} ms ({t / sim_here:.2f})")
+                     f"{t / sim_meas:.2f}), on measured cores {sim_here * 1e3:.1f} ms ({t / sim_here:.2f}), on the stage "
+                     f"programs' own work at once ({own:.2f} ranks') {sim_own * 1e3:.1f} ms ({t / sim_own:.2f})")
 
     if a.breakdown:
         lines.append("")
