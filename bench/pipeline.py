@@ -467,6 +467,14 @@ def main(argv=None):
     for name in runs:
         if f"{name} mpmd" in runs:
             lines.append(f"   {name:<17} mpmd step / spmd step: {med[name + ' mpmd'] / med[name]:.2f}")
+    # CPU seconds (this process's, over each call's wall time): what a step burns beyond its
+    # stage programs alone is the driver's, the exchanges' and the waits'
+    for name, r in runs.items():
+        prog, wkey = r["prog"], r["wkey"]
+        work_cpu = sum(used[("work", wkey, key)] * med[("work", wkey, key)] for key in works[wkey])
+        step_cpu = used[name] * med[name]
+        lines.append(f"   {name:<17} CPU seconds: step {step_cpu * 1e3:.1f} ms ({used[name]:.2f} cores busy), stages' "
+                     f"work {work_cpu * 1e3:.1f} ms: {step_cpu / work_cpu:.2f}")
 
     lines.append("")
     lines.append("3. compiled memory (target: 1F1B's peak below GPipe's, its activations near p/m of GPipe's)")
