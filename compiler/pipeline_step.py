@@ -89,7 +89,8 @@ class PipelineInfo:
     stage_times: list = field(default_factory=list)   # per model stage: {kind: modeled seconds}
     # modeled seconds of the step as it runs on these devices: stage work at one device's
     # rate alone, ranks sharing the host's cores where forced CPU devices outnumber them
-    # (host_step), plus the once ops; step_time is the side-by-side model the search uses
+    # (host_step or mpmd_host_step, sharing by core_share), plus the once ops; step_time
+    # is the side-by-side model the search uses
     host_step_time: float = 0.0
     # mode="auto" beside the pipeline (a searched sub-mesh), bytes per device: the search's
     # modeled peak of one micro-batch's step (passes/auto's count, every stage's state in

@@ -121,7 +121,7 @@ class CoreShare:
     running (a number or a :class:`Capacity` over ``n``, in those programs' work alone, as
     ``shardprop calibrate`` measures ``at_once``); ``use(stage, action)``: the cores that
     action keeps busy alone (a callable; None: ``unit`` each); ``once``: per rank, the
-    cores its once ops keep busy alone (1 each where absent).
+    cores its once ops keep busy alone (``unit`` each where absent).
 
     Running actions demanding ``D`` cores in all (their uses summed) each progress at
     ``min(1, delivered / D)``, where the host delivers ``unit * capacity(D / unit)`` cores
@@ -134,6 +134,14 @@ class CoreShare:
     use: object
     once: tuple = ()
 
+    def action_use(self, stage: int, action) -> float:
+        """The cores ``action`` on ``stage`` keeps busy alone."""
+        return self.use(stage, action) if self.use is not None else self.unit
+
+    def once_uses(self, n: int) -> list:
+        """The cores each of ``n`` ranks' once ops keep busy alone."""
+        return list(self.once[:n]) + [self.unit] * (n - len(self.once))
+
     def rate(self, uses) -> float:
         """How fast each of the running actions that use ``uses`` cores alone progresses."""
         demand = float(sum(uses))
@@ -143,12 +151,14 @@ class CoreShare:
         return min(1.0, max(delivered, max(uses)) / demand)
 
 
-def _share_rate(cores, running: list):
-    """How fast each of ``running`` ((stage, action) pairs, or jobs' uses for a
-    ``CoreShare`` in ``shared_finish``) progresses on ``cores``."""
+def _share_rate(cores, uses: list):
+    """How fast each running job progresses on ``cores``: ``uses``, one per running job,
+    the cores it keeps busy alone (read by a ``CoreShare``; other cores count the jobs)."""
+    if not uses:
+        return 1
     if isinstance(cores, CoreShare):
-        return cores.rate(running)
-    return min(1, _capacity(cores, len(running)) / len(running)) if running else 1
+        return cores.rate(uses)
+    return min(1, _capacity(cores, len(uses)) / len(uses))
 
 
 def _capacity(cores, n):
@@ -471,11 +481,8 @@ def _run_shared(schedule, deps, length, cores, zero, start_at):
                     waits.append(ready)
         if not running and not waits:
             return events, end, pos
-        if isinstance(cores, CoreShare):
-            rate = cores.rate([cores.use(d, a) if cores.use else cores.unit for d, (a, _, _) in running.items()]
-                              ) if running else 1
-        else:
-            rate = _share_rate(cores, list(running))
+        rate = _share_rate(cores, [cores.action_use(d, a) if isinstance(cores, CoreShare) else 1
+                                   for d, (a, _, _) in running.items()])
         finishes = {d: now + left / rate for d, (_, _, left) in running.items()}
         nxt = min(list(finishes.values()) + waits)
         step = nxt - now
@@ -511,11 +518,10 @@ def shared_finish(jobs, cores=None):
     ``cores`` (``None``: side by side), processor sharing as in ``simulate``: between two
     events (a start or an end) the ``n`` jobs running each progress at ``min(1, cores / n)``
     (for a ``CoreShare``, at its rate of the running jobs' uses: job ``i`` uses
-    ``cores.once[i]`` cores alone, 1 where it gives none)."""
+    ``cores.once[i]`` cores alone, its ``unit`` where it gives none)."""
     jobs = list(jobs)
     exact = _exact([x for j in jobs for x in j] + _core_values(cores))
-    uses = list(cores.once) if isinstance(cores, CoreShare) else []
-    uses += [1.0] * (len(jobs) - len(uses))
+    uses = cores.once_uses(len(jobs)) if isinstance(cores, CoreShare) else [1] * len(jobs)
     order = sorted(range(len(jobs)), key=lambda i: (_num(jobs[i][0], exact), _num(jobs[i][1], exact)))
     uses = [uses[i] for i in order]
     jobs = [(_num(jobs[i][0], exact), _num(jobs[i][1], exact)) for i in order]
@@ -535,10 +541,7 @@ def shared_finish(jobs, cores=None):
                 now = jobs[running][0]
                 continue
             break
-        if cores is None:
-            rate = 1
-        else:
-            rate = _share_rate(cores, [uses[i] for i in left] if isinstance(cores, CoreShare) else list(left))
+        rate = 1 if cores is None else _share_rate(cores, [uses[i] for i in left])
         nxt = now + min(left.values()) / rate
         if running < len(jobs):
             nxt = min(nxt, jobs[running][0])
