@@ -42,6 +42,7 @@ def test_profile_round_trips_the_measured_host_figures(tmp_path):
     old = CostModel.builtin("cpu")
     assert old.alone is None and old.dispatch_s is None and old.transfer_s is None
     assert "alone" not in old.to_dict() and "driver" not in old.to_dict()
+    assert old.cores_alone == () and "cores_alone" not in old.to_dict()
 
 
 def test_host_model_uses_the_measured_contention():
@@ -308,3 +309,19 @@ def test_a_programs_cores_are_its_ops_weighted_by_time(monkeypatch):
     assert ps._ops_cores(eqns, None, used) == pytest.approx(7 / 4)
     assert ps._ops_cores(eqns, None, used, 4.0) == pytest.approx(11 / 8)
     assert ps._ops_cores([], None, used) == 1.0
+
+
+def test_importing_the_bench_changes_nothing():
+    """bench/pipeline.py, the host model's bench, forces its 8 CPU devices in ``main()``:
+    importing it for its model (``make``) leaves the environment and jax's config alone."""
+    import importlib.util
+    import os
+    from pathlib import Path
+    env = dict(os.environ)
+    devices = jax.config.jax_num_cpu_devices
+    path = Path(__file__).resolve().parents[1] / "bench" / "pipeline.py"
+    spec = importlib.util.spec_from_file_location("bench_pipeline_for_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert callable(module.make) and callable(module.force_cpu_devices)
+    assert dict(os.environ) == env and jax.config.jax_num_cpu_devices == devices
