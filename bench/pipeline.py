@@ -22,8 +22,10 @@ time is not the bubble. What the CPU can show, each figure next to its target:
    the cost model given (default the calibrated ``"cpu"`` profile) at one device's rate
    alone (``alone_cost``: the rates ``shardprop calibrate`` measured on one device alone,
    or for a profile without them the rates over the contention derived from its devices
-   and the host's cores), the ranks sharing what the host runs at once (``shared_cores``:
-   the profile's measured ``at_once`` curve, or the host's cores). For the SPMD
+   and the host's cores), the ranks sharing what the host runs at once (``core_share``:
+   each action's cores alone, from the profile's measured ``cores_alone``, against its
+   ``at_once`` curve; without ``cores_alone``, ``shared_cores``: the curve counting ranks,
+   or the host's cores; the counting model is printed beside it). For the SPMD
    lowering (``host_step``) the tick table simulated so, then the ranks' once ops sharing
    the cores too; for the MPMD lowering (``mpmd_host_step``) the same with each action
    released when the Python driver has issued it (the profile's ``dispatch_s`` per
@@ -32,7 +34,10 @@ time is not the bubble. What the CPU can show, each figure next to its target:
    profile's contended rates (the plan's ``step_time`` plus the slowest rank's once ops),
    and the shared-cores simulation fed the measured stage programs instead of the cost
    model. A profile from ``shardprop calibrate`` on the host that runs the bench is the
-   one to pass (``--cost-model profile.json``).
+   one to pass (``--cost-model profile.json``). Above the rows: per action kind, the
+   cores each stage program keeps busy alone (CPU over wall seconds) measured and
+   modeled, and the ranks' programs of that kind run at once (``Together``) against
+   them alone, beside what the two models predict.
 
 Every time is a median over ``--reps`` repetitions, taken round-robin over every
 program (one-device step, each schedule, each stage program), so that the machine's load
@@ -65,23 +70,31 @@ import statistics
 import sys
 import time
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.extend import core as jcore
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.extend import core as jcore  # noqa: E402
-
-import shardprop as sp  # noqa: E402
-from shardprop.compiler.calibrate import host_cores  # noqa: E402
-from shardprop.compiler.pipeline_step import (_eqn_time, _modeled_times, alone_cost,  # noqa: E402
-                                              calibration_contention, devices_at_once, host_step,
+import shardprop as sp
+from shardprop.compiler.calibrate import host_cores
+from shardprop.compiler.pipeline_step import (_eqn_time, _modeled_times, action_cores, alone_cost,
+                                              calibration_contention, core_share, devices_at_once, host_step,
                                               mpmd_host_step, shared_cores, spmd_step, stage_durations)
-from shardprop.passes.cost import CostModel  # noqa: E402
-from shardprop.passes.pipeline.simulate import _capacity  # noqa: E402
-from shardprop.runtime.pipeline_lower import bubble_computes_nothing, noop_branch_opcodes  # noqa: E402
+from shardprop.passes.cost import CostModel
+from shardprop.passes.pipeline.simulate import _capacity
+from shardprop.runtime.distributed import use_cpu_devices
+from shardprop.runtime.pipeline_lower import bubble_computes_nothing, noop_branch_opcodes
+
+DEVICES = 8
+
+
+def force_cpu_devices(n: int = DEVICES) -> None:
+    """Run on ``n`` forced CPU devices: called by ``main`` before jax starts its backend,
+    so that importing this module (its model, ``make``) changes nothing."""
+    use_cpu_devices(n)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
 
 
 def make(width, layers, batch, stages):
@@ -169,17 +182,41 @@ def stage_programs(prog, m):
     return out
 
 
-def interleaved(fns: dict, reps: int) -> dict:
-    """Median seconds per callable, timed round-robin ``reps`` times after one warm-up."""
+def interleaved(fns: dict, reps: int, cores=None) -> dict:
+    """Median seconds per callable, timed round-robin ``reps`` times after one warm-up;
+    into ``cores`` (a dict, where given) the cores each kept busy: this process's CPU
+    seconds over its wall seconds, summed over the repetitions."""
     for f in fns.values():
         f()
     times = {k: [] for k in fns}
+    cpu = dict.fromkeys(fns, 0.0)
     for _ in range(reps):
         for k, f in fns.items():
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t)
+            cpu[k] += time.process_time() - c
+    if cores is not None:
+        cores.update({k: cpu[k] / max(sum(times[k]), 1e-12) for k in fns})
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+class Together:
+    """Each model stage's ``kind`` program on its own rank's device, all dispatched from
+    one thread ``m`` rounds in a row (as the MPMD driver issues them), then waited for:
+    the ranks' programs at once, against the same programs alone (``Program``)."""
+
+    def __init__(self, prog, programs, kind, m):
+        devices = np.asarray(prog.mesh.devices).reshape(prog.p, -1)[:, 0]
+        self.m = m
+        self.calls = [(programs[(kind, k)].fn, [jax.device_put(x, devices[prog.rank_of(k)])
+                                                  for x in programs[(kind, k)].args]) for k in range(prog.S)]
+
+    def __call__(self):
+        out = []
+        for _ in range(self.m):
+            out += [fn(*args) for fn, args in self.calls]
+        jax.block_until_ready(out)
 
 
 def modeled_step(prog, durations, latency, once, cores=None):
@@ -353,6 +390,7 @@ def main(argv=None):
     ap.add_argument("--heavy-cuts", nargs="+", metavar="CUTS",
                     help="time bench/pipeline_cuts.py's light/heavy MLP at these cut sets (e.g. 1,3,5) instead")
     a = ap.parse_args(argv)
+    force_cpu_devices()
     if a.heavy_cuts:
         return heavy_cuts(a)
     cost = CostModel.builtin(a.cost_model) if not a.cost_model.endswith(".json") else CostModel.load(a.cost_model)
@@ -378,6 +416,8 @@ def main(argv=None):
                 works[wkey] = stage_programs(prog, m)
                 for key, pr in works[wkey].items():
                     fns[("work", wkey, key)] = pr
+                for kind in prog.kinds:     # the ranks' programs of a kind at once (criterion 4)
+                    fns[("together", wkey, kind)] = Together(prog, works[wkey], kind, m)
             label = name if low == "spmd" else f"{name} mpmd"
             if low == "spmd":
                 compiled = pstep.compiled(*args)
@@ -392,7 +432,8 @@ def main(argv=None):
     if a.breakdown and not a.only:
         bprog = branches(a, fns)
     load = os.getloadavg()[0]
-    med = interleaved(fns, a.reps)
+    used = {}
+    med = interleaved(fns, a.reps, used)
     t1 = med["one device"]
     lines.append(f"load average (1 min) {load:.1f} before the timings, {os.getloadavg()[0]:.1f} after; "
                  f"one-device step: {t1 * 1e3:.1f} ms")
@@ -426,6 +467,14 @@ def main(argv=None):
     for name in runs:
         if f"{name} mpmd" in runs:
             lines.append(f"   {name:<17} mpmd step / spmd step: {med[name + ' mpmd'] / med[name]:.2f}")
+    # CPU seconds (this process's, over each call's wall time): what a step burns beyond its
+    # stage programs alone is the driver's, the exchanges' and the waits'
+    for name, r in runs.items():
+        prog, wkey = r["prog"], r["wkey"]
+        work_cpu = sum(used[("work", wkey, key)] * med[("work", wkey, key)] for key in works[wkey])
+        step_cpu = used[name] * med[name]
+        lines.append(f"   {name:<17} CPU seconds: step {step_cpu * 1e3:.1f} ms ({used[name]:.2f} cores busy), stages' "
+                     f"work {work_cpu * 1e3:.1f} ms: {step_cpu / work_cpu:.2f}")
 
     lines.append("")
     lines.append("3. compiled memory (target: 1F1B's peak below GPipe's, its activations near p/m of GPipe's)")
@@ -477,10 +526,34 @@ def main(argv=None):
                  f"{p * med[('threads', 1)] / med[('threads', 'separate', p)]:.2f} alone); 'measured cores' is the same model with that in place of the "
                  f"{host_cores()} cores, in the sharing and in the calibration's contention ({cost.device_count} / "
                  f"{together:.2f}: as if calibrated under this run's load)")
+    shown = set()
+    for name, r in runs.items():
+        prog, wkey = r["prog"], r["wkey"]
+        if wkey in shown:
+            continue
+        shown.add(wkey)
+        priced = action_cores(prog, cost)
+        share = core_share(mesh, p, cost, prog)
+        for kind in prog.kinds:
+            alone = [med[("work", wkey, (kind, k))] for k in range(prog.S)]
+            at_once = sum(alone) / med[("together", wkey, kind)]
+            uses = [used[("work", wkey, (kind, k))] for k in range(prog.S)]
+            model_uses = [priced[0][k][kind] for k in range(prog.S)] if priced else None
+            predicted = (f"{prog.S * share.rate([u * len(np.asarray(mesh.devices).reshape(-1)) / p for u in model_uses]):.2f}"
+                         if model_uses and hasattr(share, "rate") else "-")
+            counted = f"{min(prog.S, float(_capacity(cores, prog.S))):.2f}" if cores is not None else f"{prog.S}"
+            lines.append(f"   {kind:<8} programs (S={prog.S}): cores each keeps busy alone (CPU / wall s) "
+                         f"{' '.join(f'{u:.2f}' for u in uses)} measured"
+                         + (f", {' '.join(f'{u:.2f}' for u in model_uses)} modeled" if model_uses else "")
+                         + f"; all {prog.S} ranks' at once (dispatched from one thread) did {at_once:.2f} ranks' "
+                         f"work alone ({used[('together', wkey, kind)]:.2f} cores busy); modeled: {predicted} "
+                         f"by their cores, {counted} counting ranks")
     for name, r in runs.items():
         prog, works_ = r["prog"], works[r["wkey"]]
         host_model = mpmd_host_step if "mpmd" in r else host_step
-        model, _, _ = host_model(prog, cost, cores)
+        share = core_share(mesh, p, cost, prog)
+        model, _, _ = host_model(prog, cost, share)
+        model_counted, _, _ = host_model(prog, cost, cores)
         model_here, _, _ = host_model(prog, cost, together,
                                       contention=max(1.0, (cost.device_count or 1) / together))
         # the model before calibrate measured the host: contention from devices over cores, the
@@ -494,11 +567,18 @@ def main(argv=None):
                      for d in range(p)]
         sim_meas = modeled_step(prog, measured, 0.0, once_meas, cores)
         sim_here = modeled_step(prog, measured, 0.0, once_meas, together)
+        # the ranks' own programs at once (Together), F and B together: the work they got
+        # done with all S running, as the sharing (what concurrency alone would explain)
+        own = (sum(med[("work", r["wkey"], (kind, k))] for kind in prog.kinds for k in range(prog.S))
+               / sum(med[("together", r["wkey"], kind)] for kind in prog.kinds))
+        sim_own = modeled_step(prog, measured, 0.0, once_meas, min(float(p), own))
         modeled_fb = sum(works_[(kind, k)].modeled(cost) for k in range(prog.S) for kind in prog.kinds) * m
         alone_fb = sum(works_[(kind, k)].modeled(alone_cost(cost)) for k in range(prog.S) for kind in prog.kinds) * m
         meas_fb = sum(med[("work", r["wkey"], (kind, k))] for k in range(prog.S) for kind in prog.kinds)
         t = med[name]
         lines.append(f"   {name:<17} step {t * 1e3:7.1f} ms, modeled {model * 1e3:7.1f} ms: {t / model:5.2f}   "
+                     f"[counting ranks, not their cores: modeled {model_counted * 1e3:.1f} ms, "
+                     f"{t / model_counted:.2f}] "
                      f"[the model before: contention from devices / cores, MPMD as SPMD: modeled {model_derived * 1e3:.1f} "
                      f"ms, {t / model_derived:.2f}] "
                      f"[measured cores: modeled {model_here * 1e3:.1f} ms, {t / model_here:.2f}; side by side at the "
@@ -506,7 +586,8 @@ def main(argv=None):
         lines.append(f"   {'':<17} where it misses: {cost.name}'s F+B x m alone {alone_fb * 1e3:.1f} ms "
                      f"({modeled_fb * 1e3:.1f} contended) against {meas_fb * 1e3:.1f} measured alone; the shared-cores "
                      f"simulation on the measured stage programs {sim_meas * 1e3:.1f} ms (step / that "
-                     f"{t / sim_meas:.2f}), on measured cores {sim_here * 1e3:.1f} ms ({t / sim_here:.2f})")
+                     f"{t / sim_meas:.2f}), on measured cores {sim_here * 1e3:.1f} ms ({t / sim_here:.2f}), on the stage "
+                     f"programs' own work at once ({own:.2f} ranks') {sim_own * 1e3:.1f} ms ({t / sim_own:.2f})")
 
     if a.breakdown:
         lines.append("")

@@ -325,6 +325,9 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
     at_once = _at_once(devices[:n], reps)
     say("  devices busy at once -> devices' work done (one alone = 1): "
         + ", ".join(f"{k} -> {c:.2f}" for k, c in at_once))
+    cores = _cores_alone(devices[0], reps)
+    say("  cores one device keeps busy alone (CPU / wall seconds): "
+        + ", ".join(f"{k} {c:.2f}" for k, c in cores))
     dispatch_s, transfer_s = _driver_costs(devices[:n], reps)
     say(f"  a Python driver dispatches a jitted program in {dispatch_s * 1e6:.1f} us and a device_put to another "
         f"device in {transfer_s * 1e6:.1f} us (neither waited for)")
@@ -333,7 +336,7 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
     return CostModel(latency_s=default.latency_s, link_bytes_per_s=default.bytes_per_s,
                      flops_per_s=together.flops_per_s, memory_bytes_per_s=together.memory_bytes_per_s,
                      contraction_bytes_per_s=together.contraction_bytes_per_s, sync_s=sync,
-                     alone=alone, dispatch_s=dispatch_s, transfer_s=transfer_s, at_once=at_once,
+                     alone=alone, dispatch_s=dispatch_s, transfer_s=transfer_s, at_once=at_once, cores_alone=cores,
                      combined_kinds=combined,
                      memory_capacity_bytes=_memory_capacity(device),
                      links=tuple(links), device_count=n, mesh_shape=tuple(mesh_shape), mesh_axes=names,
@@ -398,6 +401,45 @@ def _at_once(devices, reps: int, shape=AT_ONCE_SHAPE) -> tuple:
         calls.append((_program(jm, _matmul_body(m, k, n, 1 + CHAIN)), x))
     times = _median_times(calls, reps)
     return tuple((c, c * times[0] / t) for c, t in zip(counts, times))
+
+
+def _cores_used(calls, reps: int) -> float:
+    """The cores ``(f, x)`` calls keep busy: this process's CPU seconds over the wall
+    seconds, each summed over ``reps`` runs of every call in turns (after a warm-up), so
+    that each call counts by its time."""
+    import jax
+    for f, x in calls:
+        jax.block_until_ready(f(x))
+    cpu = wall = 0.0
+    for _ in range(reps):
+        for f, x in calls:
+            c, t = time.process_time(), time.perf_counter()
+            jax.block_until_ready(f(x))
+            cpu += time.process_time() - c
+            wall += time.perf_counter() - t
+    return cpu / max(wall, 1e-12)
+
+
+def _cores_alone(device, reps: int) -> tuple:
+    """``(("contraction", cores), ("memory", cores), ("at_once", cores))``: the cores one
+    ``device`` alone keeps busy (``_cores_used``) running the calibration's matmul chains
+    (every shape), its fused loops (every size), and ``_at_once``'s matmul chain. XLA:CPU
+    runs one program on several of the host's threads where its ops are large enough, so
+    how much several devices get done at once depends on how many cores each program
+    already keeps busy alone (the pipeline's host model, ``pipeline_step.core_share``)."""
+    import jax
+    from jax.sharding import Mesh as JaxMesh, NamedSharding, PartitionSpec
+    jm = JaxMesh(np.array([device]), ("d",))
+
+    def calls(bodies, local_elems):
+        x = jax.device_put(np.ones(local_elems, np.float32), NamedSharding(jm, PartitionSpec("d")))
+        return [(_program(jm, b), x) for b in bodies]
+    m, k, n = AT_ONCE_SHAPE
+    return (("contraction", _cores_used(calls([_matmul_body(*s, 1 + CHAIN) for s in MATMUL_SHAPES],
+                                               max(max(a * b, b * c) for a, b, c in MATMUL_SHAPES)), reps)),
+            ("memory", _cores_used(calls([_prefix(_fused_loops(1 + CHAIN), s) for s in ELEMENTWISE_SIZES],
+                                         max(ELEMENTWISE_SIZES)), reps)),
+            ("at_once", _cores_used(calls([_matmul_body(m, k, n, 1 + CHAIN)], max(m * k, k * n)), reps)))
 
 
 def _driver_costs(devices, reps: int, calls: int = DISPATCHES) -> tuple:

@@ -89,7 +89,8 @@ class PipelineInfo:
     stage_times: list = field(default_factory=list)   # per model stage: {kind: modeled seconds}
     # modeled seconds of the step as it runs on these devices: stage work at one device's
     # rate alone, ranks sharing the host's cores where forced CPU devices outnumber them
-    # (host_step), plus the once ops; step_time is the side-by-side model the search uses
+    # (host_step or mpmd_host_step, sharing by core_share), plus the once ops; step_time
+    # is the side-by-side model the search uses
     host_step_time: float = 0.0
     # mode="auto" beside the pipeline (a searched sub-mesh), bytes per device: the search's
     # modeled peak of one micro-batch's step (passes/auto's count, every stage's state in
@@ -294,6 +295,74 @@ def shared_cores(mesh, p: int, cost=None):
     if len(devices) <= cores:
         return None
     return Fraction(cores * p, len(devices))
+
+
+CONTRACTIONS = ("dot_general", "conv_general_dilated")
+
+
+def cores_alone(cost) -> dict:
+    """The cores one device's programs kept busy alone when ``shardprop calibrate`` timed
+    them (``CostModel.cores_alone``: ``"contraction"``, ``"memory"`` and ``"at_once"``, the
+    matmul of its ``at_once`` curve); empty for a profile that did not measure them."""
+    return dict(getattr(cost, "cores_alone", None) or ())
+
+
+def _ops_cores(eqns, cost, used: dict, extra_memory_time: float = 0.0) -> float:
+    """The cores a program of ``eqns`` keeps busy alone: each equation's class (a
+    contraction, or a memory-bound op) at its measured cores ``used``, weighted by the
+    equation's time at ``cost``'s rates; ``extra_memory_time`` more seconds of memory-bound
+    work (the accumulation add). 1 for a program that takes no time."""
+    weighted = total = 0.0
+    for eqn in eqns:
+        t = _eqn_time(eqn, cost)
+        weighted += t * used["contraction" if eqn.primitive.name in CONTRACTIONS else "memory"]
+        total += t
+    weighted += extra_memory_time * used["memory"]
+    total += extra_memory_time
+    return weighted / total if total > 0 else 1.0
+
+
+def action_cores(prog, cost) -> tuple:
+    """(per model stage ``{kind: cores}``, per rank its once ops' cores): the cores each
+    action keeps busy alone on one device (``_ops_cores`` over its program at ``cost``'s
+    rates alone), from the profile's ``cores_alone``. None where it has none."""
+    used = cores_alone(cost)
+    if not {"contraction", "memory"} <= set(used):
+        return None
+    priced = alone_cost(cost)
+    j = prog.j
+    stages = [{kind: _ops_cores([j.eqns[i] for i in prog.progs[(kind, k)]["idxs"]], priced, used,
+                                _accumulation_time(prog.progs[(kind, k)]["accs"], priced))
+               for kind in prog.kinds} for k in range(prog.S)]
+    once = [_ops_cores([j.eqns[i] for k in range(prog.S) if prog.rank_of(k) == d for i in prog.once[k]["idxs"]],
+                       priced, used) for d in range(prog.p)]
+    return stages, once
+
+
+def core_share(mesh, p: int, cost, prog):
+    """What the ``p`` ranks of ``prog`` share on this host: a ``CoreShare`` where the
+    profile measured the cores its programs keep busy alone and its ``at_once`` curve
+    (each action demanding its ``action_cores`` times the devices of a rank; the host
+    delivering what the curve measured, converted to cores by the cores its matmul kept
+    busy alone), else ``shared_cores`` (ranks counted, not their cores)."""
+    from ..passes.pipeline.simulate import Capacity, CoreShare
+    counted = shared_cores(mesh, p, cost)
+    used = cores_alone(cost)
+    per_stage = action_cores(prog, cost) if cost is not None else None
+    if per_stage is None or not getattr(cost, "at_once", ()) or "at_once" not in used:
+        return counted
+    try:
+        devices = list(np.asarray(mesh.devices).reshape(-1))
+    except (AttributeError, TypeError, ValueError):
+        return None                      # an abstract mesh: no host to share
+    if not devices or getattr(devices[0], "platform", "") != "cpu":
+        return None
+    per_rank = len(devices) / p
+    stages, once = per_stage
+    schedule = prog.schedule
+    return CoreShare(Capacity(tuple(cost.at_once)), used["at_once"],
+                     lambda d, a: per_rank * stages[schedule.model_stage(d, a.chunk)][a.kind],
+                     tuple(per_rank * u for u in once))
 
 
 def _modeled_times(prog, cost=None, contention: float = 1.0):
@@ -1234,7 +1303,7 @@ class PipelineFunction:
                             unit_bubble=float(simulate(sch).bubble), stage_times=c.stage_times, search=c.search,
                             memory=_modeled_bytes(prog, sch, slots=prog.nslots),
                             host_step_time=(mpmd_host_step if self.pipeline.lowering == "mpmd" else host_step)(
-                                prog, self.cost, shared_cores(self.mesh, self.p, self.cost))[0],
+                                prog, self.cost, core_share(self.mesh, self.p, self.cost, prog))[0],
                             submesh_peak=c.submesh_peak, state_elsewhere=c.elsewhere,
                             beyond_one_microbatch=c.beyond_one, device_peak=c.device_peak,
                             submesh_budget=c.submesh_budget)

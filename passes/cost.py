@@ -133,6 +133,10 @@ class CostModel:
     # ((devices busy, devices' work alone they get done at once), ...) with 1, 2, 4, ... of
     # the devices running the same matmuls (calibrate; (): not measured)
     at_once: tuple = ()
+    # (("contraction", cores), ("memory", cores), ("at_once", cores)): how many cores one
+    # device's matmuls, fused loops and at_once's matmul kept busy alone, CPU seconds over
+    # wall seconds (calibrate; (): not measured, ranks are counted, not their cores)
+    cores_alone: tuple = ()
     # which traced ops one kernel runs (passes/fusion.py KernelPolicy): "xla" (XLA's fusion),
     # "unfused", or a framework's, e.g. "megatron-2021"; what reaches memory is priced
     kernels: str = "xla"
@@ -150,7 +154,7 @@ class CostModel:
         return hash((self.latency_s, self.link_bytes_per_s, self.flops_per_s, self.memory_bytes_per_s,
                      self.contraction_bytes_per_s, self.sync_s, self.memory_capacity_bytes, self.links, self.device_count,
                      self.device_kind, self.name, self.combined_kinds, self.launch_share, self.alone,
-                     self.dispatch_s, self.transfer_s, self.at_once, self.kernels))
+                     self.dispatch_s, self.transfer_s, self.at_once, self.cores_alone, self.kernels))
 
     def __post_init__(self):
         from .fusion import builtin_policy
@@ -279,6 +283,7 @@ class CostModel:
             **({"driver": {"dispatch_s": self.dispatch_s, "transfer_s": self.transfer_s}}
                if self.dispatch_s is not None or self.transfer_s is not None else {}),
             **({"at_once": [list(x) for x in self.at_once]} if self.at_once else {}),
+            **({"cores_alone": dict(self.cores_alone)} if self.cores_alone else {}),
             "memory_capacity_bytes": self.memory_capacity_bytes,
             **({"kernels": self.kernels} if self.kernels != "xla" else {}),
             "links": [{"group": [list(p) for p in group], "kind": kind or "*", **asdict(link)}
@@ -319,6 +324,7 @@ class CostModel:
                        notes=data.get("notes", ""), alone=alone, dispatch_s=opt(driver.get("dispatch_s")),
                        transfer_s=opt(driver.get("transfer_s")),
                        at_once=tuple((int(k), float(c)) for k, c in data.get("at_once", ())),
+                       cores_alone=tuple((str(k), float(c)) for k, c in (data.get("cores_alone") or {}).items()),
                        kernels=data.get("kernels", "xla"))
         except (KeyError, TypeError, ValueError) as e:
             raise ShardingError(f"{source}: malformed cost profile ({type(e).__name__}: {e}); "

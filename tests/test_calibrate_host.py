@@ -31,6 +31,8 @@ def test_calibrate_measures_the_host_figures(tmp_path):
     model = calibrate.calibrate((2,), reps=1, sizes=(256,), kinds=("all_reduce",))
     assert model.alone is not None and model.alone.flops_per_s > 0 and model.alone.memory_bytes_per_s > 0
     assert [k for k, _ in model.at_once] == [1, 2] and model.dispatch_s > 0 and model.transfer_s > 0
+    assert [k for k, _ in model.cores_alone] == ["contraction", "memory", "at_once"]
+    assert all(0 < c <= 4 * calibrate.host_cores() for _, c in model.cores_alone)
     model.save(tmp_path / "p.json")
     assert CostModel.load(tmp_path / "p.json") == model
 
@@ -48,3 +50,15 @@ def test_a_kind_gets_its_own_fit_where_the_group_misses_it_one_way():
     # a small miss one way stays pooled too
     close = [(b, 1.1 * pooled.time(b)) for b in sizes]
     assert not calibrate._own_fit(pooled, close)
+
+
+def test_cores_used_is_cpu_over_wall_on_a_small_program():
+    """A jitted matmul chain on one device keeps at least some of a core busy and no more
+    than the host's cores (CPU seconds of this process over wall seconds; the waiting
+    Python thread adds a little)."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    jm = Mesh(np.array(jax.devices()[:1]), ("d",))
+    x = jax.device_put(np.ones(128 * 128, np.float32), NamedSharding(jm, PartitionSpec("d")))
+    used = calibrate._cores_used([(calibrate._program(jm, calibrate._matmul_body(128, 128, 128, 9)), x)], reps=3)
+    assert 0.05 < used <= calibrate.host_cores() + 0.5

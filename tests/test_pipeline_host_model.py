@@ -42,6 +42,7 @@ def test_profile_round_trips_the_measured_host_figures(tmp_path):
     old = CostModel.builtin("cpu")
     assert old.alone is None and old.dispatch_s is None and old.transfer_s is None
     assert "alone" not in old.to_dict() and "driver" not in old.to_dict()
+    assert old.cores_alone == () and "cores_alone" not in old.to_dict()
 
 
 def test_host_model_uses_the_measured_contention():
@@ -225,3 +226,102 @@ def test_accumulating_actions_pay_the_add_into_the_accumulator(pipelined):
             floats = sum(int(np.prod(v.aval.shape)) for v in pr["accs"])
             assert floats > (1 if kind == "backward" else 0) or (kind, k) == ("forward", 0)
             assert times[k][kind] == pytest.approx(own + MEASURED.compute_time(floats, 12.0 * floats))
+
+
+def test_core_share_rate_by_hand():
+    """A host that got 1.4 one-core programs' work done with 2 or more running: the running
+    actions' uses summed are the demand, the curve read at that many of its programs is
+    what it delivers (never less than the largest use: an action alone runs at its own
+    rate), and each runs at delivered / demand."""
+    from shardprop.passes.pipeline.simulate import Capacity, CoreShare
+    share = CoreShare(Capacity(((1, 1.0), (2, 1.4), (8, 1.4))), 1.0, lambda d, a: 1.0)
+    assert share.rate([1.0, 1.0, 1.0, 1.0]) == pytest.approx(0.35)     # as counting 4 ranks: 1.4 / 4
+    assert share.rate([1.0, 1.0]) == pytest.approx(0.7)
+    assert share.rate([1.0]) == 1.0 and share.rate([2.0]) == 1.0       # alone: its own rate
+    assert share.rate([1.75] * 4) == pytest.approx(1.75 / 7)           # 4 two-thread programs: 1 program's work
+    assert share.rate([1.0, 0.5]) == pytest.approx(1.2 / 1.5)          # the curve at 1.5 programs: 1.2
+    # programs of 2 cores measured the curve: two 1-core actions are one of them, side by side
+    assert CoreShare(Capacity(((1, 1.0), (2, 1.4))), 2.0, lambda d, a: 1.0).rate([1.0, 1.0]) == 1.0
+
+
+def test_core_share_in_the_simulator_and_once_ops():
+    """Uses all equal to the curve's unit: the simulation is the rank-counting one; the
+    once ops share by their own uses (``CoreShare.once``, per rank)."""
+    from shardprop.passes.pipeline.simulate import Capacity, CoreShare
+    cap = Capacity(((1, 1.0), (2, 1.5), (4, 2.0)))
+    s = build_schedule("1f1b", 4, 8)
+    counted = simulate(s, {"forward": 1.0, "backward": 2.0}, cores=cap)
+    priced = simulate(s, {"forward": 1.0, "backward": 2.0}, cores=CoreShare(cap, 1.0, lambda d, a: 1.0))
+    assert float(priced.makespan) == pytest.approx(float(counted.makespan))
+    assert [(e.stage, e.action) for e in priced.events] == [(e.stage, e.action) for e in counted.events]
+    # backwards that keep 2 cores busy alone: slower than counted, never faster than side by side
+    heavy = simulate(s, {"forward": 1.0, "backward": 2.0},
+                     cores=CoreShare(cap, 1.0, lambda d, a: 2.0 if a.is_backward else 1.0))
+    assert heavy.makespan > priced.makespan
+    # once ops: two jobs of 1 on a host of 2 cores (a plain number: 2 of the unit programs)
+    assert shared_time([1, 1], CoreShare(2.0, 1.0, None, (1.0, 1.0))) == pytest.approx(1.0)
+    # uses 2 and 1: 3 cores demanded, 2 delivered: both at 2/3
+    assert shared_time([1, 1], CoreShare(2.0, 1.0, None, (2.0, 1.0))) == pytest.approx(1.5)
+    # jobs that start apart: B (use 3) alone from 0 to 1, then with A (use 1): 4 demanded,
+    # 3 delivered (B's own), both at 3/4 until B's last 1 is done at 7/3; A's last 1 alone
+    assert shared_finish([(1, 2), (0, 2)], CoreShare(2.0, 1.0, None, (1.0, 3.0))) == pytest.approx(1 + 4 / 3 + 1)
+    with pytest.raises(sp.ShardingError, match="cores"):
+        simulate(s, cores=CoreShare(cap, 0.0, lambda d, a: 1.0))
+
+
+def test_host_model_prices_each_actions_cores(pipelined):
+    """The profile's measured cores (``cores_alone``): each action's cores are its ops'
+    classes weighted by their time; a profile whose programs all keep one core busy, as
+    its ``at_once`` matmul did, models the step as counting ranks did; old profiles
+    (no ``cores_alone``) share as before; programs that keep 2 cores busy take longer."""
+    from shardprop.compiler.pipeline_step import action_cores, core_share
+    prog, _ = pipelined
+    # exchanges priced at nothing, so that the stages overlap in this small model
+    curved = replace(MEASURED, at_once=((1, 1.0), (2, 1.5), (4, 2.0), (8, 2.0)), latency_s=1e-12,
+                     link_bytes_per_s=1e15)
+    one = replace(curved, cores_alone=(("contraction", 1.0), ("memory", 1.0), ("at_once", 1.0)))
+    assert core_share(cpu_mesh(2), 2, curved, prog) == shared_cores(cpu_mesh(2), 2, curved)
+    assert action_cores(prog, curved) is None
+    stages, once = action_cores(prog, one)
+    assert all(u == pytest.approx(1.0) for st in stages for u in st.values()) and once == pytest.approx([1.0, 1.0])
+    counted = mpmd_host_step(prog, one, shared_cores(cpu_mesh(2), 2, one))[0]
+    assert mpmd_host_step(prog, one, core_share(cpu_mesh(2), 2, one, prog))[0] == pytest.approx(counted)
+    assert host_step(prog, one, core_share(cpu_mesh(2), 2, one, prog))[0] == pytest.approx(
+        host_step(prog, one, shared_cores(cpu_mesh(2), 2, one))[0])
+    two = replace(one, cores_alone=(("contraction", 2.0), ("memory", 1.0), ("at_once", 1.0)))
+    stages2, _ = action_cores(prog, two)
+    assert all(1.0 < u <= 2.0 for st in stages2 for u in st.values())
+    # (the SPMD model: this small MPMD step waits on its driver, whatever the cores)
+    assert host_step(prog, two, core_share(cpu_mesh(2), 2, two, prog))[0] > host_step(
+        prog, one, core_share(cpu_mesh(2), 2, one, prog))[0]
+    back = CostModel.from_dict(two.to_dict())
+    assert back == two and back.cores_alone == two.cores_alone and "cores_alone" not in curved.to_dict()
+
+
+def test_a_programs_cores_are_its_ops_weighted_by_time(monkeypatch):
+    """By hand: a matmul priced 3 s at 2 cores and an add priced 1 s at 1 core keep
+    (3 * 2 + 1 * 1) / 4 cores busy; 4 s more of memory-bound work (an accumulation) at 1
+    core, (6 + 1 + 4) / 8."""
+    import shardprop.compiler.pipeline_step as ps
+    monkeypatch.setattr(ps, "_eqn_time", lambda eqn, cost: 3.0 if eqn.primitive.name == "dot_general" else 1.0)
+    eqns = [NS(primitive=NS(name="dot_general")), NS(primitive=NS(name="add"))]
+    used = {"contraction": 2.0, "memory": 1.0}
+    assert ps._ops_cores(eqns, None, used) == pytest.approx(7 / 4)
+    assert ps._ops_cores(eqns, None, used, 4.0) == pytest.approx(11 / 8)
+    assert ps._ops_cores([], None, used) == 1.0
+
+
+def test_importing_the_bench_changes_nothing():
+    """bench/pipeline.py, the host model's bench, forces its 8 CPU devices in ``main()``:
+    importing it for its model (``make``) leaves the environment and jax's config alone."""
+    import importlib.util
+    import os
+    from pathlib import Path
+    env = dict(os.environ)
+    devices = jax.config.jax_num_cpu_devices
+    path = Path(__file__).resolve().parents[1] / "bench" / "pipeline.py"
+    spec = importlib.util.spec_from_file_location("bench_pipeline_for_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert callable(module.make) and callable(module.force_cpu_devices)
+    assert dict(os.environ) == env and jax.config.jax_num_cpu_devices == devices

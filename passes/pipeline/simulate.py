@@ -33,7 +33,11 @@ threads of one host): at any moment the ``n`` stages running an action each prog
 :class:`Capacity`: the cores' worth of work measured at several counts of ranks running
 (a host whose throughput does not grow as a fixed number of cores would give), each of
 the ``n`` running then at ``min(1, capacity(n) / n)``. With
-``c >= p`` nothing is shared and the result is the side-by-side one. Latencies are delays
+``c >= p`` nothing is shared and the result is the side-by-side one. A :class:`CoreShare`
+prices what each running action uses instead of counting ranks: an action that alone keeps
+``u`` cores busy (XLA:CPU runs one program on several threads where its ops are large
+enough) demands ``u``, and the running actions all progress at ``CoreShare.rate`` of the
+demands. Latencies are delays
 that use no core. :func:`shared_time` is the same sharing for independent jobs that start
 together (each rank's once ops after the loop), :func:`shared_finish` for jobs that start
 at given times.
@@ -110,13 +114,64 @@ class Capacity:
         return any(self(n) < n for n in range(1, p + 1))
 
 
+@dataclass(frozen=True)
+class CoreShare:
+    """Ranks sharing a host's cores, each running action priced by the cores it keeps busy
+    alone. ``capacity``: what the host got done with ``n`` programs of ``unit`` cores each
+    running (a number or a :class:`Capacity` over ``n``, in those programs' work alone, as
+    ``shardprop calibrate`` measures ``at_once``); ``use(stage, action)``: the cores that
+    action keeps busy alone (a callable; None: ``unit`` each); ``once``: per rank, the
+    cores its once ops keep busy alone (``unit`` each where absent).
+
+    Running actions demanding ``D`` cores in all (their uses summed) each progress at
+    ``min(1, delivered / D)``, where the host delivers ``unit * capacity(D / unit)`` cores
+    (the measured curve read at as many of its programs as demand as much), never less than
+    the largest one running uses (an action alone runs at its own rate, by the definition
+    of its price). With every use equal to ``unit`` that is ``capacity(n) / n`` for ``n``
+    running, the rank-counting model."""
+    capacity: object
+    unit: float
+    use: object
+    once: tuple = ()
+
+    def action_use(self, stage: int, action) -> float:
+        """The cores ``action`` on ``stage`` keeps busy alone."""
+        return self.use(stage, action) if self.use is not None else self.unit
+
+    def once_uses(self, n: int) -> list:
+        """The cores each of ``n`` ranks' once ops keep busy alone."""
+        return list(self.once[:n]) + [self.unit] * (n - len(self.once))
+
+    def rate(self, uses) -> float:
+        """How fast each of the running actions that use ``uses`` cores alone progresses."""
+        demand = float(sum(uses))
+        if demand <= 0:
+            return 1.0
+        delivered = self.unit * float(_capacity(self.capacity, demand / self.unit))
+        return min(1.0, max(delivered, max(uses)) / demand)
+
+
+def _share_rate(cores, uses: list):
+    """How fast each running job progresses on ``cores``: ``uses``, one per running job,
+    the cores it keeps busy alone (read by a ``CoreShare``; other cores count the jobs)."""
+    if not uses:
+        return 1
+    if isinstance(cores, CoreShare):
+        return cores.rate(uses)
+    return min(1, _capacity(cores, len(uses)) / len(uses))
+
+
 def _capacity(cores, n):
     """Rank-sized cores ``n`` running ranks share: ``cores`` itself, or a Capacity's at n."""
     return cores(n) if isinstance(cores, Capacity) else cores
 
 
 def _check_cores(cores):
-    if isinstance(cores, Capacity):
+    if isinstance(cores, CoreShare):
+        _check_cores(cores.capacity)
+        bad = ((cores.use is not None and not callable(cores.use)) or not cores.unit > 0
+               or any(not isinstance(u, numbers.Real) or not u > 0 for u in cores.once))
+    elif isinstance(cores, Capacity):
         bad = not cores.points or any(isinstance(x, bool) or not isinstance(x, numbers.Real) or not x > 0
                                       or not math.isfinite(x) for pt in cores.points for x in pt)
     else:
@@ -124,13 +179,15 @@ def _check_cores(cores):
                or not math.isfinite(cores))
     if bad:
         raise ShardingError(f"pipeline simulation: cores must be a finite number > 0, a Capacity of such "
-                            f"points, or None, got {cores!r}")
+                            f"points, a CoreShare of such a capacity and positive uses, or None, got {cores!r}")
 
 
 def _core_values(cores) -> list:
     """The numbers in ``cores`` (for exact arithmetic's check)."""
     if cores is None:
         return []
+    if isinstance(cores, CoreShare):   # uses are measured figures: the simulation runs in floats
+        return [float(cores.unit)]
     return [x for pt in cores.points for x in pt] if isinstance(cores, Capacity) else [cores]
 
 
@@ -283,7 +340,8 @@ def simulate(schedule: Schedule, durations=None, latency=0, cores=None, release=
     lat_raw = _per_stage(latency, max(S - 1, 0), "latency")
     if cores is not None:
         _check_cores(cores)
-    shared = cores is not None and (cores.shares(p) if isinstance(cores, Capacity) else cores < p)
+    shared = cores is not None and (isinstance(cores, CoreShare) or
+                                    (cores.shares(p) if isinstance(cores, Capacity) else cores < p))
     released = {(d, a): release(d, a) for d, order in enumerate(schedule.orders) for a in order} if release else {}
     exact = _exact([x for v in raw.values() for x in v] + lat_raw + (_core_values(cores) if shared else [])
                    + list(released.values()))
@@ -423,7 +481,8 @@ def _run_shared(schedule, deps, length, cores, zero, start_at):
                     waits.append(ready)
         if not running and not waits:
             return events, end, pos
-        rate = min(1, _capacity(cores, len(running)) / len(running)) if running else 1
+        rate = _share_rate(cores, [cores.action_use(d, a) if isinstance(cores, CoreShare) else 1
+                                   for d, (a, _, _) in running.items()])
         finishes = {d: now + left / rate for d, (_, _, left) in running.items()}
         nxt = min(list(finishes.values()) + waits)
         step = nxt - now
@@ -447,6 +506,8 @@ def _negligible(rest, whole) -> bool:
 
 def _exact_cores(cores, exact: bool):
     """``cores`` with its numbers as the simulation computes (Fractions or floats)."""
+    if isinstance(cores, CoreShare):
+        return cores
     if isinstance(cores, Capacity):
         return Capacity(tuple((_num(n, exact), _num(c, exact)) for n, c in cores.points))
     return _num(cores, exact)
@@ -455,10 +516,15 @@ def _exact_cores(cores, exact: bool):
 def shared_finish(jobs, cores=None):
     """When the last of independent jobs ``(start, work)`` ends on ranks that share
     ``cores`` (``None``: side by side), processor sharing as in ``simulate``: between two
-    events (a start or an end) the ``n`` jobs running each progress at ``min(1, cores / n)``."""
+    events (a start or an end) the ``n`` jobs running each progress at ``min(1, cores / n)``
+    (for a ``CoreShare``, at its rate of the running jobs' uses: job ``i`` uses
+    ``cores.once[i]`` cores alone, its ``unit`` where it gives none)."""
     jobs = list(jobs)
     exact = _exact([x for j in jobs for x in j] + _core_values(cores))
-    jobs = sorted((_num(s, exact), _num(w, exact)) for s, w in jobs)
+    uses = cores.once_uses(len(jobs)) if isinstance(cores, CoreShare) else [1] * len(jobs)
+    order = sorted(range(len(jobs)), key=lambda i: (_num(jobs[i][0], exact), _num(jobs[i][1], exact)))
+    uses = [uses[i] for i in order]
+    jobs = [(_num(jobs[i][0], exact), _num(jobs[i][1], exact)) for i in order]
     if cores is not None:
         _check_cores(cores)
         cores = _exact_cores(cores, exact)
@@ -475,7 +541,7 @@ def shared_finish(jobs, cores=None):
                 now = jobs[running][0]
                 continue
             break
-        rate = 1 if cores is None else min(1, _capacity(cores, len(left)) / len(left))
+        rate = 1 if cores is None else _share_rate(cores, [uses[i] for i in left])
         nxt = now + min(left.values()) / rate
         if running < len(jobs):
             nxt = min(nxt, jobs[running][0])
