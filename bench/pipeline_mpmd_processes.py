@@ -15,16 +15,13 @@ arrays it holds, then all meet at a barrier), so a lowering's last transfers and
 optimizer steps are inside its time.
 """
 import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-_flags = os.environ.get("XLA_FLAGS", "")
-from pipeline import add_model_args, make   # noqa: E402  (bench/pipeline.py's model; its import asks
-os.environ["XLA_FLAGS"] = _flags             # for 8 devices, undone here before jax starts)
+from pipeline import add_model_args, make   # noqa: E402  (bench/pipeline.py's model)
 
 import shardprop as sp   # noqa: E402
 from shardprop.runtime.distributed import in_multiprocess_environment, use_cpu_devices  # noqa: E402
