@@ -3,7 +3,7 @@ the draws it found refused on valid steps, kept as regression cases."""
 import numpy as np
 import pytest
 
-from tests.fuzz.pipeline import Draw, _compare, draw, run
+from tests.fuzz.pipeline import LR, Draw, _adam_applied, _compare, draw, run
 
 
 def test_a_draw_is_a_function_of_seed_and_index_and_divides():
@@ -25,6 +25,22 @@ def test_compare_finds_a_difference_and_takes_rounding():
     assert "max error" in _compare([off], want, "x")
     assert "shape" in _compare([want[0].T], want, "x")
     assert "leaves" in _compare(want * 2, want, "x")
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adam_check_takes_optax_update_and_finds_a_weight_not_moved(weight_decay):
+    import optax
+    opt = optax.adamw(LR, weight_decay=weight_decay) if weight_decay else optax.adam(LR)
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}
+    state = opt.init(params)
+    for _ in range(2):
+        grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+        up, state = opt.update(grads, state, params)
+        after = optax.apply_updates(params, up)
+        assert _adam_applied(params, after, state, weight_decay, "x") is None
+        assert "Adam's update" in _adam_applied(params, dict(after, b=params["b"]), state, weight_decay, "x")
+        params = after
 
 
 # the two draws (seed 2, indices 63 and 68 when found), written out so that they stay
