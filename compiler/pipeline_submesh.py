@@ -42,6 +42,8 @@ from jax.extend import core as jcore
 
 from ..ir.errors import ShardingError
 from ..ir.graph import is_collective
+from ..passes.insert_reshards import InsertReshards
+from ..passes.reshard_to_collectives import ReshardToCollectives
 from ..runtime.lower import partition_spec, run_op
 from .jaxpr_import import import_jaxpr
 from .pipeline import Options, default_passes, run_pipeline
@@ -222,8 +224,53 @@ def _run_passes(graph, options: Options, replay: dict):
         return run_pipeline(graph, options).graph
     passes = default_passes(options)
     choose = next(n for n, p in enumerate(passes) if p.name in CHOOSERS)
-    passes[choose] = ReplaySearchedPlan(replay["plan"]) if "plan" in replay else _Recorded(passes[choose], replay)
+    first = "plan" not in replay
+    passes[choose] = _Recorded(passes[choose], replay) if first else ReplaySearchedPlan(replay["plan"])
+    # the passes after it choose by bytes and divisibility too (an output's completion, a
+    # reshard's collectives: a reduce_scatter where a larger batch's rows divide, a psum
+    # where a micro-batch's do not); the first trace's choices hold at a multiple of its size
+    choices = replay.setdefault("choices", {})
+    for n, p in enumerate(passes):
+        if isinstance(p, InsertReshards):
+            passes[n] = _SameCompletions(p.allow_reduce_scatter, p.cost, choices.setdefault(p.name, []), first)
+        elif isinstance(p, ReshardToCollectives):
+            passes[n] = _SameSteps(p.allow_reduce_scatter, p.cost, choices.setdefault(p.name, []), first)
     return run_pipeline(graph, options, passes=passes).graph
+
+
+class _Replaying:
+    """Choices of a pass, made on the first trace of a step and kept in order (``first``),
+    or given back in that order on a later trace, where the values they are for must
+    stand where they stood (the same layouts)."""
+
+    def __init__(self, allow_reduce_scatter, cost, kept: list, first: bool):
+        super().__init__(allow_reduce_scatter, cost)
+        self.kept, self.first, self.at = kept, first, 0
+
+    def _choice(self, key, choose):
+        if self.first:
+            self.kept.append((key, choose()))
+            return self.kept[-1][1]
+        if self.at >= len(self.kept) or self.kept[self.at][0] != key:
+            raise ShardingError(f"internal: the traces of a pipelined step at two batch sizes planned different "
+                                f"redistributions ({self.name}, choice {self.at}), so the first one's choices cannot "
+                                "be given to the other")
+        self.at += 1
+        return self.kept[self.at - 1][1]
+
+
+class _SameCompletions(_Replaying, InsertReshards):
+    """insert-reshards, each partial output completed as on the first trace."""
+
+    def output_layout(self, v, mesh):
+        return self._choice(v.layout, lambda: InsertReshards.output_layout(self, v, mesh))
+
+
+class _SameSteps(_Replaying, ReshardToCollectives):
+    """reshard-to-collectives, each reshard written with the first trace's steps."""
+
+    def steps(self, src, dst, mesh):
+        return self._choice((src.layout, dst.layout), lambda: ReshardToCollectives.steps(self, src, dst, mesh))
 
 
 class _Recorded:

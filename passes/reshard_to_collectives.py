@@ -31,8 +31,7 @@ class ReshardToCollectives:
                 out.append(op)
                 continue
             src, dst = op.inputs[0], op.outputs[0]
-            steps = plan_redistribution(src.type.shape, src.type.itemsize, src.layout, dst.layout, mesh,
-                                        self.allow_reduce_scatter, self.cost)
+            steps = self.steps(src, dst, mesh)
             cur = src
             for i, s in enumerate(steps):
                 nxt = dst if i == len(steps) - 1 else Value(src.type, layout=s.after)
@@ -48,3 +47,8 @@ class ReshardToCollectives:
             for body in op.subgraphs:
                 self(body)
         return graph
+
+    def steps(self, src: Value, dst: Value, mesh) -> tuple:
+        """The planner's cheapest steps from ``src``'s layout to ``dst``'s."""
+        return plan_redistribution(src.type.shape, src.type.itemsize, src.layout, dst.layout, mesh,
+                                   self.allow_reduce_scatter, self.cost)

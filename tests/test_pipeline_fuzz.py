@@ -55,6 +55,18 @@ REFUSED_ONCE = [
          rows=3, marks=False, column_marks=False, lowering="spmd", zero1=True, optimizer="momentum",
          forward_only=False),
 ]
+# (seed 20261212, indices 77 and 78): pp x dp x mp, a micro-batch of 3 rows per dp device,
+# whose partial over mp no reduce_scatter can split, where the whole batch's 6 could
+STEPS_APART = [
+    Draw(index=77, width=8, blocks=["reshape", "residual", "dense", "gated", "dense", "softmax", "gated"],
+         tied=False, scalar=False, mesh=((2, 2, 2), ("pp", "dp", "mp")), schedule="interleaved", virtual=2,
+         microbatches=4, rows=3, marks=True, column_marks=True, lowering="mpmd", zero1=False, optimizer="sgd",
+         forward_only=False, cuts=[1, 4, 5]),
+    Draw(index=78, width=8, blocks=["dense", "norm", "gated", "residual", "dense"], tied=False, scalar=True,
+         mesh=((2, 2, 2), ("pp", "dp", "mp")), schedule="interleaved", virtual=2, microbatches=2, rows=3,
+         marks=True, column_marks=True, lowering="spmd", zero1=False, optimizer="sgd", forward_only=False,
+         cuts=[0, 1, 3]),
+]
 
 
 @pytest.mark.slow
@@ -64,5 +76,16 @@ def test_steps_propagation_once_planned_apart_equal_one_device(d):
     all_gather on the whole batch's trace and a local matmul on the micro-batch's, and the
     pipeline refused the step ("the plan ... differs between a micro-batch and the whole
     batch"). The micro-batch's strategies are now replayed on the other traces."""
+    outcome, detail = run(d)
+    assert outcome == "right", detail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", STEPS_APART, ids=lambda d: f"draw{d.index}")
+def test_steps_whose_redistributions_were_planned_apart_equal_one_device(d):
+    """The micro-batch's trace completed a partial over mp by a psum (its 3 rows per dp
+    device do not split over mp), the whole batch's by a reduce_scatter (6 do), and the
+    pipeline refused the step. The micro-batch's redistributions are now given to the
+    other traces (``compiler/pipeline_submesh.py`` ``_SameSteps``, ``_SameCompletions``)."""
     outcome, detail = run(d)
     assert outcome == "right", detail
