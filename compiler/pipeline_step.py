@@ -787,7 +787,7 @@ class PipelineFunction:
                                dp_axis="dp" if self.dp > 1 else None, sub=sub,
                                ties=tr.ties)
         if sub is not None:
-            self._check_planned_outputs(prog, pl.lowering)
+            self._check_planned_outputs(prog)
         c = _Compiled(prog, tr.out_tree, m, B, an, schedule)
         c.pipeline_config = pl
         c.search = search_rows
@@ -893,13 +893,8 @@ class PipelineFunction:
             return (n - 1,)
         return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
-    def _check_planned_outputs(self, prog, lowering: str) -> None:
+    def _check_planned_outputs(self, prog) -> None:
         for v, s_ in zip(prog.j.outvars, prog.out_spec):
-            if s_[0] == "batched" and lowering == "spmd":
-                raise ShardingError("a pipelined step with tensor-parallel axes returns a per-example output (a "
-                                    f"{v.aval.shape} array per micro-batch): not yet supported beside a planned "
-                                    "sub-mesh by the SPMD lowering; use sp.Pipeline(lowering=\"mpmd\"), return a "
-                                    "reduced value (a loss), or pipeline over 'pp' (and 'dp') only")
             if s_[0] == "float":
                 reads = prog._reads(prog.float_idxs)
                 split = [r for r in reads if r in prog.invar_index and any(prog.sub.in_dims[prog.invar_index[r]])]
@@ -1270,6 +1265,8 @@ class PipelineFunction:
         base, pk = prog.out_pack[k]
         o = base + pk.offset[v]
         n = int(np.prod(v.aval.shape))
+        if c.sub is not None:
+            return self._batched_out_sub(c, v, o, n, out_buf)
         x = out_buf[..., o:o + n]          # (dp, m, n): device j of dp holds rows j of each micro-batch
         from ..runtime.pipeline_lower import _from_f32
         x = _from_f32(x, (self.dp, c.m) + tuple(v.aval.shape), v.aval.dtype)
@@ -1279,6 +1276,24 @@ class PipelineFunction:
         shape = list(v.aval.shape)
         shape[bd] *= c.m * self.dp
         return x.reshape(shape)
+
+    @staticmethod
+    def _batched_out_sub(c, v, o, n, out_buf):
+        """A per-example output beside a sub-mesh: ``out_buf`` is ``(ranks, m, O)``, each
+        sub-mesh rank's block of each micro-batch's value under the output's planned layout
+        at ``o:o + n``; the micro-batches' values, joined along the batch dim in order."""
+        from ..runtime.distributed import to_numpy
+        from ..runtime.pipeline_lower import np_from_f32
+        sub, out = c.sub, list(c.prog.j.outvars).index(v)
+        shape, dims = tuple(sub.out_shapes[out]), sub.out_dims[out]
+        buf = to_numpy(out_buf)   # (over several processes each holds some ranks' blocks)
+        parts = []
+        for mb in range(c.m):
+            x = np.empty(shape, np.dtype(v.aval.dtype))
+            for r in range(sub.ranks):
+                x[sub.block(shape, dims, r)] = np_from_f32(buf[r, mb, o:o + n], tuple(v.aval.shape), v.aval.dtype)
+            parts.append(x)
+        return jnp.asarray(np.concatenate(parts, axis=c.an.bdim[v]))
 
     # ---------------------------------------------------------------- plan
     def plan(self, *args) -> PipelinePlan:

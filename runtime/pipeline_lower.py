@@ -998,9 +998,11 @@ class PipelineProgram:
             return packed.reshape(lead + packed.shape), bvals, out_buf, [env_rep[v] for v in rep_out_vars]
 
         state_spec, rep_spec, batch_spec, rep_out_spec = self._specs(rep_out_vars)
+        # per-example outputs: beside a sub-mesh each device's blocks, stacked over it
+        out_spec = P(tuple(self.sub.axes)) if self.sub else P()
         smap = jax.shard_map(body, mesh=self.mesh,
                              in_specs=([state_spec] * n_sources, rep_spec, batch_spec),
-                             out_specs=(state_spec, P(), P(), rep_out_spec), check_vma=False)
+                             out_specs=(state_spec, P(), out_spec, rep_out_spec), check_vma=False)
         return jax.jit(smap)
 
     def rep_inputs(self) -> list:

@@ -218,18 +218,17 @@ def tp_forward(cuts):
     return infer, ws, rng.standard_normal((16, 8)).astype(np.float32)
 
 
+@pytest.mark.parametrize("lowering", ["spmd", "mpmd"])
 @pytest.mark.parametrize("mesh,cuts", [(((4, 2), ("pp", "mp")), {0, 1, 2}), (((2, 2, 2), ("pp", "dp", "mp")), {1})])
-def test_mpmd_forward_beside_tensor_parallel_returns_per_example_outputs(mesh, cuts):
+def test_forward_beside_tensor_parallel_returns_per_example_outputs(mesh, cuts, lowering):
     """Inference of a tensor-parallel model over pipeline stages: each micro-batch's output
-    comes off its rank's sub-mesh under its planned layout and the micro-batches are
-    joined in order. The SPMD lowering refuses it and names the MPMD one."""
+    comes off its rank's sub-mesh under its planned layout (MPMD: its stacked values; SPMD:
+    each device's blocks in the step's output buffer) and the micro-batches are joined in
+    order. Both lowerings refused it before."""
     infer, ws, x = tp_forward(cuts)
     want, want_sum = jax.jit(infer)(ws, x)
     f = sp.parallelize(infer, mesh=mesh, batch_argnums=(1,),
-                       pipeline=sp.Pipeline(microbatches=4, schedule="gpipe", lowering="mpmd"))
+                       pipeline=sp.Pipeline(microbatches=4, schedule="gpipe", lowering=lowering))
     got, got_sum = f(ws, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(got_sum), float(want_sum), rtol=1e-5)
-    spmd = sp.parallelize(infer, mesh=mesh, batch_argnums=(1,), pipeline=sp.Pipeline(microbatches=4))
-    with pytest.raises(sp.ShardingError, match='per-example output.*lowering="mpmd"'):
-        spmd(ws, x)
