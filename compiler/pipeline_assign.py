@@ -727,6 +727,20 @@ def layer_bounds(an, counts) -> tuple:
         n += c
         edges.append(start + n * period)
     edges.append(F)
+    # a cut between two layers can be one auto_stages refuses: a layer whose input its own
+    # backward reads (a gated layer, x * sigmoid(x @ w)) runs that backward op with the
+    # input's producer, the previous layer, and its result would flow up the stages. Such
+    # a cut moves to the nearest op where it would not (ties: later), inside the layers
+    # around it; nowhere, it stays and auto_stages' error says so
+    forbidden = _op_layers(an)[1]
+    for k in range(1, len(edges) - 1):
+        e = edges[k]
+        if 0 < e <= len(forbidden) and forbidden[e - 1]:
+            near = sorted((abs(x - e), -x) for x in range(max(edges[k - 1] + 1, e - period + 1),
+                                                          min(edges[k + 1], e + period))
+                          if not forbidden[x - 1])
+            if near:
+                edges[k] = -near[0][1]
     bounds = tuple(zip(edges[:-1], edges[1:]))
     empty = [k for k, (a, b) in enumerate(bounds) if a >= b]
     if empty:

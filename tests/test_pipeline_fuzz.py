@@ -89,3 +89,19 @@ def test_steps_whose_redistributions_were_planned_apart_equal_one_device(d):
     other traces (``compiler/pipeline_submesh.py`` ``_SameSteps``, ``_SameCompletions``)."""
     outcome, detail = run(d)
     assert outcome == "right", detail
+
+
+# (seed 4, index 60): six gated layers, x * sigmoid(x @ w + b), given as layers per stage
+GATED_LAYERS = Draw(index=60, width=12, blocks=["gated"] * 6, tied=False, scalar=False, mesh=((4,), ("pp",)),
+                    schedule="gpipe", virtual=1, microbatches=8, rows=2, marks=False, column_marks=False,
+                    lowering="spmd", zero1=False, optimizer="adamw", forward_only=False, layers=(1, 1, 2, 2))
+
+
+@pytest.mark.slow
+def test_layers_per_stage_of_gated_layers_equal_one_device():
+    """A gated layer's backward reads its input, which the previous layer produced: a cut
+    exactly between the layers sent that backward value up the stages, and
+    ``stages=(1, 1, 2, 2)`` was refused. The cut now moves to the nearest op where it is
+    allowed (``compiler/pipeline_assign.py`` ``layer_bounds``)."""
+    outcome, detail = run(GATED_LAYERS)
+    assert outcome == "right", detail

@@ -8,7 +8,7 @@ forward's outputs).
 
 The op fuzzer (``python -m tests.fuzz``) draws op graphs on one mesh; this one draws what
 a pipeline adds: a chain of blocks of different kinds and widths of work, cuts by
-``stage_boundary`` marks or none (the compiler's cuts), a tied weight read by the first
+``stage_boundary`` marks, none (the compiler's cuts) or layers per stage, a tied weight read by the first
 and the last stage, a scalar parameter every stage may read, ``pp`` alone or beside
 ``dp`` and ``mp`` (with Megatron column marks), the schedule, the number of
 micro-batches (or both searched), the lowering, ZeRO-1, the optimizer, ``mode="auto"`` on
@@ -54,6 +54,7 @@ class Draw:
     forward_only: bool
     cuts: list = field(default_factory=list)
     search: str = ""            # "", "schedule" (microbatches and schedule "auto") or "mode" (mode="auto")
+    layers: tuple = ()          # sp.Pipeline(stages=...): layers per model stage (the blocks all alike)
 
     @property
     def pp(self) -> int:
@@ -72,6 +73,7 @@ class Draw:
                 f", m={self.microbatches}, batch {self.batch}, {self.lowering}, width {self.width}, blocks "
                 f"{','.join(self.blocks)}" + (f", cuts after {self.cuts}" if self.marks else ", compiler's cuts") +
                 (", tied" if self.tied else "") + (", scalar" if self.scalar else "") +
+                (f", layers per stage {self.layers}" if self.layers else "") +
                 (", column marks" if self.column_marks else "") + (", ZeRO-1" if self.zero1 else "") +
                 {"": "", "schedule": ", microbatches and schedule searched", "mode": ", mode=auto"}[self.search] +
                 f", {'forward only' if self.forward_only else self.optimizer}")
@@ -106,6 +108,10 @@ def draw(seed: int, index: int) -> Draw:
     roll = rng.random()
     d.search = "schedule" if roll < 0.15 and d.marks and virtual == 1 else \
         "mode" if roll > 0.85 else ""
+    if rng.random() < 0.3 and not d.marks:   # (drawn after the search switch, likewise)
+        d.blocks = [d.blocks[0]] * n_blocks
+        edges = sorted(int(e) + 1 for e in rng.choice(n_blocks - 1, size=stages - 1, replace=False))
+        d.layers = tuple(int(b - a) for a, b in zip([0] + edges, edges + [n_blocks]))
     return d
 
 
@@ -233,7 +239,7 @@ def run(d: Draw, steps: int = 2) -> tuple:
         searched = d.search == "schedule"
         pipe = sp.Pipeline(microbatches="auto" if searched else d.microbatches,
                            schedule="auto" if searched else d.schedule, virtual_stages=d.virtual,
-                           lowering=d.lowering)
+                           lowering=d.lowering, stages=d.layers or None)
         kw = dict(shard_optimizer_state=True) if d.zero1 else {}
         if d.search == "mode":
             kw["mode"] = "auto"
