@@ -330,6 +330,38 @@ def test_warm_lp_time_limit_is_per_solve_not_the_instances_clock():
     assert narrowed.bound == pytest.approx(cold.bound, rel=1e-6)
 
 
+def test_a_hand_family_over_the_limit_for_time_alone_is_solved_under_it():
+    """A hand family whose time-optimal plan is over the limit is solved again under it,
+    on its own candidates: the Megatron family (weights split over both axes) of the
+    2-layer SGD step on 2 x 4 at 0.7 of the free peak, over it for time alone, fits
+    (an engineer's plan of that name frees each gathered weight after its use), so the
+    search has it to hold its plan to."""
+    from shardprop.passes.auto import SearchStrategies, hand
+    from shardprop.passes.auto.problem import Problem
+    from shardprop.passes.auto.search import _Liveness, _warm_model
+    from shardprop.passes.cost import DEFAULT_COST
+    params, x, y = problem_data(256, 64, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
+    problem = Problem(g, DEFAULT_COST)
+    memory = _Liveness(g, problem)
+    free = hand.hand_plans(problem, lambda c: memory.peak(c)[0], None)
+    fam = next(f for f in hand.families(problem) if f.name == "Megatron" and "dp over" not in f.axes)
+    over = next(h for h in free if h.name.startswith("Megatron") and h.axes == fam.axes)
+    limit = 0.9 * over.peak
+    st = SearchStrategies(memory_limit=limit)
+    hand._SOLVED.clear()
+    warm = _warm_model(problem, memory, [fam])
+    fitted = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, fams=[fam], warm=warm,
+                             fit=lambda allowed, c: st._fit_hand(problem, memory, limit, allowed, c))
+    (h,) = fitted
+    assert h.fits and h.peak <= limit < over.peak, (h, over)
+    assert all(h.choice[t] in fam.allowed[t] for t in fam.allowed)   # (the family's storage layouts)
+    assert h.time >= over.time * (1 - 1e-9)                          # (the time-optimal one is the least)
+    assert "solved under it" in h.note
+    unfitted = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, fams=[fam])
+    assert not unfitted[0].fits   # (without the solve under the limit: over it)
+
+
 # -- a copy several ops read is priced once, as written ----------------------------------------
 
 def norm_mlp_step(params, x, y):

@@ -38,6 +38,7 @@ from . import hand, lagrange, milp, warm_lp
 from .memory import (copy_bytes, fused_bytes, fused_reads, largest_at_peak, live_intervals, plan_peak, plan_profile,
                      view_bytes, view_shadows)
 from .refine import refine
+from .repair import fit_by_switching
 from .problem import DECIDERS, Problem, _unique
 
 MAX_MEMORY_ROUNDS = 25
@@ -73,6 +74,9 @@ MULTIPLIERS_BRIEF_S = 1.0
 # GPT step on 4 x 2 it had met a plan within 0.05% of its LP at its 7th of 12 solves,
 # then ran out of time and returned none)
 DIVE_STOP = 0.005
+# seconds a hand family whose time-optimal plan is over the limit gets to be made to fit it
+# (``repair.py``; a fraction of a second on the 2-layer GPT step)
+HAND_FIT_S = 2.0
 # warm LP models (warm_lp.py) by problem: the searches memory_check runs again in one
 # compile build the same problem and go on from the last one's basis and rows
 _WARM: dict = {}
@@ -296,9 +300,14 @@ class SearchStrategies:
             fams = hand.families(problem) if hands and (limit is not None or self.compare_hands) else []
             warm = _warm_model(problem, memory, fams) if limit is not None else None
         t_hand = time.perf_counter()
+        peaks = []   # where the hand plans solved for time alone peak over the limit (the rounds' first rows)
+
+        def fit(allowed, choice):
+            peaks.append(memory.peak(choice)[1])
+            return self._fit_hand(problem, memory, limit, allowed, choice)
         with self._phase("hand plans"):
             plans = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, time_limit=self.time_limit,
-                                    fams=fams, warm=warm) if fams else []
+                                    fams=fams, warm=warm, fit=fit if limit is not None else None) if fams else []
         if self._deadline is not None:
             # (the hand plans are solved in full, each within time_limit: what they compare
             # with must be there; the budget is for the search's own rounds, which on a
@@ -331,6 +340,7 @@ class SearchStrategies:
             # them (the unlimited optimum, like DP, peaks where the arguments and the
             # activations meet), rather than from the unlimited solve
             over = [memory.peak(h.choice)[1] for h in plans if h.choice is not None and not h.fits]
+            over += [at for at in peaks if at not in over]
             # (the un-coarsened search of a small graph is there to be exact: its exact rows are
             # not cut short, the coarse plan to beat keeping the problem small)
             sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest, start, seed=over,
@@ -382,6 +392,14 @@ class SearchStrategies:
                 out.plan, out.peak, out.modeled, out.claimed = kept            # objective, not always this)
                 peak = out.peak
         return out, peak
+
+    def _fit_hand(self, problem: Problem, memory: "_Liveness", limit: float, allowed: dict,
+                  choice: dict) -> Optional[dict]:
+        """A plan of the hand family narrowed to ``allowed`` that fits ``limit``, where its
+        time-optimal plan ``choice`` does not (``repair.fit_by_switching``, within
+        ``HAND_FIT_S``), or None."""
+        with self._phase("hand plans under the limit"):
+            return fit_by_switching(problem, memory, limit, choice, allowed, time.perf_counter() + HAND_FIT_S)
 
     def _picked(self, graph: Graph, problem: Problem, plans: list, limit):
         """(problem, the hand plan named ``self.pick`` as the plan, its peak), refined as the
