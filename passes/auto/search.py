@@ -35,8 +35,8 @@ from ..plan_core.write import SEARCHED, USER, follows, follows_input, user_fixed
 from ..propagate import PropagateSharding
 from ..rules import FIXED
 from . import hand, lagrange, milp, warm_lp
-from .memory import (copy_bytes, fused_bytes, fused_reads, largest_at_peak, live_intervals, plan_peak, plan_profile,
-                     view_bytes, view_shadows)
+from .memory import (copy_bytes, fused_bytes, largest_at_peak, plan_peak, plan_profile, program_facts,
+                     view_bytes)
 from .refine import refine
 from .repair import fit_by_switching
 from .problem import DECIDERS, Problem, _unique
@@ -945,9 +945,9 @@ class _Liveness:
     and redistribution copies), and the constraint of one point."""
 
     def __init__(self, graph: Graph, problem: Problem):
-        intervals = live_intervals(graph)
-        self.shadows = view_shadows(graph)
-        self.fused = fused_reads(graph)
+        self.facts = program_facts(graph)   # (the program's part of every peak: computed once)
+        intervals, self.shadows, fused = self.facts
+        self.fused = [(r, m, p) for (r, m), p in fused.items()]
         self.graph, self.problem = graph, problem
         self.vals = [v for v in problem.values if v in intervals]
         self.birth = np.array([intervals[v][0] + 1 for v in self.vals])
@@ -964,7 +964,7 @@ class _Liveness:
         return np.array([vec[choice[t]] for t, vec in zip(self.temp, self.vec)])
 
     def peak(self, choice: dict) -> tuple[float, int]:
-        prof = plan_profile(self.graph, *self.problem.op_strategies(choice))
+        prof = plan_profile(self.graph, *self.problem.op_strategies(choice), self.facts)
         at = int(np.argmax(prof))
         return float(prof[at]), at
 
