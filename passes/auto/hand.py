@@ -9,7 +9,9 @@ axes (Megatron: a matmul pair's column then row split is what the solver picks f
 its ops), or over both (tp+FSDP). On a mesh of two axes each axis takes each role.
 Every other decision (each op's strategy) is then the best the problem's solver
 finds for those storage layouts, so each plan here is at least as good, under the
-model, as the hand plan of that name; each is priced by the one evaluator, twice:
+model, as the hand plan of that name (where that plan is over the memory limit, it is
+made to fit by switching decisions at its peak to leaner candidates, ``repair.py``:
+then it fits, but is not the optimum under the limit); each is priced by the one evaluator, twice:
 as the solver's objective prices it (``Problem.evaluate``: a copy once per reader)
 and as the program is written (``Problem.written``: a copy several ops read made
 once, the price propagation gives the same plan), and its modeled peak

@@ -75,7 +75,7 @@ MULTIPLIERS_BRIEF_S = 1.0
 # then ran out of time and returned none)
 DIVE_STOP = 0.005
 # seconds a hand family whose time-optimal plan is over the limit gets to be made to fit it
-# (``repair.py``; a fraction of a second on the 2-layer GPT step)
+# (``repair.py``; 0.06-0.23 s per family on the 2-layer GPT step on 4 x 2 at half the free peak)
 HAND_FIT_S = 2.0
 # warm LP models (warm_lp.py) by problem: the searches memory_check runs again in one
 # compile build the same problem and go on from the last one's basis and rows
