@@ -434,8 +434,8 @@ class SearchStrategies:
         1. With ``memory_method="lagrange"``, the multipliers (``lagrange.py``), kept where
            proven within ``memory_tolerance``.
         2. The rows' LP relaxation, rounded and dived (``_relaxed_round``), from the rows
-           ``seed`` gives (where the hand plans over the limit peak; else where the
-           unlimited plan does), a row added where its plans overflow, until a plan is
+           ``seed`` gives (where the hand plans over the limit peak, or where the
+           cheapest peaks if all fit; else where the unlimited plan does), a row added where its plans overflow, until a plan is
            proven within ``relaxed_gap`` or the LP is integral.
         3. The exact rows: solve, add the row where the plan peaks over the limit, solve
            again. With no plan yet they get what is left of the budget, and where a solve
