@@ -362,6 +362,35 @@ def test_a_hand_family_over_the_limit_for_time_alone_is_solved_under_it():
     assert not unfitted[0].fits   # (without the solve under the limit: over it)
 
 
+@pytest.mark.slow
+def test_where_every_hand_plan_fits_the_first_row_is_where_the_cheapest_peaks(monkeypatch):
+    """No hand plan over the limit: the LP rounds start from the row where the cheapest
+    hand plan peaks (every plan that fits meets it), with no exact unlimited solve to
+    find a first row; the plan fits and is no dearer than that hand plan."""
+    from shardprop.passes.auto import SearchStrategies, hand
+    from shardprop.passes.auto.memory import plan_profile
+    params, x, y = problem_data(256, 64, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
+    _, _, free_peak = SearchStrategies().search(g)
+    limit = int(0.85 * free_peak)
+    hand._SOLVED.clear()
+    seeds = []
+    inner = SearchStrategies._solve_under_limit
+
+    def spy(self, red, problem, memory, limit, smallest, start=None, seed=(), **kw):
+        seeds.append((list(seed), problem))
+        return inner(self, red, problem, memory, limit, smallest, start, seed, **kw)
+    monkeypatch.setattr(SearchStrategies, "_solve_under_limit", spy)
+    st = SearchStrategies(memory_limit=limit, exact_ops=0)
+    _, sol, peak = st.search(g)
+    hands = [h for h in st._hands if h.time is not None]
+    assert hands and all(h.fits for h in hands)
+    cheapest = min(hands, key=lambda h: h.time)
+    (seed, problem), = seeds
+    assert seed == [int(np.argmax(plan_profile(g, *problem.op_strategies(cheapest.choice))))]
+    assert peak <= limit and sol.objective <= cheapest.time * (1 + 1e-9)
+
+
 # -- a copy several ops read is priced once, as written ----------------------------------------
 
 def norm_mlp_step(params, x, y):
