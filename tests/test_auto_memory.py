@@ -330,6 +330,67 @@ def test_warm_lp_time_limit_is_per_solve_not_the_instances_clock():
     assert narrowed.bound == pytest.approx(cold.bound, rel=1e-6)
 
 
+def test_a_hand_family_over_the_limit_for_time_alone_is_solved_under_it():
+    """A hand family whose time-optimal plan is over the limit is solved again under it,
+    on its own candidates: the Megatron family (weights split over both axes) of the
+    2-layer SGD step on 2 x 4 at 0.7 of the free peak, over it for time alone, fits
+    (an engineer's plan of that name frees each gathered weight after its use), so the
+    search has it to hold its plan to."""
+    from shardprop.passes.auto import SearchStrategies, hand
+    from shardprop.passes.auto.problem import Problem
+    from shardprop.passes.auto.search import _Liveness, _warm_model
+    from shardprop.passes.cost import DEFAULT_COST
+    params, x, y = problem_data(256, 64, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
+    problem = Problem(g, DEFAULT_COST)
+    memory = _Liveness(g, problem)
+    free = hand.hand_plans(problem, lambda c: memory.peak(c)[0], None)
+    fam = next(f for f in hand.families(problem) if f.name == "Megatron" and "dp over" not in f.axes)
+    over = next(h for h in free if h.name.startswith("Megatron") and h.axes == fam.axes)
+    limit = 0.9 * over.peak
+    st = SearchStrategies(memory_limit=limit)
+    hand._SOLVED.clear()
+    warm = _warm_model(problem, memory, [fam])
+    fitted = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, fams=[fam], warm=warm,
+                             fit=lambda allowed, c: st._fit_hand(problem, memory, limit, allowed, c))
+    (h,) = fitted
+    assert h.fits and h.peak <= limit < over.peak, (h, over)
+    assert all(h.choice[t] in fam.allowed[t] for t in fam.allowed)   # (the family's storage layouts)
+    assert h.time >= over.time * (1 - 1e-9)                          # (the time-optimal one is the least)
+    assert "solved under it" in h.note
+    unfitted = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, fams=[fam])
+    assert not unfitted[0].fits   # (without the solve under the limit: over it)
+
+
+@pytest.mark.slow
+def test_where_every_hand_plan_fits_the_first_row_is_where_the_cheapest_peaks(monkeypatch):
+    """No hand plan over the limit: the LP rounds start from the row where the cheapest
+    hand plan peaks (every plan that fits meets it), with no exact unlimited solve to
+    find a first row; the plan fits and is no dearer than that hand plan."""
+    from shardprop.passes.auto import SearchStrategies, hand
+    from shardprop.passes.auto.memory import plan_profile
+    params, x, y = problem_data(256, 64, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
+    _, _, free_peak = SearchStrategies().search(g)
+    limit = int(0.85 * free_peak)
+    hand._SOLVED.clear()
+    seeds = []
+    inner = SearchStrategies._solve_under_limit
+
+    def spy(self, red, problem, memory, limit, smallest, start=None, seed=(), **kw):
+        seeds.append((list(seed), problem))
+        return inner(self, red, problem, memory, limit, smallest, start, seed, **kw)
+    monkeypatch.setattr(SearchStrategies, "_solve_under_limit", spy)
+    st = SearchStrategies(memory_limit=limit, exact_ops=0)
+    _, sol, peak = st.search(g)
+    hands = [h for h in st._hands if h.time is not None]
+    assert hands and all(h.fits for h in hands)
+    cheapest = min(hands, key=lambda h: h.time)
+    (seed, problem), = seeds
+    assert seed == [int(np.argmax(plan_profile(g, *problem.op_strategies(cheapest.choice))))]
+    assert peak <= limit and sol.objective <= cheapest.time * (1 + 1e-9)
+
+
 # -- a copy several ops read is priced once, as written ----------------------------------------
 
 def norm_mlp_step(params, x, y):

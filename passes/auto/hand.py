@@ -9,7 +9,9 @@ axes (Megatron: a matmul pair's column then row split is what the solver picks f
 its ops), or over both (tp+FSDP). On a mesh of two axes each axis takes each role.
 Every other decision (each op's strategy) is then the best the problem's solver
 finds for those storage layouts, so each plan here is at least as good, under the
-model, as the hand plan of that name; each is priced by the one evaluator, twice:
+model, as the hand plan of that name (where that plan is over the memory limit, it is
+made to fit by switching decisions at its peak to leaner candidates, ``repair.py``:
+then it fits, but is not the optimum under the limit); each is priced by the one evaluator, twice:
 as the solver's objective prices it (``Problem.evaluate``: a copy once per reader)
 and as the program is written (``Problem.written``: a copy several ops read made
 once, the price propagation gives the same plan), and its modeled peak
@@ -23,7 +25,7 @@ lists them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -58,6 +60,8 @@ class HandPlan:
     fits: bool = False
     choice: Optional[dict] = None
     note: str = ""
+    allowed: Optional[dict] = field(default=None, repr=False)   # its family's narrowing (the solves under a limit)
+    key: Optional[tuple] = field(default=None, repr=False)       # what its solve under the limit is cached by
 
     @property
     def label(self) -> str:
@@ -200,12 +204,20 @@ def families(problem) -> list[Family]:
 
 
 def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[float] = 10.0,
-               fams: Optional[list] = None, warm=None) -> list[HandPlan]:
+               fams: Optional[list] = None, warm=None, fit=None) -> list[HandPlan]:
     """Each of ``families(problem)`` (or ``fams``) solved for its storage layouts and
     priced. ``peak_of(choice)``: its modeled peak. ``warm``: a ``warm_lp.WarmLP`` of
     this problem whose reduction kept every family's candidates (``milp.reduce(...,
     also=)``): each family is then its LP narrowed by bounds, solved from the last
-    family's basis (where its optimum is fractional, the MILP from scratch)."""
+    family's basis (where its optimum is fractional, the MILP from scratch).
+
+    ``fit(allowed, choice)``: a plan of the family narrowed to ``allowed`` that fits
+    the limit, solved under it, where its time-optimal ``choice`` does not (or None).
+    An engineer's plan of that name gathers each weight at its use and frees it after;
+    solved for time alone, the family's ops may hold far more (tp+FSDP on the 2-layer
+    GPT step on 4 x 2 modeled 4.59 MB against a 2.54 MB limit, while the engineer's
+    fits), and the search, which returns nothing worse than the best hand plan that
+    fits, would have none to hold to."""
     out = []
     for fam in (families(problem) if fams is None else fams):
         if fam.allowed is None:
@@ -219,11 +231,35 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
             continue
         key = tuple(sorted((t, tuple(a)) for t, a in allowed.items()))
         plan = _solve(problem, name, axes, allowed, peak_of, limit, time_limit, (problem.fingerprint, key), warm)
-        same = next((p for p in out if p.choice is not None and p.choice == plan.choice), None)
+        plan.allowed, plan.key = allowed, (problem.fingerprint, key, limit)
+        out.append(plan)
+    if fit is not None:
+        out = _fit_cheapest(problem, out, fit, peak_of, limit)
+    kept: list = []
+    for plan in out:
+        same = next((p for p in kept if p.choice is not None and p.choice == plan.choice), None)
         if same is not None:   # (tp+FSDP that splits nothing over dp is Megatron)
             same.name += f" = {plan.name}" if plan.name not in same.name else ""
             continue
-        out.append(plan)
+        kept.append(plan)
+    return kept
+
+
+def _fit_cheapest(problem, plans: list, fit, peak_of, limit) -> list:
+    """The plans over the limit solved again under it (``_fitted``), cheapest first, while
+    one could still be the best that fits: a plan solved under the limit costs at least
+    its time-optimal plan, so one whose time-optimal plan is no cheaper than a plan that
+    fits is left as it is (on the GPT steps most families are over the limit, and each
+    solve under it is several LPs)."""
+    out = list(plans)
+    order = sorted((i for i, p in enumerate(out) if p.choice is not None and not p.fits), key=lambda i: out[i].time)
+    for i in order:
+        p = out[i]
+        least = bound(out)
+        if least is not None and p.time >= least * (1 - 1e-12):
+            p.note += "; not solved under the limit (a hand plan that fits is cheaper than its time-optimal plan)"
+            continue
+        out[i] = _fitted(problem, p, p.allowed, fit, peak_of, limit, p.key)
     return out
 
 
@@ -265,6 +301,39 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
             plan.note = sol.status
             return plan
         choice = {t: sol.choice.get(t, 0) for t in problem.unary}
+    _price(problem, plan, choice, peak_of, limit)
+    plan.note = f"{time.perf_counter() - t0:.2f} s" + (f" ({how})" if how else "")
+    if key is not None and reused is None:
+        _remember(key, choice)
+    return plan
+
+
+def _fitted(problem, plan: HandPlan, allowed: dict, fit, peak_of, limit, key) -> HandPlan:
+    """``plan`` (over the limit) solved again under it by ``fit``, priced; ``plan``
+    itself, its note saying so, where ``fit`` finds none that fits."""
+    t0 = time.perf_counter()
+    reused = _SOLVED.get(key)
+    choice = dict(reused) if reused is not None else fit(allowed, plan.choice)
+    seconds = time.perf_counter() - t0
+    if choice is None:
+        plan.note += f"; solved under the limit: none that fits found ({seconds:.2f} s)"
+        return plan
+    out = HandPlan(plan.name, plan.axes)
+    out.allowed, out.key = allowed, key
+    _price(problem, out, choice, peak_of, limit)
+    if not out.fits:   # (the rows fit; the modeled peak is the judge)
+        plan.note += f"; solved under the limit: over it still ({seconds:.2f} s)"
+        return plan
+    out.note = f"{plan.note}; over the limit solved for time alone ({plan.peak / 2**20:.2f} MiB): solved under " \
+               f"it, {seconds:.2f} s" + (" (its solve reused)" if reused is not None else "")
+    if reused is None:
+        _remember(key, choice)
+    return out
+
+
+def _price(problem, plan: HandPlan, choice: dict, peak_of, limit) -> None:
+    """``plan`` as ``choice``: its modeled step (a copy once per reader, and as written),
+    its peak and whether it fits."""
     plan_ops = problem.op_strategies(choice)
     e = problem.evaluate(*plan_ops)
     plan.time = e["compute"] + e["communication"]
@@ -272,12 +341,12 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
     plan.peak = peak_of(choice)
     plan.fits = limit is None or plan.peak <= limit
     plan.choice = choice
-    plan.note = f"{time.perf_counter() - t0:.2f} s" + (f" ({how})" if how else "")
-    if key is not None and reused is None:
-        if len(_SOLVED) >= _SOLVED_MAX:
-            _SOLVED.pop(next(iter(_SOLVED)))
-        _SOLVED[key] = dict(choice)
-    return plan
+
+
+def _remember(key, choice: dict) -> None:
+    if len(_SOLVED) >= _SOLVED_MAX:
+        _SOLVED.pop(next(iter(_SOLVED)))
+    _SOLVED[key] = dict(choice)
 
 
 def best(plans: list) -> Optional[HandPlan]:

@@ -214,7 +214,17 @@ def copy_bytes(v, have, need, mesh) -> float:
     return float(most)
 
 
-def plan_buffers(graph: Graph, ops: dict, inputs: dict) -> list:
+def program_facts(graph: Graph) -> tuple:
+    """What ``plan_buffers`` needs of the program that no plan changes: (live intervals,
+    view shadows, fused reads by (reader, operand) -> producer). A caller that prices
+    many plans of one program (the search: ~100 peaks per search, each of which
+    recomputed them, fusion's analysis included, a third of a peak's time) computes
+    them once."""
+    intervals, shadows = _intervals(graph)
+    return intervals, shadows, {(r, m): p for r, m, p in fused_reads(graph)}
+
+
+def plan_buffers(graph: Graph, ops: dict, inputs: dict, facts: Optional[tuple] = None) -> list:
     """The buffers a plan (op -> OpStrategy, input index -> Layout) holds, as
     (first profile index, last profile index, bytes per device): every value over its
     live interval, and, at each op, the copy a redistribution makes of an operand the
@@ -222,8 +232,7 @@ def plan_buffers(graph: Graph, ops: dict, inputs: dict) -> list:
     at the op itself. Profile index: op position + 1; 0 and len(ops) + 1 are the call's
     start and end (the arguments and outputs span them)."""
     mesh = graph.mesh
-    intervals, shadows = _intervals(graph)
-    fused = {(r, m): p for r, m, p in fused_reads(graph)}
+    intervals, shadows, fused = program_facts(graph) if facts is None else facts
     out = []
     layout = {}
 
@@ -253,12 +262,12 @@ def plan_buffers(graph: Graph, ops: dict, inputs: dict) -> list:
     return out
 
 
-def plan_profile(graph: Graph, ops: dict, inputs: dict):
+def plan_profile(graph: Graph, ops: dict, inputs: dict, facts: Optional[tuple] = None):
     """Modeled live bytes per device at each program point of a plan: the sum of
-    ``plan_buffers`` alive there."""
+    ``plan_buffers`` alive there (``facts``: the program's ``program_facts``, where known)."""
     import numpy as np
     diff = np.zeros(len(graph.ops) + 3)
-    for b, d, n in plan_buffers(graph, ops, inputs):
+    for b, d, n in plan_buffers(graph, ops, inputs, facts):
         diff[b] += n
         diff[d + 1] -= n
     return np.cumsum(diff)[:len(graph.ops) + 2]

@@ -35,9 +35,10 @@ from ..plan_core.write import SEARCHED, USER, follows, follows_input, user_fixed
 from ..propagate import PropagateSharding
 from ..rules import FIXED
 from . import hand, lagrange, milp, warm_lp
-from .memory import (copy_bytes, fused_bytes, fused_reads, largest_at_peak, live_intervals, plan_peak, plan_profile,
-                     view_bytes, view_shadows)
+from .memory import (copy_bytes, fused_bytes, largest_at_peak, plan_peak, plan_profile, program_facts,
+                     view_bytes)
 from .refine import refine
+from .repair import fit_by_switching
 from .problem import DECIDERS, Problem, _unique
 
 MAX_MEMORY_ROUNDS = 25
@@ -73,6 +74,9 @@ MULTIPLIERS_BRIEF_S = 1.0
 # GPT step on 4 x 2 it had met a plan within 0.05% of its LP at its 7th of 12 solves,
 # then ran out of time and returned none)
 DIVE_STOP = 0.005
+# seconds a hand family whose time-optimal plan is over the limit gets to be made to fit it
+# (``repair.py``; 0.06-0.23 s per family on the 2-layer GPT step on 4 x 2 at half the free peak)
+HAND_FIT_S = 2.0
 # warm LP models (warm_lp.py) by problem: the searches memory_check runs again in one
 # compile build the same problem and go on from the last one's basis and rows
 _WARM: dict = {}
@@ -296,9 +300,14 @@ class SearchStrategies:
             fams = hand.families(problem) if hands and (limit is not None or self.compare_hands) else []
             warm = _warm_model(problem, memory, fams) if limit is not None else None
         t_hand = time.perf_counter()
+        peaks = []   # where the hand plans solved for time alone peak over the limit (the rounds' first rows)
+
+        def fit(allowed, choice):
+            peaks.append(memory.peak(choice)[1])
+            return self._fit_hand(problem, memory, limit, allowed, choice)
         with self._phase("hand plans"):
             plans = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, time_limit=self.time_limit,
-                                    fams=fams, warm=warm) if fams else []
+                                    fams=fams, warm=warm, fit=fit if limit is not None else None) if fams else []
         if self._deadline is not None:
             # (the hand plans are solved in full, each within time_limit: what they compare
             # with must be there; the budget is for the search's own rounds, which on a
@@ -331,6 +340,13 @@ class SearchStrategies:
             # them (the unlimited optimum, like DP, peaks where the arguments and the
             # activations meet), rather than from the unlimited solve
             over = [memory.peak(h.choice)[1] for h in plans if h.choice is not None and not h.fits]
+            over += [at for at in peaks if at not in over]
+            if not over:
+                # (every hand plan fits: the first row is where the cheapest peaks, which every plan
+                # that fits meets too; finding the unlimited optimum's peak by an exact solve instead
+                # took 0.8 s of the 2-layer GPT step's 7 s on 2 x 4 at 0.7, 2.4 s of the 4-layer's 12 s)
+                cheapest = min((h for h in plans if h.choice is not None), key=lambda h: h.time, default=None)
+                over = [memory.peak(cheapest.choice)[1]] if cheapest is not None else []
             # (the un-coarsened search of a small graph is there to be exact: its exact rows are
             # not cut short, the coarse plan to beat keeping the problem small)
             sol, smallest = self._solve_under_limit(red, problem, memory, limit, smallest, start, seed=over,
@@ -383,6 +399,14 @@ class SearchStrategies:
                 peak = out.peak
         return out, peak
 
+    def _fit_hand(self, problem: Problem, memory: "_Liveness", limit: float, allowed: dict,
+                  choice: dict) -> Optional[dict]:
+        """A plan of the hand family narrowed to ``allowed`` that fits ``limit``, where its
+        time-optimal plan ``choice`` does not (``repair.fit_by_switching``, within
+        ``HAND_FIT_S``), or None."""
+        with self._phase("hand plans under the limit"):
+            return fit_by_switching(problem, memory, limit, choice, allowed, time.perf_counter() + HAND_FIT_S)
+
     def _picked(self, graph: Graph, problem: Problem, plans: list, limit):
         """(problem, the hand plan named ``self.pick`` as the plan, its peak), refined as the
         search's own would be; (problem, None, None) where this arrangement has none that fits."""
@@ -410,8 +434,8 @@ class SearchStrategies:
         1. With ``memory_method="lagrange"``, the multipliers (``lagrange.py``), kept where
            proven within ``memory_tolerance``.
         2. The rows' LP relaxation, rounded and dived (``_relaxed_round``), from the rows
-           ``seed`` gives (where the hand plans over the limit peak; else where the
-           unlimited plan does), a row added where its plans overflow, until a plan is
+           ``seed`` gives (where the hand plans over the limit peak, or where the
+           cheapest peaks if all fit; else where the unlimited plan does), a row added where its plans overflow, until a plan is
            proven within ``relaxed_gap`` or the LP is integral.
         3. The exact rows: solve, add the row where the plan peaks over the limit, solve
            again. With no plan yet they get what is left of the budget, and where a solve
@@ -927,9 +951,9 @@ class _Liveness:
     and redistribution copies), and the constraint of one point."""
 
     def __init__(self, graph: Graph, problem: Problem):
-        intervals = live_intervals(graph)
-        self.shadows = view_shadows(graph)
-        self.fused = fused_reads(graph)
+        self.facts = program_facts(graph)   # (the program's part of every peak: computed once)
+        intervals, self.shadows, fused = self.facts
+        self.fused = [(r, m, p) for (r, m), p in fused.items()]
         self.graph, self.problem = graph, problem
         self.vals = [v for v in problem.values if v in intervals]
         self.birth = np.array([intervals[v][0] + 1 for v in self.vals])
@@ -946,7 +970,7 @@ class _Liveness:
         return np.array([vec[choice[t]] for t, vec in zip(self.temp, self.vec)])
 
     def peak(self, choice: dict) -> tuple[float, int]:
-        prof = plan_profile(self.graph, *self.problem.op_strategies(choice))
+        prof = plan_profile(self.graph, *self.problem.op_strategies(choice), self.facts)
         at = int(np.argmax(prof))
         return float(prof[at]), at
 
