@@ -277,11 +277,8 @@ def shared_cores(mesh, p: int, cost=None):
     from fractions import Fraction
 
     from ..passes.pipeline.simulate import Capacity
-    try:
-        devices = list(np.asarray(mesh.devices).reshape(-1))
-    except (AttributeError, TypeError, ValueError):
-        return None                      # an abstract mesh: no host to share
-    if not devices or getattr(devices[0], "platform", "") != "cpu":
+    devices = _cpu_devices(mesh)
+    if devices is None:
         return None
     per_rank = len(devices) / p
     if cost is not None and getattr(cost, "at_once", ()):
@@ -339,6 +336,16 @@ def action_cores(prog, cost) -> tuple:
     return stages, once
 
 
+def _cpu_devices(mesh):
+    """The CPU devices of ``mesh`` (forced CPU devices share this host's cores), or None:
+    an abstract mesh (no host to share) or another platform's devices."""
+    try:
+        devices = list(np.asarray(mesh.devices).reshape(-1))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return devices if devices and getattr(devices[0], "platform", "") == "cpu" else None
+
+
 def core_share(mesh, p: int, cost, prog):
     """What the ``p`` ranks of ``prog`` share on this host: a ``CoreShare`` where the
     profile measured the cores its programs keep busy alone and its ``at_once`` curve
@@ -351,11 +358,8 @@ def core_share(mesh, p: int, cost, prog):
     per_stage = action_cores(prog, cost) if cost is not None else None
     if per_stage is None or not getattr(cost, "at_once", ()) or "at_once" not in used:
         return counted
-    try:
-        devices = list(np.asarray(mesh.devices).reshape(-1))
-    except (AttributeError, TypeError, ValueError):
-        return None                      # an abstract mesh: no host to share
-    if not devices or getattr(devices[0], "platform", "") != "cpu":
+    devices = _cpu_devices(mesh)
+    if devices is None:
         return None
     per_rank = len(devices) / p
     stages, once = per_stage
