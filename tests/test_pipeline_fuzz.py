@@ -3,7 +3,7 @@ the draws it found refused on valid steps, kept as regression cases."""
 import numpy as np
 import pytest
 
-from tests.fuzz.pipeline import LR, Draw, _adam_applied, _compare, draw, run
+from tests.fuzz.pipeline import LR, Draw, _adam_applied, _compare, _refereed, draw, run
 
 
 def test_a_draw_is_a_function_of_seed_and_index_and_divides():
@@ -41,6 +41,24 @@ def test_adam_check_takes_optax_update_and_finds_a_weight_not_moved(weight_decay
         assert _adam_applied(params, after, state, weight_decay, "x") is None
         assert "Adam's update" in _adam_applied(params, dict(after, b=params["b"]), state, weight_decay, "x")
         params = after
+
+
+def test_the_float64_referee_passes_rounding_and_fails_a_real_difference():
+    """A step whose float32 result differs from float64 by rounding: the parallel result
+    as far off is right, one further off than twice one device's error is wrong."""
+    import jax.numpy as jnp
+
+    def step(w, x):
+        return w - 0.1 * (x.T @ (x @ w)), jnp.sum(w)
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal((16, 8)).astype(np.float32)
+    one = np.asarray(step(w, x)[0])
+    outcome, detail = _refereed(step, (w, x), 1, [one], [one], "w", lambda out: [out[0]])
+    assert outcome == "right", detail
+    off = one.copy()
+    off[0, 0] += 1e-2
+    outcome, detail = _refereed(step, (w, x), 1, [off], [one], "w", lambda out: [out[0]])
+    assert outcome == "wrong" and "from one device in float64" in detail
 
 
 # the two draws (seed 2, indices 63 and 68 when found), written out so that they stay
