@@ -353,11 +353,10 @@ def core_share(mesh, p: int, cost, prog):
     delivering what the curve measured, converted to cores by the cores its matmul kept
     busy alone), else ``shared_cores`` (ranks counted, not their cores)."""
     from ..passes.pipeline.simulate import Capacity, CoreShare
-    counted = shared_cores(mesh, p, cost)
     used = cores_alone(cost)
     per_stage = action_cores(prog, cost) if cost is not None else None
     if per_stage is None or not getattr(cost, "at_once", ()) or "at_once" not in used:
-        return counted
+        return shared_cores(mesh, p, cost)
     devices = _cpu_devices(mesh)
     if devices is None:
         return None
@@ -1270,7 +1269,7 @@ class PipelineFunction:
         o = base + pk.offset[v]
         n = int(np.prod(v.aval.shape))
         if c.sub is not None:
-            return self._batched_out_sub(c, v, o, n, out_buf)
+            return self._batched_out_sub(c, v, o, out_buf)
         x = out_buf[..., o:o + n]          # (dp, m, n): device j of dp holds rows j of each micro-batch
         from ..runtime.pipeline_lower import _from_f32
         x = _from_f32(x, (self.dp, c.m) + tuple(v.aval.shape), v.aval.dtype)
@@ -1282,21 +1281,16 @@ class PipelineFunction:
         return x.reshape(shape)
 
     @staticmethod
-    def _batched_out_sub(c, v, o, n, out_buf):
+    def _batched_out_sub(c, v, o, out_buf):
         """A per-example output beside a sub-mesh: ``out_buf`` is ``(ranks, m, O)``, each
         sub-mesh rank's block of each micro-batch's value under the output's planned layout
-        at ``o:o + n``; the micro-batches' values, joined along the batch dim in order."""
+        from ``o``; the micro-batches' values, joined along the batch dim in order."""
         from ..runtime.distributed import to_numpy
-        from ..runtime.pipeline_lower import np_from_f32
+        from ..runtime.pipeline_lower import unpack_blocks
         sub, out = c.sub, list(c.prog.j.outvars).index(v)
         shape, dims = tuple(sub.out_shapes[out]), sub.out_dims[out]
         buf = to_numpy(out_buf)   # (over several processes each holds some ranks' blocks)
-        parts = []
-        for mb in range(c.m):
-            x = np.empty(shape, np.dtype(v.aval.dtype))
-            for r in range(sub.ranks):
-                x[sub.block(shape, dims, r)] = np_from_f32(buf[r, mb, o:o + n], tuple(v.aval.shape), v.aval.dtype)
-            parts.append(x)
+        parts = [unpack_blocks(buf[:, mb], o, sub, shape, dims, v.aval.dtype) for mb in range(c.m)]
         return jnp.asarray(np.concatenate(parts, axis=c.an.bdim[v]))
 
     # ---------------------------------------------------------------- plan

@@ -200,6 +200,18 @@ def pack_blocks(x, sub: SubMesh, dims) -> np.ndarray:
     return np.stack([np_to_f32(x[sub.block(x.shape, dims, r)]) for r in range(sub.ranks)])
 
 
+def unpack_blocks(rows, offset: int, sub: SubMesh, shape, dims, dtype) -> np.ndarray:
+    """The global array of ``shape`` whose blocks under ``dims`` sub-mesh rank ``r``
+    holds flat at ``rows[r, offset:]`` (``pack_blocks``' inverse)."""
+    a = np.empty(shape, np.dtype(dtype))
+    for r in range(sub.ranks):
+        sl = sub.block(shape, dims, r)
+        local = tuple(s.stop - s.start for s in sl)
+        n = int(np.prod(local, dtype=np.int64))
+        a[sl] = np_from_f32(rows[r, offset:offset + n], local, dtype)
+    return a
+
+
 @dataclass
 class PackedLeaf:
     """One array of a pipeline's state, stored in row ``rank`` of ``buffer`` (a
@@ -222,13 +234,8 @@ class PackedLeaf:
 
     def __array__(self, dtype=None, copy=None):
         if self.sub is not None:
-            rows = np.asarray(self.buffer[self.rank])
-            a = np.empty(self.shape, np.dtype(self.dtype))
-            for r in range(self.sub.ranks):
-                sl = self.sub.block(self.shape, self.dims, r)
-                local = tuple(s.stop - s.start for s in sl)
-                n = int(np.prod(local, dtype=np.int64))
-                a[sl] = np_from_f32(rows[r, self.offset:self.offset + n], local, self.dtype)
+            a = unpack_blocks(np.asarray(self.buffer[self.rank]), self.offset, self.sub, self.shape, self.dims,
+                              self.dtype)
             return a.astype(dtype) if dtype is not None else a
         held = self._held_row()
         row = np.asarray(held if held is not None else self.buffer[self.rank]).reshape(-1)
