@@ -111,7 +111,12 @@ def auto_row(case, mesh, name, args, cost_model, limit=None) -> dict:
     try:
         plan = pf.plan(*args)
     except sp.ShardingError as e:
-        return dict(plan=name, error=str(e).splitlines()[0][:160], limit=limit)
+        # each round's modeled and compiled peak (memory_check.does_not_fit's words), else the message's start
+        rounds = re.findall(r"round (\d+): searched under modeled limit ([\d.]+) MB: (?:no plan|modeled peak "
+                            r"([\d.]+) MB, compiled ([\d.]+) MB)", str(e))
+        said = "; ".join(f"round {k}: limit {m} MB, " + (f"modeled {p} MB, compiled {c} MB" if p else "no plan")
+                         for k, m, p, c in rounds)
+        return dict(plan=name, error=said or str(e).splitlines()[0][:160], limit=limit)
     seconds = time.perf_counter() - t0
     compiled, live = compiled_peak(pf, args)
     return dict(plan=name, modeled=plan.cost.peak_memory, compiled=compiled, live=live, limit=limit, seconds=seconds)

@@ -8,11 +8,13 @@ divide: that is how it lives between steps. Each read of a parameter by an op
 that computes with it (a matmul, a bias add, a lookup) reads it through a layout
 request for the planned layout, so the compiler all-gathers it right before that
 use, once per use: forward and backward each gather their own copy, freed after
-the use. So that XLA keeps each gather at its use, the stored split first passes
-through a tie (``TIE``, one per use): an identity that the lowering writes as a
-data dependence on what the use reads besides (``runtime/lower.py``). Without
-it XLA merges the forward's and the backward's gather of a weight (one operand)
-and runs every gather at the program's start, so every layer's gathered weights
+the use. That part is not FSDP's own: insert-reshards gives every gathering use
+of a stored value (an argument, here stored split) its own gather after a tie
+(``passes/insert_reshards.py`` ``TIE``), an identity that the lowering writes as
+a data dependence on what the use reads besides (``runtime/lower.py``), for the
+search's plans that store weights split just as for this one. Without it XLA
+merges the forward's and the backward's gather of a weight (one operand) and
+runs every gather at the program's start, so every layer's gathered weights
 live through the whole step (docs/results/fsdp_memory.md). The gradient of a
 stored-split parameter meets the stored split in
 the optimizer's update, so its partial sum is completed by a reduce_scatter.
@@ -29,24 +31,11 @@ from typing import Sequence
 from ..ir.graph import CONSTRAINT, Graph, Op, Value
 from ..ir.layout import Layout
 from ..ir.mesh import Mesh
-from ..passes.rules.base import FactorBuilder, FactorRule, register
+from ..passes.insert_reshards import CASTS
 from ..passes.rules.elementwise import KINDS as ELEMENTWISE
 from .pipeline import Options, default_passes
 
 GATHER_ROLE = "gather_at_use"   # the role of the layout requests FSDP adds (dumps show it)
-STORED_ROLE = "stored_split"    # ... and of those that keep a tie's parameter split as stored
-# tie(stored split) -> the same value, one per use; the lowering makes it depend on
-# what the use reads besides (runtime/lower.py)
-TIE = "gather_tie"
-CASTS = ("convert_element_type", "reduce_precision")   # a parameter in another dtype
-
-
-@register(TIE)
-def _tie_rule(op: Op) -> FactorRule:
-    """An identity: the result keeps the operand's layout, no work."""
-    fb = FactorBuilder()
-    dims = fb.dims(op.inputs[0].type.shape)
-    return FactorRule(tuple(fb.sizes), (dims,), (dims,), flops=0.0)
 
 
 def storage_layout(use: Layout, shape: Sequence[int], mesh: Mesh, axes: Sequence[str]) -> Layout:
@@ -114,7 +103,6 @@ def apply_fsdp(graph: Graph, planned: dict, params: Sequence[int], state: Sequen
     # parameters, layout requests on them (gathered from the parameter) and their casts
     # (gathered from the cast)
     gathered = {graph.inputs[i]: (graph.inputs[i], planned[i].without_partial()) for i in params if i in stored}
-    split = {graph.inputs[i]: stored[i] for i in params if i in stored}
     marks = iter(getattr(planned, "marks", ()))
     fresh = set()      # requests' results whose first use reads the request itself
     ops = []
@@ -122,8 +110,7 @@ def apply_fsdp(graph: Graph, planned: dict, params: Sequence[int], state: Sequen
         if op.kind in CASTS and op.inputs[0] in gathered and op.inputs[0] not in fresh:
             # (mixed precision) the cast runs on the stored split; each use of its result
             # gathers that, in the narrower dtype, as it would the parameter
-            param, layout = gathered[op.inputs[0]]
-            gathered[op.outputs[0]], split[op.outputs[0]] = (op.outputs[0], layout), split[param]
+            gathered[op.outputs[0]] = (op.outputs[0], gathered[op.inputs[0]][1])
             ops.append(op)
             continue
         if op.kind == CONSTRAINT:
@@ -131,9 +118,7 @@ def apply_fsdp(graph: Graph, planned: dict, params: Sequence[int], state: Sequen
             v = op.inputs[0]
             if v in gathered:
                 param = gathered[v][0]
-                ties = _tie(param, split[param], op.source)
-                op.inputs[0] = ties[-1].outputs[0]
-                ops.extend(ties)
+                op.inputs[0] = param      # (a later use of the request's result gathers the parameter again)
                 if mark is not None:
                     gathered[op.outputs[0]] = (param, mark)
                     fresh.add(op.outputs[0])
@@ -142,22 +127,11 @@ def apply_fsdp(graph: Graph, planned: dict, params: Sequence[int], state: Sequen
         uses = [k for k, v in enumerate(op.inputs) if v in gathered and v not in fresh and gathers_at_use(op, v)]
         for k in uses:
             param, layout = gathered[op.inputs[k]]
-            ties = _tie(param, split[param], op.source)
             use = Value(param.type, name_hint=param.name_hint)
-            ops.extend(ties)
-            ops.append(Op(CONSTRAINT, [ties[-1].outputs[0]], [use], {"role": GATHER_ROLE, "user_spec": layout.dims},
-                          op.source))
+            ops.append(Op(CONSTRAINT, [param], [use], {"role": GATHER_ROLE, "user_spec": layout.dims}, op.source))
             op.inputs[k] = use
         fresh.difference_update(v for v in op.inputs if gathers_at_use(op, v))
         ops.append(op)
     graph.ops = ops
     return stored
 
-
-def _tie(param: Value, stored: Layout, source) -> list:
-    """A tie of ``param``'s stored split (its own copy for one use, so that use gets its
-    own gather) and a request for the stored layout (the tie runs on the split, the
-    gather after it): the ops, the last one's result is what to gather from."""
-    tied, split = Value(param.type, name_hint=param.name_hint), Value(param.type, name_hint=param.name_hint)
-    return [Op(TIE, [param], [tied], {}, source),
-            Op(CONSTRAINT, [tied], [split], {"role": STORED_ROLE, "user_spec": stored.dims}, source)]

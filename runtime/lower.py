@@ -222,15 +222,16 @@ def run_op(op: Op, ins: list, mesh_axes: tuple) -> list:
     return _run_primitive(op, ins)
 
 
-GATHER_TIE = "gather_tie"     # compiler/fsdp.py TIE
+GATHER_TIE = "gather_tie"     # passes/insert_reshards.py TIE
 
 
 def _tie_waits(graph: Graph) -> dict:
-    """For each FSDP tie (compiler/fsdp.py ``TIE``): what the use its gather serves
-    reads besides, each as the value it is redistributed from that exists where the
-    tie runs (a use that reads nothing else: the last value computed before the
-    tie). The use is found by following the tie's result through the
-    redistributions (the gather) to the first op that computes with it."""
+    """For each tie of a stored value's gather (passes/insert_reshards.py ``TIE``):
+    what the use its gather serves reads besides, each as the value it is
+    redistributed from that exists where the tie runs (a use that reads nothing
+    else: the last value computed before the tie). The use is found by following
+    the tie's result through the redistributions (the gather) to the first op
+    that computes with it."""
     ties = [t for t, op in enumerate(graph.ops) if op.kind == GATHER_TIE]
     if not ties:
         return {}
@@ -268,7 +269,7 @@ def _tie_waits(graph: Graph) -> dict:
 
 
 def _run_gather_tie(stored, waits: list):
-    """FSDP's tie: ``stored`` (the split of a parameter about to be gathered) unchanged,
+    """A gather's tie: ``stored`` (the split of a parameter about to be gathered) unchanged,
     through a select on a test of ``waits`` (what the gather's use reads besides)
     that is never true, so the gather depends on them. XLA then neither runs it at
     the program's start nor merges it with another gather of the same parameter

@@ -57,7 +57,9 @@ def test_fsdp_step_with_ties_equals_one_device(fsdp_step):
 
 def test_each_use_of_a_parameter_gathers_its_own_copy_after_a_tie():
     """The forward's and the backward's reads of a weight each get a tie and a gather:
-    no gathered weight is shared between them (what let XLA keep it alive)."""
+    no gathered weight is shared between them (what let XLA keep it alive). A use whose
+    strategy reads the weight as it is stored (wq's in the backward, split like it)
+    reads the stored split itself, with no gather (before, it sliced the gathered copy)."""
     pstep, args, _, _ = case(1, "fsdp", replace(config(1), seq=8, heads=2, head_dim=4, vocab=16))
     plan = pstep.plan(*args)
     g = plan.graph
@@ -66,13 +68,15 @@ def test_each_use_of_a_parameter_gathers_its_own_copy_after_a_tie():
         for v in op.inputs:
             readers.setdefault(v.id, []).append(op)
     ties = [op for op in g.ops if op.kind == "gather_tie"]
-    wq = next(v for n, v in zip(g.input_names, g.inputs) if n == "params['layers'][0]['wq']")
-    wq_ties = [op for op in ties if op.inputs[0] is wq]
-    assert len(wq_ties) >= 2, "forward and backward each tie and gather wq"
-    for tie in wq_ties:
+    wo = next(v for n, v in zip(g.input_names, g.inputs) if n == "params['layers'][0]['wo']")
+    wo_ties = [op for op in ties if op.inputs[0] is wo]
+    assert len(wo_ties) >= 2, "forward and backward each tie and gather wo"
+    for tie in ties:
         (gather,) = readers[tie.outputs[0].id]
         assert gather.kind == "all_gather"
         assert len(readers[gather.outputs[0].id]) == 1, "a gathered copy serves one use"
+    gathered = {op.outputs[0].id for op in g.ops if op.kind == "all_gather" and op.inputs[0] in g.inputs}
+    assert not gathered, "every gather of a stored parameter starts from a tie"
 
 
 def test_a_parameter_cast_to_bfloat16_is_gathered_at_each_use_as_in_float32():
