@@ -8,7 +8,6 @@ lived through the step (docs/results/fsdp_memory.md)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardprop as sp
