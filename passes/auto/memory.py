@@ -14,7 +14,9 @@ into its operand's buffer (``views``) and which is counted only where that buffe
 not alive already, and an elementwise value fused into its one reader's loop
 (``fused_away``), which holds no buffer (its operands live to that reader instead);
 and at each op, the copies redistributions make of its operands (a weight
-gathered for its matmul lives while the matmul runs).
+gathered for its matmul lives while the matmul runs: insert-reshards gives each
+use of an argument stored split its own gather, kept at the use by a tie, so
+none is shared by the forward and the backward).
 
 XLA's own schedule, layout copies and packing are not modeled (packing alone makes
 the compiled peak 1.02-1.29x XLA's own live peak on the GPT steps of
@@ -30,6 +32,7 @@ from typing import Optional
 from ...ir.errors import ShardingError
 from ...ir.graph import CONSTRAINT, Graph
 from ..fusion import unwritten_values
+from ..insert_reshards import gathers, stored_values
 from ..redistribute import plan_redistribution
 
 _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9, "gb": 10 ** 9,
@@ -229,8 +232,10 @@ def plan_buffers(graph: Graph, ops: dict, inputs: dict, facts: Optional[tuple] =
     (first profile index, last profile index, bytes per device): every value over its
     live interval, and, at each op, the copy a redistribution makes of an operand the
     op needs in another layout (a weight gathered for its matmul, ``copy_bytes``), alive
-    at the op itself. Profile index: op position + 1; 0 and len(ops) + 1 are the call's
-    start and end (the arguments and outputs span them)."""
+    at the op itself. A layout request (a mark) that gathers an argument holds nothing
+    itself: each reader of its result gathers the argument at its own use, as
+    insert-reshards writes it. Profile index: op position + 1; 0 and len(ops) + 1 are
+    the call's start and end (the arguments and outputs span them)."""
     mesh = graph.mesh
     intervals, shadows, fused = program_facts(graph) if facts is None else facts
     out = []
@@ -243,8 +248,17 @@ def plan_buffers(graph: Graph, ops: dict, inputs: dict, facts: Optional[tuple] =
             out.append((b + 1, d + 1, local_bytes(v, lay, mesh)))
     for i, lay in inputs.items():
         add(graph.inputs[i], lay)
+    stored = stored_values(graph)
     for t, op in enumerate(graph.ops):
         st = ops[op]
+        if op.kind == CONSTRAINT and op.inputs[0] in stored and op.inputs[0] in layout:
+            v, need = op.inputs[0], st.result_layout(0, mesh)
+            if gathers(v, layout[v], need, mesh):
+                # a request that gathers a stored value: each reader of its result gathers
+                # the value itself, at its own use (insert-reshards), so nothing is held here
+                stored.add(op.outputs[0])
+                add(op.outputs[0], layout[v])
+                continue
         for m, v in enumerate(op.inputs):
             have = layout.get(v)
             if have is None or v.literal is not None:
