@@ -411,6 +411,8 @@ def limits_table(rows: list[dict]) -> str:
         b = r["best_hand"]
         h = r["hand"].get(b, {}) if b else {}
         fit = ", ".join(f"{k} {v['step_ms']:.3f}" for k, v in r["hand"].items()) or "none"
+        over = ", ".join(f"{k} {m / 2**20:.3f} MiB" for k, m in r.get("over", {}).items() if m is not None)
+        fit += f"; over the limit ({r['limit'] / 2**20:.3f} MiB) once compiled: {over}" if over else ""
         lines.append(f"{r['case']:<22} {r['mesh']:<4} {r['frac']:>5} {r['search_s']:>6.2f}s {r['step_ms']:>8.3f} "
                      f"{r['memory'] / r['limit']:>10.2f} {r['memory'] / r['modeled_peak']:>9.2f} "
                      f"{fmt_bytes(r['bytes']):>10} {b or '-':>9} "

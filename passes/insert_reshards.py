@@ -16,7 +16,8 @@ after it; a shared gather would be one buffer alive from the forward's use to
 the backward's, and without the tie XLA runs every gather at the program's
 start (docs/results/fsdp_memory.md). A layout request that gathers a stored
 value (a shard() mark on a weight) is met the same way at each reader of its
-result: the forward's and the backward's reads each gather their own copy.
+result: the forward's and the backward's reads each gather their own copy to the
+request's layout (and move it on from there where the reader needs another).
 Only in the top-level program: a loop body's arguments are its carries and
 constants, gathered once before the loop.
 Graph outputs are never partial: a pending sum is reduce-scattered onto a dim
@@ -114,7 +115,8 @@ class InsertReshards:
             return made[key]
 
         # a request (constraint) that gathers a stored value: its result -> (the stored
-        # value, the request's layout); each reader gathers the stored value itself
+        # value, the request's layout); each reader gathers the stored value to that
+        # layout itself (what the plan priced the reader's move from)
         at_use: dict[Value, tuple] = {}
         for op in graph.ops:
             op.inputs = [alias.get(v, v) for v in op.inputs]
@@ -128,7 +130,8 @@ class InsertReshards:
             for n, v in enumerate(op.inputs):
                 if v.is_literal:
                     continue
-                v = at_use.get(v, (v,))[0]
+                if v in at_use:      # gathered here to the request's layout, then on as the op needs
+                    v = reshard(*at_use[v], op)
                 need = op.strategy.operand_layout(n, v.type.rank, mesh)
                 op.inputs[n] = reshard(v, need, op)
             new_ops.append(op)
@@ -136,12 +139,13 @@ class InsertReshards:
         for i, v in enumerate(outputs):
             if v.is_literal:
                 continue   # a constant holds the same on every rank: any layout is a local broadcast (lowering)
-            v, requested = at_use.get(v, (v, None))
+            if v in at_use:
+                v = reshard(*at_use[v], None, f"for output {i}")
             target = graph.pinned_outputs.get(i)
             if target is None and i in graph.tied_outputs:
                 target = graph.inputs[graph.tied_outputs[i]].layout   # state comes back as it went in
             if target is None:
-                target = requested or self.output_layout(v, mesh)
+                target = self.output_layout(v, mesh)
             outputs[i] = reshard(v, target, None, f"for output {i}")
         graph.outputs = outputs
         graph.ops = new_ops

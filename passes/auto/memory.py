@@ -249,21 +249,29 @@ def plan_buffers(graph: Graph, ops: dict, inputs: dict, facts: Optional[tuple] =
     for i, lay in inputs.items():
         add(graph.inputs[i], lay)
     stored = stored_values(graph)
+    at_use = {}     # a request's result that each reader gathers itself -> (the stored value)
     for t, op in enumerate(graph.ops):
         st = ops[op]
         if op.kind == CONSTRAINT and op.inputs[0] in stored and op.inputs[0] in layout:
-            v, need = op.inputs[0], st.result_layout(0, mesh)
-            if gathers(v, layout[v], need, mesh):
+            v, request = op.inputs[0], st.result_layout(0, mesh)
+            if gathers(v, layout[v], request, mesh):
                 # a request that gathers a stored value: each reader of its result gathers
                 # the value itself, at its own use (insert-reshards), so nothing is held here
-                stored.add(op.outputs[0])
-                add(op.outputs[0], layout[v])
+                at_use[op.outputs[0]] = v
+                layout[op.outputs[0]] = request
                 continue
         for m, v in enumerate(op.inputs):
             have = layout.get(v)
             if have is None or v.literal is not None:
                 continue
             need = st.operand_layout(m, v.type.rank, mesh)
+            if v in at_use:     # its own gather to the request's layout, then on to what the op needs
+                u = at_use[v]
+                held = copy_bytes(u, layout[u], have, mesh)
+                if need != have:
+                    held = max(held, local_bytes(v, have, mesh) + copy_bytes(v, have, need, mesh))
+                out.append((t + 1, t + 1, held))
+                continue
             if need != have:
                 out.append((t + 1, t + 1, copy_bytes(v, have, need, mesh)))
             if t in shadows:
