@@ -6,7 +6,7 @@ After: for every op, each operand's layout equals the layout its strategy
 requires; where they differed a ``reshard`` op (source -> target layout) now
 sits before the first op that needs it, shared by all that need the same target.
 Constraint ops are gone (a constraint is just a reshard to its pinned layout).
-A stored value (an argument of the function, or a cast of one) that a use needs
+A stored value (an argument of the function, or a cast or view of one) that a use needs
 gathered (more of it per device than it is stored with: a weight stored split,
 FSDP style, by ``shard_params=True`` or by the search) is the exception to the
 sharing: each use gets its own gather, after a tie (``TIE``), an identity that
@@ -44,6 +44,7 @@ from .sharding import OpStrategy
 # depend on what the use reads besides (runtime/lower.py GATHER_TIE)
 TIE = "gather_tie"
 CASTS = ("convert_element_type", "reduce_precision")   # a stored weight in another dtype is stored too
+STORED_LIKE = CASTS + ("transpose", "reshape")            # ... and so is one read through a view
 
 
 @register(TIE)
@@ -55,11 +56,12 @@ def _tie_rule(op: Op) -> FactorRule:
 
 
 def stored_values(graph: Graph) -> set:
-    """The values a gathering use gathers per use: the function's arguments and the
-    casts of them (mixed precision casts a weight where it is stored)."""
+    """The values a gathering use gathers per use: the function's arguments, and their
+    casts (mixed precision casts a weight where it is stored), transposes (the
+    backward's ``w.T``) and reshapes, of these in turn."""
     out = set(graph.inputs)
     for op in graph.ops:
-        if op.kind in CASTS and op.inputs and op.inputs[0] in out:
+        if op.kind in STORED_LIKE and len(op.inputs) == 1 and op.inputs[0] in out:
             out.add(op.outputs[0])
     return out
 
