@@ -28,9 +28,8 @@ makes ``[{d0}, {}] partial_sum{d1,d2}``, so a reshard between them is inserted.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import math
+from typing import Optional
 
 from ..ir.graph import CONSTRAINT, RESHARD, Graph, Op, Value
 from ..ir.layout import Layout
