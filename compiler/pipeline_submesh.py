@@ -44,6 +44,7 @@ from ..ir.errors import ShardingError
 from ..ir.graph import is_collective
 from ..passes.insert_reshards import InsertReshards
 from ..passes.reshard_to_collectives import ReshardToCollectives
+from ..passes.sink_reductions import SinkReductions
 from ..runtime.lower import partition_spec, run_op
 from .jaxpr_import import import_jaxpr
 from .pipeline import Options, default_passes, run_pipeline
@@ -226,15 +227,19 @@ def _run_passes(graph, options: Options, replay: dict):
     choose = next(n for n, p in enumerate(passes) if p.name in CHOOSERS)
     first = "plan" not in replay
     passes[choose] = _Recorded(passes[choose], replay) if first else ReplaySearchedPlan(replay["plan"])
-    # the passes after it choose by bytes and divisibility too (an output's completion, a
-    # reshard's collectives: a reduce_scatter where a larger batch's rows divide, a psum
-    # where a micro-batch's do not); the first trace's choices hold at a multiple of its size
+    # the passes after it choose by bytes and divisibility too (an all_reduce sunk past an op
+    # whose result is smaller, an output's completion, a reshard's collectives: a
+    # reduce_scatter where a larger batch's rows divide, a psum where a micro-batch's do
+    # not); the first trace's choices hold at a multiple of its size
     choices = replay.setdefault("choices", {})
     for n, p in enumerate(passes):
-        if isinstance(p, InsertReshards):
-            passes[n] = _SameCompletions(p.allow_reduce_scatter, p.cost, choices.setdefault(p.name, []), first)
+        kept = choices.setdefault(p.name, [])
+        if isinstance(p, SinkReductions):
+            passes[n] = _SameSinks(kept=kept, first=first)
+        elif isinstance(p, InsertReshards):
+            passes[n] = _SameCompletions(p.allow_reduce_scatter, p.cost, kept=kept, first=first)
         elif isinstance(p, ReshardToCollectives):
-            passes[n] = _SameSteps(p.allow_reduce_scatter, p.cost, choices.setdefault(p.name, []), first)
+            passes[n] = _SameSteps(p.allow_reduce_scatter, p.cost, kept=kept, first=first)
     return run_pipeline(graph, options, passes=passes).graph
 
 
@@ -243,8 +248,8 @@ class _Replaying:
     or given back in that order on a later trace, where the values they are for must
     stand where they stood (the same layouts)."""
 
-    def __init__(self, allow_reduce_scatter, cost, kept: list, first: bool):
-        super().__init__(allow_reduce_scatter, cost)
+    def __init__(self, *args, kept: list, first: bool):
+        super().__init__(*args)
         self.kept, self.first, self.at = kept, first, 0
 
     def _choice(self, key, choose):
@@ -257,6 +262,14 @@ class _Replaying:
                                 "be given to the other")
         self.at += 1
         return self.kept[self.at - 1][1]
+
+
+class _SameSinks(_Replaying, SinkReductions):
+    """sink-reductions, each all_reduce sunk past an op (or not) as on the first trace."""
+
+    def worth_carrying(self, op, vals):
+        return self._choice((op.kind, tuple(v.layout for v in vals)),
+                            lambda: SinkReductions.worth_carrying(self, op, vals))
 
 
 class _SameCompletions(_Replaying, InsertReshards):

@@ -27,11 +27,18 @@ class SinkReductions:
 
     def __call__(self, graph: Graph) -> Graph:
         regroup_partial_sums(graph)
-        sink_reductions(graph)
+        sink_reductions(graph, self.worth_carrying)
         for op in graph.ops:
             for body in op.subgraphs:
                 self(body)
         return graph
+
+    def worth_carrying(self, op, vals) -> bool:
+        """Whether ``op`` carrying the partial of ``vals`` on saves bytes: its results are no
+        bigger than them, so the one all_reduce after it moves no more than those before.
+        The one choice here that depends on shapes, not layouts (a pipeline replays it at
+        its other batch sizes: ``compiler/pipeline_submesh.py``)."""
+        return all(math.prod(r.type.shape) <= math.prod(v.type.shape) for r in op.outputs for v in vals)
 
 
 _SUMS = ("add", "add_any")
@@ -103,8 +110,9 @@ def regroup_partial_sums(graph: Graph) -> int:
     return count
 
 
-def sink_reductions(graph: Graph) -> None:
-    """Rewrite, in program order, each op that can carry its operands' partial on."""
+def sink_reductions(graph: Graph, worth_carrying) -> None:
+    """Rewrite, in program order, each op that can carry its operands' partial on, where
+    ``worth_carrying(op, partial_operands)``."""
     mesh = graph.mesh
     users = graph.users()
     for op in graph.ops:
@@ -125,8 +133,7 @@ def sink_reductions(graph: Graph) -> None:
             free_axes = not any(set(a) & set(first.partial) for a in st.factors if a)
             only_reduced = all(st.operand_layout(n, op.inputs[n].type.rank, mesh) == op.inputs[n].layout.without_partial()
                                for n in group)
-            smaller = all(math.prod(r.type.shape) <= math.prod(v.type.shape) for r in op.outputs for v in vals)
-            if same and others_whole and sole_user and free_axes and only_reduced and smaller:
+            if same and others_whole and sole_user and free_axes and only_reduced and worth_carrying(op, vals):
                 op.strategy = OpStrategy(st.rule, st.factors, (gi, first.partial))
                 for n, v in enumerate(op.outputs):
                     v.layout = op.strategy.result_layout(n, mesh)

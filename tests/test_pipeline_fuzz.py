@@ -123,3 +123,21 @@ def test_layers_per_stage_of_gated_layers_equal_one_device():
     allowed (``compiler/pipeline_assign.py`` ``layer_bounds``)."""
     outcome, detail = run(GATED_LAYERS)
     assert outcome == "right", detail
+
+
+# (seed 20261217, index 45): pp=4 x mp=2 under mode="auto", the compiler's cuts
+SUNK_APART = Draw(index=45, width=4, blocks=["dense", "reshape", "softmax", "reshape", "softmax", "gated"],
+                  tied=False, scalar=False, mesh=((4, 2), ("pp", "mp")), schedule="1f1b", virtual=1,
+                  microbatches=8, rows=2, marks=False, column_marks=True, lowering="spmd", zero1=False,
+                  optimizer="sgd", forward_only=False, cuts=[0, 3, 4], search="mode")
+
+
+@pytest.mark.slow
+def test_a_step_whose_all_reduce_was_sunk_at_one_size_only_equals_one_device():
+    """A weight gradient ``x.T @ g`` whose ``g`` is partial over mp: on the whole batch
+    (16 rows) the (4, 4) result is smaller than ``g``, so sink-reductions moved the
+    all_reduce past the matmul; on the micro-batch (2 rows) it is bigger, so it did not,
+    and the pipeline refused the step. The micro-batch's choice is now given to the other
+    traces (``compiler/pipeline_submesh.py`` ``_SameSinks``)."""
+    outcome, detail = run(SUNK_APART)
+    assert outcome == "right", detail
