@@ -15,6 +15,7 @@ from ...ir.graph import Graph, Op
 
 from ..cost import ComputeTimes, CostModel, StepEnd
 from ..fusion import resident_values
+from ..insert_reshards import stored_values
 from ..rules import rule_for
 from ..sharding import OpStrategy
 
@@ -99,6 +100,13 @@ class PlanContext:
     def resident(self) -> frozenset:
         """The values fusion keeps out of memory (``fusion.resident_values``)."""
         return resident_values(self.graph, self.kernels)
+
+    @functools.cached_property
+    def stored(self) -> frozenset:
+        """The values ``insert-reshards`` gathers once per use, never shared, where a use
+        needs them gathered (``insert_reshards.stored_values``: the arguments, their casts
+        and views)."""
+        return frozenset(stored_values(self.graph))
 
     @functools.cached_property
     def step_end(self) -> StepEnd:

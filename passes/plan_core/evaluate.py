@@ -8,14 +8,17 @@ makes (or its argument arrives in) to the layout the op needs, each output to it
 pinned layout, its argument's layout (returned state) or its cheapest completion,
 every move priced by ``pricing.Prices`` (an output's by ``Prices.output``).
 ``shared_copies``: a value needed in one layout by several ops is moved once (as
-``insert-reshards`` writes it, and as propagation plans); without, once per reader
-(the search's linear model, which prices each edge on its own).
+``insert-reshards`` writes it, and as propagation plans), but a stored value (an
+argument, its cast or view) gathered bigger is gathered per use as insert-reshards
+writes it too (FSDP style: each gather freed after its use); without, every move once
+per reader (the search's linear model, which prices each edge on its own).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from ..cost import ComputeTimes
+from ..insert_reshards import gathers
 from .context import PlanContext
 from .pricing import Prices
 
@@ -32,6 +35,7 @@ def evaluate_plan(ctx: PlanContext, ops: dict, inputs: dict, prices: Prices, com
     layout = {g.inputs[i]: l for i, l in inputs.items()}
     seconds = communication = nbytes = flops = 0.0
     moved: set = set()
+    stored = ctx.stored if shared_copies else frozenset()
     # strategies are shared objects, and an op's signature names all its compute and its
     # layouts read of it (rule, types, what fusion keeps out of memory): per pair, once
     placed: dict = {}   # (id of a strategy, signature) -> (seconds, flops, operand needs, result layouts)
@@ -46,7 +50,7 @@ def evaluate_plan(ctx: PlanContext, ops: dict, inputs: dict, prices: Prices, com
         """(seconds, bytes) of moving ``v`` from ``have`` to ``need``."""
         if have == need:
             return 0.0, 0.0
-        if shared_copies:
+        if shared_copies and not (v in stored and gathers(v, have, need, mesh)):
             if (v, need) in moved:
                 return 0.0, 0.0
             moved.add((v, need))
