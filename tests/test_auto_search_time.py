@@ -137,3 +137,22 @@ def test_brief_multipliers_keep_their_time_limit_where_no_plan_fits():
     red = milp.reduce(problem, memory_matters=True)
     out = lagrange.search(red, problem.objective, memory.peak, memory.row, limit=1.0, time_limit=1e-6)
     assert out.choice is None and out.iterations == 1
+
+
+@pytest.mark.slow
+def test_first_lp_rounds_do_not_dive_from_a_far_rounding_that_fits(monkeypatch):
+    """A rounding that fits outside ``relaxed_gap`` is not dived from on the first LP
+    rounds (``dive_far=False``): the multipliers go first, and may prove it (on the
+    2-layer GPT step on 2 x 4 at 0.5 the dive from one spent 9 s and found none cheaper);
+    the later rounds (``dive_far=True``) dive from it."""
+    from shardprop.passes.auto import search as S
+    problem, memory, red, model, rows, limit, lp, at = row_lp()
+    dives = []
+    monkeypatch.setattr(S, "_dive", lambda *a, **k: dives.append(1))
+    search = S.SearchStrategies(memory_limit=int(limit), relaxed_gap=0.05)
+    search._bound, search._deadline = 0.0, None
+    plan, what, _ = search._relaxed_round(red, problem, memory, list(rows), {at}, limit, None, model, dive_far=False)
+    assert plan is not None and plan[0] > lp.bound / (1 - 0.05)   # (a rounding that fits, outside the gap)
+    assert what == "exact" and not dives
+    search._relaxed_round(red, problem, memory, list(rows), {at}, limit, None, model, dive_far=True)
+    assert dives

@@ -442,8 +442,9 @@ class SearchStrategies:
            runs out of time before any plan (and no hand plan fits) the multipliers are
            the last resort. With a plan outside ``relaxed_gap``, first the multipliers
            from the rows so far, for at most ``MULTIPLIERS_BRIEF_S`` (they meet rows in
-           unlimited solves, which are fast where the DP solves most of the problem),
-           the LP rounds again from the rows they met, then the exact rows from every
+           unlimited solves, which are fast where the DP solves most of the problem, and
+           their bound may prove the plan), the LP rounds again from the rows they met,
+           dived (the first LP rounds dive only where no rounding fits), then the exact rows from every
            row met, for at most ``brief`` seconds (None: the budget, solved to optimality;
            the un-coarsened search of a small graph, which is there to be exact).
 
@@ -518,9 +519,10 @@ class SearchStrategies:
                              ("the time budget" if seconds is None else f"{seconds:.0f} s"))
             return None
 
-        def lp_rounds():
+        def lp_rounds(dive_far: bool):
             """The rows' LP, rounded and dived, a row added where its plans overflow, until
-            a plan is within ``relaxed_gap`` or no new row."""
+            a plan is within ``relaxed_gap`` or no new row (``dive_far``: dive from a rounding
+            that fits outside ``relaxed_gap`` too)."""
             for _ in range(MAX_MEMORY_ROUNDS):
                 left = self._left()
                 if best.choice is not None and best.gap(self._bound) <= self.relaxed_gap:
@@ -528,7 +530,8 @@ class SearchStrategies:
                 if not rows or (left is not None and left <= 0.05 and (start is not None or best.choice is not None)):
                     break
                 with self._phase("LP rounds"):
-                    plan, what, _ = self._relaxed_round(red, problem, memory, rows, points, limit, left, warm)
+                    plan, what, _ = self._relaxed_round(red, problem, memory, rows, points, limit, left, warm,
+                                                        dive_far=dive_far)
                 best.rounds += 1
                 if plan is not None:
                     best.offer(plan[1].choice, "the LP rounds", plan[1].status)
@@ -546,7 +549,7 @@ class SearchStrategies:
                 add_row(at)
             if not rows:   # (no hand plan over the limit: the first row is where the unlimited plan peaks)
                 exact_rows(None, rounds=1)
-            lp_rounds()
+            lp_rounds(dive_far=False)
         left = self._left()
         if best.choice is None or self.relaxed_gap is None:
             error = exact_rows(None)
@@ -559,12 +562,14 @@ class SearchStrategies:
                 if best.choice is None:
                     raise error
         elif best.gap(self._bound) > self.relaxed_gap and (left is None or left > 0.05):
-            # (a plan outside relaxed_gap: rows met cheaply, then the exact rows from all of them, briefly)
+            # (a plan outside relaxed_gap: rows and a bound met cheaply by the multipliers, before
+            # any dive from it: on the 2-layer GPT step on 2 x 4 at 0.5 they proved the rounding
+            # optimal in 3 s, where the dive from it had spent 9 s and found none cheaper; then the
+            # LP again from their rows, warm, dived; then the exact rows from all of them, briefly)
             if lag is None:
-                before = len(rows)
                 multipliers(MULTIPLIERS_BRIEF_S if left is None else min(left, MULTIPLIERS_BRIEF_S))
-                if len(rows) > before:
-                    lp_rounds()   # (from their rows, warm: a fraction of an exact solve)
+            if best.gap(self._bound) > self.relaxed_gap:
+                lp_rounds(dive_far=True)
             if best.gap(self._bound) > self.relaxed_gap:
                 exact_rows(brief)
         if best.choice is None:
@@ -572,14 +577,16 @@ class SearchStrategies:
         return best.solution(self._bound, notes, time.perf_counter() - t0), smallest
 
     def _relaxed_round(self, red, problem: Problem, memory: "_Liveness", rows: list, points: set, limit: float,
-                       left: Optional[float], warm=None) -> tuple:
+                       left: Optional[float], warm=None, dive_far: bool = True) -> tuple:
         """One LP round under the memory rows: the LP relaxation (its optimum is a lower
         bound on every plan that fits), rounded (``_roundings``: each decision to its
         heaviest candidate, then more and more fractional ones to the candidate holding
         the fewest bytes in the rows). ((time, Solution)
         of the cheaper rounding that fits, or None; what next: "optimal" (the LP was
         integral and its plan fits), "more" (no rounding fits, and a new row was added at
-        a point where one peaks), "exact" (the exact rows must go on); seconds)."""
+        a point where one peaks), "exact" (the exact rows must go on); seconds).
+        ``dive_far=False``: no dive from a rounding that fits outside ``relaxed_gap`` (the
+        multipliers go first)."""
         try:
             lp = warm.solve(red.kept, rows, limit, None if left is None else max(left, 0.5)) if warm is not None \
                 else milp.solve(red, rows, limit, None if left is None else max(left, 0.5), relax=True)
@@ -617,7 +624,8 @@ class SearchStrategies:
         # the dive stops at one (on the 2-layer GPT step on 4 x 2 at 0.7 it dived on from a
         # rounding 4.5% above the bound for 11 s and found none cheaper)
         enough = None if self.relaxed_gap is None else self._bound / (1 - self.relaxed_gap)
-        if warm is not None and lp.rounded and not (best is not None and enough is not None and best[0] <= enough):
+        if warm is not None and lp.rounded and (best is None or dive_far) and \
+                not (best is not None and enough is not None and best[0] <= enough):
             t0 = time.perf_counter()
             with self._phase("dive"):
                 # (from the best rounding that fits: the dive stops once it cannot beat that)
