@@ -80,9 +80,10 @@ def test_an_arrangement_out_of_time_leaves_the_others_plan():
 
 @pytest.mark.slow
 def test_dive_stops_once_its_incumbent_is_proven_within_the_search_gap():
-    """An incumbent the root LP's bound proves within the search's gap (``enough``) is
-    returned at once, though the dive's own tolerance (DIVE_STOP) is not met: the LP
-    rounds keep such a plan, and diving on from one cost 11 s on the 2-layer GPT step."""
+    """From an incumbent the root LP's bound proves within the search's gap (``enough``)
+    the dive goes on for at most ``polish`` seconds (none: it is returned at once), though
+    the dive's own tolerance (DIVE_STOP) is not met: the LP rounds keep such a plan, and
+    diving on from one cost 11 s on the 2-layer GPT step."""
     from shardprop.passes.auto.search import DIVE_STOP, RELAXED_GAP, _dive
     problem, memory, red, model, rows, limit, lp, _ = row_lp()
     plan = {t: 0 for t in problem.unary}
@@ -91,7 +92,11 @@ def test_dive_stops_once_its_incumbent_is_proven_within_the_search_gap():
     out = _dive(lp, model, red, rows, limit, None, problem, fits=lambda c: c is plan, incumbent=(near, plan),
                 enough=lp.bound / (1 - RELAXED_GAP))
     assert out is plan and model.solves == solves
-    # (without it the dive solves on)
+    # (given time to polish, or without it, the dive solves on)
+    _dive(lp, model, red, rows, limit, None, problem, fits=lambda c: c is plan, incumbent=(near, plan),
+          enough=lp.bound / (1 - RELAXED_GAP), polish=60.0)
+    assert model.solves > solves
+    solves = model.solves
     _dive(lp, model, red, rows, limit, None, problem, fits=lambda c: c is plan, incumbent=(near, plan))
     assert model.solves > solves
 

@@ -74,6 +74,11 @@ MULTIPLIERS_BRIEF_S = 1.0
 # GPT step on 4 x 2 it had met a plan within 0.05% of its LP at its 7th of 12 solves,
 # then ran out of time and returned none)
 DIVE_STOP = 0.005
+# ... and once it holds a plan proven within RELAXED_GAP (the plan the LP rounds keep) it goes
+# on for at most this long (on the 2-layer GPT step, from a rounding 1.3% above the bound on
+# 2 x 4 at 0.9 it found one 0.6% above in 1.1 s; from one 4.5% above on 4 x 2 at 0.7 it ran 11 s
+# and found none cheaper)
+DIVE_POLISH_S = 1.5
 # seconds a hand family whose time-optimal plan is over the limit gets to be made to fit it
 # (``repair.py``; 0.06-0.23 s per family on the 2-layer GPT step on 4 x 2 at half the free peak)
 HAND_FIT_S = 2.0
@@ -621,16 +626,17 @@ class SearchStrategies:
                 points.add(at)
             return None, "more", seconds
         # a plan proven within relaxed_gap by the root LP's bound is what the search keeps:
-        # the dive stops at one (on the 2-layer GPT step on 4 x 2 at 0.7 it dived on from a
-        # rounding 4.5% above the bound for 11 s and found none cheaper)
+        # from one the dive goes on for at most DIVE_POLISH_S (on the 2-layer GPT step on
+        # 4 x 2 at 0.7 it dived on from a rounding 4.5% above the bound for 11 s and found
+        # none cheaper; on 2 x 4 at 0.9, from one 1.3% above it, it found one 0.6% above in 1.1 s)
         enough = None if self.relaxed_gap is None else self._bound / (1 - self.relaxed_gap)
-        if warm is not None and lp.rounded and (best is None or dive_far) and \
-                not (best is not None and enough is not None and best[0] <= enough):
+        if warm is not None and lp.rounded and (best is None or dive_far or (enough is not None and best[0] <= enough)):
             t0 = time.perf_counter()
             with self._phase("dive"):
                 # (from the best rounding that fits: the dive stops once it cannot beat that)
                 dived = _dive(lp, warm, red, rows, limit, self._deadline, problem,
-                              fits=lambda c: memory.peak(c)[0] <= limit, incumbent=best, enough=enough)
+                              fits=lambda c: memory.peak(c)[0] <= limit, incumbent=best, enough=enough,
+                              polish=DIVE_POLISH_S)
             seconds += time.perf_counter() - t0
             if dived is not None:
                 consider([dived])
@@ -854,7 +860,7 @@ def _roundings(lp, rows: list, memory: "_Liveness", limit: float, tries: int = 3
 
 def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], problem, share: float = 0.5,
           fits=None, incumbent: Optional[tuple] = None, tolerance: float = DIVE_STOP,
-          enough: Optional[float] = None):
+          enough: Optional[float] = None, polish: float = 0.0):
     """LP diving, from the memory side, until the LP is integral: a plan that meets the
     rows, or None (out of time, or nothing left to fix). While the LP's heaviest plan
     (each decision at the candidate it weighs most) is over a row, the fractional
@@ -872,7 +878,8 @@ def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], pr
     plan further down can be cheaper by more than that. The plan returned is the
     cheaper of the incumbent and the integral plan the dive ends at. ``enough``: a time
     at which a plan is good enough (proven within the search's gap by the root LP's
-    bound): an incumbent at most that is returned at once."""
+    bound): once the incumbent is at most that, the dive goes on for at most ``polish``
+    seconds."""
     fixed: dict = {}
     skip: set = set()
     cur = lp
@@ -888,9 +895,12 @@ def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], pr
             best = (t, choice)
     consider(cur)
     while cur.rounded:
-        if best is not None and (best[0] <= cur.bound * (1 + tolerance) or
-                                 (enough is not None and best[0] <= enough)):
+        if best is not None and best[0] <= cur.bound * (1 + tolerance):
             return best[1]   # (the dive cannot find a plan cheaper than the incumbent by more than that)
+        if enough is not None and best is not None and best[0] <= enough:
+            polished = time.perf_counter() + polish
+            deadline = polished if deadline is None else min(deadline, polished)
+            enough = None   # (the polish is counted from the first plan good enough)
         if deadline is not None and time.perf_counter() >= deadline:
             return best[1] if best is not None else None
         base = cur.complete(cur.choice)
