@@ -76,3 +76,88 @@ def test_an_arrangement_out_of_time_leaves_the_others_plan():
     with pytest.raises(ShardingError, match="simulated"):
         AllOutOfTime()(run_pipeline(sp.parallelize(f, mesh=8, mode="auto")._trace(args, {})[0], Options(mode="auto"),
                                     passes=[BindUserStrategies()]).graph)
+
+
+@pytest.mark.slow
+def test_dive_stops_once_its_incumbent_is_proven_within_the_search_gap():
+    """From an incumbent the root LP's bound proves within the search's gap (``enough``)
+    the dive goes on for at most ``polish`` seconds (none: it is returned at once), though
+    the dive's own tolerance (DIVE_STOP) is not met: the LP rounds keep such a plan, and
+    diving on from one cost 11 s on the 2-layer GPT step."""
+    from shardprop.passes.auto.search import DIVE_STOP, RELAXED_GAP, _dive
+    problem, memory, red, model, rows, limit, lp, _ = row_lp()
+    plan = {t: 0 for t in problem.unary}
+    near = lp.bound * (1 + 4 * DIVE_STOP)
+    solves = model.solves
+    out = _dive(lp, model, red, rows, limit, None, problem, fits=lambda c: c is plan, incumbent=(near, plan),
+                enough=lp.bound / (1 - RELAXED_GAP))
+    assert out is plan and model.solves == solves
+    # (given time to polish, or without it, the dive solves on)
+    _dive(lp, model, red, rows, limit, None, problem, fits=lambda c: c is plan, incumbent=(near, plan),
+          enough=lp.bound / (1 - RELAXED_GAP), polish=60.0)
+    assert model.solves > solves
+    solves = model.solves
+    _dive(lp, model, red, rows, limit, None, problem, fits=lambda c: c is plan, incumbent=(near, plan))
+    assert model.solves > solves
+
+
+@pytest.mark.slow
+def test_no_dive_where_no_rounding_fits_and_they_overflow_without_a_row(monkeypatch):
+    """Where no rounding of the rows' LP fits and they peak at a point the LP has no row
+    for, that row is added and the LP solved again before any dive: a dive on the LP
+    without it ends at plans that overflow there too (on the 2-layer GPT step on 4 x 2
+    at 0.7 it spent 9.5 s to end at one)."""
+    from shardprop.passes.auto import search as S
+    problem, memory, red, model, rows, limit, lp, at = row_lp()
+    other = next(p for p in range(1, len(problem.graph.ops) + 1) if p != at)
+
+    class Overflowing:   # (every plan peaks over the limit at a point without a row)
+        def peak(self, choice):
+            return 2 * limit, other
+
+        def row(self, point):
+            return memory.row(point)
+    dives = []
+    monkeypatch.setattr(S, "_dive", lambda *a, **k: dives.append(1))
+    rows, points = list(rows), {at}
+    search = S.SearchStrategies(memory_limit=int(limit))
+    search._bound, search._deadline = 0.0, None   # (what _solve_under_limit sets)
+    plan, what, _ = search._relaxed_round(red, problem, Overflowing(), rows, points, limit, None, model)
+    assert plan is None and what == "more" and not dives
+    assert other in points and rows[-1].point == other
+
+
+def test_brief_multipliers_keep_their_time_limit_where_no_plan_fits():
+    """The multipliers given a brief time limit stop at it where no plan fits yet (they
+    ran all 30 priced solves, 20 s on the 2-layer GPT step on 2 x 4 at 0.5, given 1 s)."""
+    from shardprop.passes.auto import lagrange, milp
+    from shardprop.passes.auto.problem import Problem
+    from shardprop.passes.auto.search import _Liveness
+    from shardprop.passes.cost import DEFAULT_COST
+    from test_auto import problem_data, sgd_step, traced_graph
+    params, x, y = problem_data(256, 64, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
+    problem = Problem(g, DEFAULT_COST)
+    memory = _Liveness(g, problem)
+    red = milp.reduce(problem, memory_matters=True)
+    out = lagrange.search(red, problem.objective, memory.peak, memory.row, limit=1.0, time_limit=1e-6)
+    assert out.choice is None and out.iterations == 1
+
+
+@pytest.mark.slow
+def test_first_lp_rounds_do_not_dive_from_a_far_rounding_that_fits(monkeypatch):
+    """A rounding that fits outside ``relaxed_gap`` is not dived from on the first LP
+    rounds (``dive_far=False``): the multipliers go first, and may prove it (on the
+    2-layer GPT step on 2 x 4 at 0.5 the dive from one spent 9 s and found none cheaper);
+    the later rounds (``dive_far=True``) dive from it."""
+    from shardprop.passes.auto import search as S
+    problem, memory, red, model, rows, limit, lp, at = row_lp()
+    dives = []
+    monkeypatch.setattr(S, "_dive", lambda *a, **k: dives.append(1))
+    search = S.SearchStrategies(memory_limit=int(limit), relaxed_gap=0.05)
+    search._bound, search._deadline = 0.0, None
+    plan, what, _ = search._relaxed_round(red, problem, memory, list(rows), {at}, limit, None, model, dive_far=False)
+    assert plan is not None and plan[0] > lp.bound / (1 - 0.05)   # (a rounding that fits, outside the gap)
+    assert what == "exact" and not dives
+    search._relaxed_round(red, problem, memory, list(rows), {at}, limit, None, model, dive_far=True)
+    assert dives

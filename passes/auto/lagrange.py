@@ -140,6 +140,8 @@ def search(red: milp.Reduced, objective: Callable[[dict], float], peak: Callable
             # that weighs the overflow like the unlimited plan's whole step, fourfold each time
             over = excess[-1] > 0
             lam = np.where(over, np.where(lam > 0, 4 * lam, scale / np.maximum(excess[-1], 1.0)), lam)
+            if time_limit is not None and time.perf_counter() - t0 > time_limit:
+                break   # (without it, a brief call of 1 s that met no plan that fits ran its 30 solves: 20 s)
             continue
         cap = 4 * float(lam.max()) + scale / float(limit)
         nxt, model_max = _kelley(np.array([t for _, t in seen]), excess, scale, float(limit), cap)

@@ -74,6 +74,11 @@ MULTIPLIERS_BRIEF_S = 1.0
 # GPT step on 4 x 2 it had met a plan within 0.05% of its LP at its 7th of 12 solves,
 # then ran out of time and returned none)
 DIVE_STOP = 0.005
+# ... and once it holds a plan proven within RELAXED_GAP (the plan the LP rounds keep) it goes
+# on for at most this long (on the 2-layer GPT step, from a rounding 1.3% above the bound on
+# 2 x 4 at 0.9 it found one 0.6% above in 1.1 s; from one 4.5% above on 4 x 2 at 0.7 it ran 11 s
+# and found none cheaper)
+DIVE_POLISH_S = 1.5
 # seconds a hand family whose time-optimal plan is over the limit gets to be made to fit it
 # (``repair.py``; 0.06-0.23 s per family on the 2-layer GPT step on 4 x 2 at half the free peak)
 HAND_FIT_S = 2.0
@@ -442,8 +447,9 @@ class SearchStrategies:
            runs out of time before any plan (and no hand plan fits) the multipliers are
            the last resort. With a plan outside ``relaxed_gap``, first the multipliers
            from the rows so far, for at most ``MULTIPLIERS_BRIEF_S`` (they meet rows in
-           unlimited solves, which are fast where the DP solves most of the problem),
-           the LP rounds again from the rows they met, then the exact rows from every
+           unlimited solves, which are fast where the DP solves most of the problem, and
+           their bound may prove the plan), the LP rounds again from the rows they met,
+           dived (the first LP rounds dive only where no rounding fits), then the exact rows from every
            row met, for at most ``brief`` seconds (None: the budget, solved to optimality;
            the un-coarsened search of a small graph, which is there to be exact).
 
@@ -518,9 +524,10 @@ class SearchStrategies:
                              ("the time budget" if seconds is None else f"{seconds:.0f} s"))
             return None
 
-        def lp_rounds():
+        def lp_rounds(dive_far: bool):
             """The rows' LP, rounded and dived, a row added where its plans overflow, until
-            a plan is within ``relaxed_gap`` or no new row."""
+            a plan is within ``relaxed_gap`` or no new row (``dive_far``: dive from a rounding
+            that fits outside ``relaxed_gap`` too)."""
             for _ in range(MAX_MEMORY_ROUNDS):
                 left = self._left()
                 if best.choice is not None and best.gap(self._bound) <= self.relaxed_gap:
@@ -528,7 +535,8 @@ class SearchStrategies:
                 if not rows or (left is not None and left <= 0.05 and (start is not None or best.choice is not None)):
                     break
                 with self._phase("LP rounds"):
-                    plan, what, _ = self._relaxed_round(red, problem, memory, rows, points, limit, left, warm)
+                    plan, what, _ = self._relaxed_round(red, problem, memory, rows, points, limit, left, warm,
+                                                        dive_far=dive_far)
                 best.rounds += 1
                 if plan is not None:
                     best.offer(plan[1].choice, "the LP rounds", plan[1].status)
@@ -546,7 +554,7 @@ class SearchStrategies:
                 add_row(at)
             if not rows:   # (no hand plan over the limit: the first row is where the unlimited plan peaks)
                 exact_rows(None, rounds=1)
-            lp_rounds()
+            lp_rounds(dive_far=False)
         left = self._left()
         if best.choice is None or self.relaxed_gap is None:
             error = exact_rows(None)
@@ -559,12 +567,14 @@ class SearchStrategies:
                 if best.choice is None:
                     raise error
         elif best.gap(self._bound) > self.relaxed_gap and (left is None or left > 0.05):
-            # (a plan outside relaxed_gap: rows met cheaply, then the exact rows from all of them, briefly)
+            # (a plan outside relaxed_gap: rows and a bound met cheaply by the multipliers, before
+            # any dive from it: on the 2-layer GPT step on 2 x 4 at 0.5 they proved the rounding
+            # optimal in 3 s, where the dive from it had spent 9 s and found none cheaper; then the
+            # LP again from their rows, warm, dived; then the exact rows from all of them, briefly)
             if lag is None:
-                before = len(rows)
                 multipliers(MULTIPLIERS_BRIEF_S if left is None else min(left, MULTIPLIERS_BRIEF_S))
-                if len(rows) > before:
-                    lp_rounds()   # (from their rows, warm: a fraction of an exact solve)
+            if best.gap(self._bound) > self.relaxed_gap:
+                lp_rounds(dive_far=True)
             if best.gap(self._bound) > self.relaxed_gap:
                 exact_rows(brief)
         if best.choice is None:
@@ -572,14 +582,16 @@ class SearchStrategies:
         return best.solution(self._bound, notes, time.perf_counter() - t0), smallest
 
     def _relaxed_round(self, red, problem: Problem, memory: "_Liveness", rows: list, points: set, limit: float,
-                       left: Optional[float], warm=None) -> tuple:
+                       left: Optional[float], warm=None, dive_far: bool = True) -> tuple:
         """One LP round under the memory rows: the LP relaxation (its optimum is a lower
         bound on every plan that fits), rounded (``_roundings``: each decision to its
         heaviest candidate, then more and more fractional ones to the candidate holding
         the fewest bytes in the rows). ((time, Solution)
         of the cheaper rounding that fits, or None; what next: "optimal" (the LP was
         integral and its plan fits), "more" (no rounding fits, and a new row was added at
-        a point where one peaks), "exact" (the exact rows must go on); seconds)."""
+        a point where one peaks), "exact" (the exact rows must go on); seconds).
+        ``dive_far=False``: no dive from a rounding that fits outside ``relaxed_gap`` (the
+        multipliers go first)."""
         try:
             lp = warm.solve(red.kept, rows, limit, None if left is None else max(left, 0.5)) if warm is not None \
                 else milp.solve(red, rows, limit, None if left is None else max(left, 0.5), relax=True)
@@ -605,12 +617,26 @@ class SearchStrategies:
                 elif at not in points and at not in new_points:
                     new_points.append(at)
         consider(plans)
-        if warm is not None and lp.rounded:   # (LP diving: the warm model re-solves in a fraction of a solve)
+        if best is None and new_points:
+            # (no rounding fits, and they overflow where the LP has no row: a dive on this LP
+            # would end at plans overflowing there too; on the 2-layer GPT step on 4 x 2 at 0.7
+            # it spent 9.5 s to end at one. The rows first, then the LP again, warm)
+            for at in new_points:
+                rows.append(memory.row(at))
+                points.add(at)
+            return None, "more", seconds
+        # a plan proven within relaxed_gap by the root LP's bound is what the search keeps:
+        # from one the dive goes on for at most DIVE_POLISH_S (on the 2-layer GPT step on
+        # 4 x 2 at 0.7 it dived on from a rounding 4.5% above the bound for 11 s and found
+        # none cheaper; on 2 x 4 at 0.9, from one 1.3% above it, it found one 0.6% above in 1.1 s)
+        enough = None if self.relaxed_gap is None else self._bound / (1 - self.relaxed_gap)
+        if warm is not None and lp.rounded and (best is None or dive_far or (enough is not None and best[0] <= enough)):
             t0 = time.perf_counter()
             with self._phase("dive"):
                 # (from the best rounding that fits: the dive stops once it cannot beat that)
                 dived = _dive(lp, warm, red, rows, limit, self._deadline, problem,
-                              fits=lambda c: memory.peak(c)[0] <= limit, incumbent=best)
+                              fits=lambda c: memory.peak(c)[0] <= limit, incumbent=best, enough=enough,
+                              polish=DIVE_POLISH_S)
             seconds += time.perf_counter() - t0
             if dived is not None:
                 consider([dived])
@@ -833,7 +859,8 @@ def _roundings(lp, rows: list, memory: "_Liveness", limit: float, tries: int = 3
 
 
 def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], problem, share: float = 0.5,
-          fits=None, incumbent: Optional[tuple] = None, tolerance: float = DIVE_STOP):
+          fits=None, incumbent: Optional[tuple] = None, tolerance: float = DIVE_STOP,
+          enough: Optional[float] = None, polish: float = 0.0):
     """LP diving, from the memory side, until the LP is integral: a plan that meets the
     rows, or None (out of time, or nothing left to fix). While the LP's heaviest plan
     (each decision at the candidate it weighs most) is over a row, the fractional
@@ -849,7 +876,10 @@ def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], pr
     rounding), returns that where it runs out of time or fixings, and stops once the
     LP's bound (which every fixing can only raise) is within ``tolerance`` of it: no
     plan further down can be cheaper by more than that. The plan returned is the
-    cheaper of the incumbent and the integral plan the dive ends at."""
+    cheaper of the incumbent and the integral plan the dive ends at. ``enough``: a time
+    at which a plan is good enough (proven within the search's gap by the root LP's
+    bound): once the incumbent is at most that, the dive goes on for at most ``polish``
+    seconds."""
     fixed: dict = {}
     skip: set = set()
     cur = lp
@@ -867,6 +897,10 @@ def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], pr
     while cur.rounded:
         if best is not None and best[0] <= cur.bound * (1 + tolerance):
             return best[1]   # (the dive cannot find a plan cheaper than the incumbent by more than that)
+        if enough is not None and best is not None and best[0] <= enough:
+            polished = time.perf_counter() + polish
+            deadline = polished if deadline is None else min(deadline, polished)
+            enough = None   # (the polish is counted from the first plan good enough)
         if deadline is not None and time.perf_counter() >= deadline:
             return best[1] if best is not None else None
         base = cur.complete(cur.choice)
