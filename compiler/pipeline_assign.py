@@ -682,12 +682,24 @@ def _closure(targets, allowed: set, producer: dict, jaxpr) -> list:
     return sorted(need)
 
 
-def _token(eqn) -> tuple:
-    """Equal ops, equal token: the primitive, its source line, its operands' and results'
-    shapes and dtypes (one layer of a Python loop traces to the same tokens each time)."""
+def _token(eqn, line: Optional[str]) -> tuple:
+    """Equal ops, equal token: the primitive, its source ``line``, its operands' and
+    results' shapes and dtypes (one layer of a Python loop traces to the same tokens each
+    time)."""
     shapes = lambda vs: tuple((tuple(getattr(v.aval, "shape", ())), str(getattr(v.aval, "dtype", "")))  # noqa: E731
                               for v in vs)
-    return (eqn.primitive.name, _src(eqn), shapes(eqn.invars), shapes(eqn.outvars))
+    return (eqn.primitive.name, line, shapes(eqn.invars), shapes(eqn.outvars))
+
+
+def _lines(eqns) -> list:
+    """Each equation's source line; one jax left without a traceback (seen on one layer's
+    ``* g`` of five alike, under grad) takes the line of the equation before it, so that
+    its layer's tokens still repeat."""
+    out, last = [], None
+    for e in eqns:
+        last = _src(e) or last
+        out.append(last)
+    return out
 
 
 def model_layers(an):
@@ -697,7 +709,8 @@ def model_layers(an):
     from ..ir.repeats import find_repeats
     jaxpr = an.jaxpr.jaxpr
     ids: dict = {}
-    seq = [ids.setdefault(_token(jaxpr.eqns[i]), len(ids)) for i in an.stages[0].forward]
+    forward = [jaxpr.eqns[i] for i in an.stages[0].forward]
+    seq = [ids.setdefault(_token(e, line), len(ids)) for e, line in zip(forward, _lines(forward))]
     runs = find_repeats(seq, min_saved=1)
     if not runs:
         return None

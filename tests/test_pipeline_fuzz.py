@@ -141,3 +141,19 @@ def test_a_step_whose_all_reduce_was_sunk_at_one_size_only_equals_one_device():
     traces (``compiler/pipeline_submesh.py`` ``_SameSinks``)."""
     outcome, detail = run(SUNK_APART)
     assert outcome == "right", detail
+
+
+# (seed 20261221, index 54): five layer norms given as layers per stage
+NORM_LAYERS = Draw(index=54, width=12, blocks=["norm"] * 5, tied=False, scalar=False, mesh=((2, 2), ("pp", "dp")),
+                   schedule="zero_bubble", virtual=1, microbatches=2, rows=3, marks=False, column_marks=False,
+                   lowering="mpmd", zero1=True, optimizer="adamw", forward_only=False, cuts=[1], layers=(4, 1))
+
+
+@pytest.mark.slow
+def test_layers_per_stage_where_one_op_has_no_source_line_equal_one_device():
+    """Under grad, jax left the third norm's ``* g`` without a traceback, so its token
+    differed from the other layers', the repeated block found was two layers of 16 ops
+    and ``stages=(4, 1)`` was refused ("the model has 2 layers"). An op without a line
+    now takes the line of the op before it (``compiler/pipeline_assign.py`` ``_lines``)."""
+    outcome, detail = run(NORM_LAYERS)
+    assert outcome == "right", detail
