@@ -21,6 +21,7 @@ import shardprop as sp
 from shardprop.ir.graph import Op, TensorType, Value, is_collective
 from shardprop.ir.layout import Layout
 from shardprop.ir.mesh import Mesh
+from shardprop.passes.insert_reshards import TIE
 from shardprop.passes.rules import rule_for
 from shardprop.passes.sharding import OpStrategy, broken_nesting
 from tests import rank_sim
@@ -199,6 +200,8 @@ def simulate(graph, xs) -> list:
         blocks = held[op.inputs[0]]
         if is_collective(op):
             held[op.outputs[0]] = rank_sim.apply(op.kind, op.params, blocks, mesh)
+        elif op.kind == TIE:   # (an argument gathered per use: the tie before its gather is an identity)
+            held[op.outputs[0]] = blocks
         else:
             assert op.kind == "reshape", op.kind
             held[op.outputs[0]] = [b.reshape(op.local_params["new_sizes"]) for b in blocks]
