@@ -841,7 +841,7 @@ class PipelineFunction:
             return plan_submesh(closed, names, ir_mesh=spec.ir_mesh, jax_mesh=jmesh, batch_mask=mask,
                                 arg_leaves=list(leaves), args_tree=treedef, out_shape=outs, mode=self.mode,
                                 pins=pins, batch_argnums=batch_argnums, cost=self.cost, replay=replay,
-                                memory_limit=limit)
+                                memory_limit=limit, in_branches=self.pipeline.lowering != "mpmd")
         pm = planned(jm, micro)
         pg = planned(jg, avals) if jm is not jg else pm
         ps = pg if js is jg else planned(js, doubled)

@@ -1,5 +1,7 @@
 """The pipeline fuzzer (``python -m tests.fuzz.pipeline``): its draws, its comparison, and
 the draws it found refused on valid steps, kept as regression cases."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -156,4 +158,23 @@ def test_layers_per_stage_where_one_op_has_no_source_line_equal_one_device():
     and ``stages=(4, 1)`` was refused ("the model has 2 layers"). An op without a line
     now takes the line of the op before it (``compiler/pipeline_assign.py`` ``_lines``)."""
     outcome, detail = run(NORM_LAYERS)
+    assert outcome == "right", detail
+
+
+# (seed 20261222, index 38): pp x dp x mp with ZeRO-1 and a tied weight, interleaved
+PERMUTE_IN_A_STAGE = Draw(index=38, width=12, blocks=["dense", "reshape", "residual", "gated", "gated"], tied=True,
+                          scalar=True, mesh=((2, 2, 2), ("pp", "dp", "mp")), schedule="interleaved", virtual=2,
+                          microbatches=2, rows=3, marks=False, column_marks=False, lowering="spmd", zero1=True,
+                          optimizer="momentum", forward_only=False, cuts=[1, 2, 3])
+
+
+@pytest.mark.slow
+def test_a_permute_in_a_stage_is_refused_by_the_spmd_lowering_and_runs_in_mpmd():
+    """A stage's plan held a collective permute over the stage's devices. In the SPMD
+    lowering it ran inside the stage's branch of the switch on the rank, where XLA's CPU
+    runtime waited for every device of the mesh: the step hung and XLA aborted the process.
+    It is now a ShardingError naming the op and the fixes; the MPMD lowering runs it."""
+    outcome, detail = run(PERMUTE_IN_A_STAGE)
+    assert outcome == "rejected" and "collective permute" in detail and "SPMD lowering" in detail, (outcome, detail)
+    outcome, detail = run(dataclasses.replace(PERMUTE_IN_A_STAGE, lowering="mpmd"))
     assert outcome == "right", detail
