@@ -219,12 +219,13 @@ def copy_bytes(v, have, need, mesh) -> float:
 
 def program_facts(graph: Graph) -> tuple:
     """What ``plan_buffers`` needs of the program that no plan changes: (live intervals,
-    view shadows, fused reads by (reader, operand) -> producer). A caller that prices
+    view shadows, fused reads by (reader, operand) -> producer, the values insert-reshards
+    gathers per use: ``insert_reshards.stored_values``). A caller that prices
     many plans of one program (the search: ~100 peaks per search, each of which
     recomputed them, fusion's analysis included, a third of a peak's time) computes
     them once."""
     intervals, shadows = _intervals(graph)
-    return intervals, shadows, {(r, m): p for r, m, p in fused_reads(graph)}
+    return intervals, shadows, {(r, m): p for r, m, p in fused_reads(graph)}, frozenset(stored_values(graph))
 
 
 def plan_buffers(graph: Graph, ops: dict, inputs: dict, facts: Optional[tuple] = None) -> list:
@@ -237,7 +238,7 @@ def plan_buffers(graph: Graph, ops: dict, inputs: dict, facts: Optional[tuple] =
     insert-reshards writes it. Profile index: op position + 1; 0 and len(ops) + 1 are
     the call's start and end (the arguments and outputs span them)."""
     mesh = graph.mesh
-    intervals, shadows, fused = program_facts(graph) if facts is None else facts
+    intervals, shadows, fused, stored = program_facts(graph) if facts is None else facts
     out = []
     layout = {}
 
@@ -248,7 +249,6 @@ def plan_buffers(graph: Graph, ops: dict, inputs: dict, facts: Optional[tuple] =
             out.append((b + 1, d + 1, local_bytes(v, lay, mesh)))
     for i, lay in inputs.items():
         add(graph.inputs[i], lay)
-    stored = stored_values(graph)
     at_use = {}     # a request's result that each reader gathers itself -> (the stored value)
     for t, op in enumerate(graph.ops):
         st = ops[op]

@@ -986,7 +986,7 @@ class _Liveness:
 
     def __init__(self, graph: Graph, problem: Problem):
         self.facts = program_facts(graph)   # (the program's part of every peak: computed once)
-        intervals, self.shadows, fused = self.facts
+        intervals, self.shadows, fused, _ = self.facts
         self.fused = [(r, m, p) for (r, m), p in fused.items()]
         self.graph, self.problem = graph, problem
         self.vals = [v for v in problem.values if v in intervals]
