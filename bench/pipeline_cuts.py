@@ -48,6 +48,11 @@ import time
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+if "--one-thread-per-device" in sys.argv:
+    # each forced device runs its ops on its own thread only, as a GPU computes its own work:
+    # without this, one rank's large matmul spreads over every core, and a pipeline's idle
+    # ranks hide its imbalance (the step is bounded by the total work over the cores)
+    os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -194,12 +199,16 @@ def main(argv=None):
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--lowering", default="spmd", choices=("spmd", "mpmd"))
+    ap.add_argument("--one-thread-per-device", action="store_true",
+                    help="XLA's CPU ops single-threaded (--xla_cpu_multi_thread_eigen=false): a rank's work "
+                         "stays on its own thread, as a GPU's does")
     a = ap.parse_args(argv)
     layers = a.light + a.heavy
     per = layers // a.pp
     equal_cuts = tuple(per * k - 1 for k in range(1, a.pp))
     mesh = ((a.pp,), ("pp",))
-    pipeline = sp.Pipeline(microbatches=a.microbatches, schedule=a.schedule)
+    pipeline = sp.Pipeline(microbatches=a.microbatches, schedule=a.schedule, lowering=a.lowering)
     runs = {}
     for name, cuts in (("auto", ()), ("equal", equal_cuts)):
         step, params, state, x, y = make(a.width, a.light, a.heavy, a.ratio, a.batch, cuts)
@@ -212,7 +221,8 @@ def main(argv=None):
         st[0], st[1] = p, s
         runs[name] = dict(fn=fn, state=st, info=info, times=[])
     print(f"MLP, {a.light} light + {a.heavy} heavy layers (hidden {a.width} / {a.width * a.ratio}), batch {a.batch}, "
-          f"pp={a.pp}, m={a.microbatches}, {a.schedule}; equal cuts after layers {list(equal_cuts)}")
+          f"pp={a.pp}, m={a.microbatches}, {a.schedule}, {a.lowering} lowering"
+          f"{', one thread per device' if a.one_thread_per_device else ''}; equal cuts after layers {list(equal_cuts)}")
     for name, r in runs.items():
         info = r["info"]
         dots = [sum(1 for op in s.forward_ops if op == "dot_general") for s in info.stages]

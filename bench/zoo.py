@@ -182,5 +182,7 @@ def cases() -> list[Case]:
 
 
 def limit_cases() -> list[Case]:
-    """More cases for ``compare.py --limits``: the GPT steps on 4 x 2 too."""
-    return [gpt_case(2, 2, (4, 2)), gpt_case(12, 2, (4, 2))]
+    """More cases for ``compare.py --limits``: the GPT steps on 4 x 2 too, and at 48 layers
+    (issue 27's matrix: 2, 12 and 48 layers on 8, 2 x 4 and 4 x 2)."""
+    return [gpt_case(2, 2, (4, 2)), gpt_case(12, 2, (4, 2)),
+            gpt_case(48, 1), gpt_case(48, 2), gpt_case(48, 2, (4, 2))]
