@@ -1,0 +1,42 @@
+"""When the searched plan compiles over the memory limit, the memory check searches again
+under a lower modeled limit, which holds the hand plans to the searched plan's overshoot
+too. A hand plan modeled under the user's limit and cheaper as written may compile under
+it: it is compiled, and kept where it fits (``compiler/api.py``
+``_cheaper_hand_that_fits``). Before, the 2-layer GPT step on 4 x 2 at 0.9 of the free
+plan's peak returned a plan modeled 1.55x its ZeRO-1 hand plan (33.1 against 21.3 ms),
+and measured 1.15x the best hand plan (docs/results/search_and_memory.md)."""
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+import shardprop as sp
+from tests.helpers import assert_trees_close
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.mark.slow
+def test_a_cheaper_hand_plan_that_fits_once_compiled_is_kept():
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "examples"))
+    import zoo
+    c = next(c for c in zoo.limit_cases() + zoo.cases() if c.name == "gpt2_train_dp4xmp2")
+    zoo.annotate.mode, zoo.annotate.mesh = "plain", c.mesh
+    kw = dict(mesh=c.mesh, mode="auto", donate_argnums=c.state_argnums, progress=False, cost_model="cpu")
+    free = sp.parallelize(c.fn, **kw).plan(*c.args())
+    limit = int(0.9 * free.cost.peak_memory)
+    pf = sp.parallelize(c.fn, memory_limit=limit, **kw)
+    plan = pf.plan(*c.args())
+    cost = plan.cost
+    assert len(cost.memory_checks) > 1, "the case no longer needs the memory check's second round"
+    assert cost.compiled_memory is not None and cost.compiled_memory.total <= limit
+    under = [h.written for h in cost.hand_plans if h.written is not None and h.peak <= limit]
+    assert under and cost.written_time <= min(under) * (1 + 1e-9), (cost.written_time, sorted(under))
+    assert "fits once compiled" in cost.solver["status"]
+    got, want = pf(*c.args()), jax.jit(c.fn)(*c.args())
+    assert_trees_close(got[-1], want[-1], rtol=1e-5, atol=1e-6)                    # the loss
+    # parameters and Adam's state: Adam divides by the gradient's root mean square, so a
+    # weight whose gradient is near zero moves by up to its learning rate (1e-3) on rounding
+    assert_trees_close(got[:-1], want[:-1], rtol=1e-4, atol=1e-4)
