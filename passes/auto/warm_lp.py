@@ -100,10 +100,6 @@ class WarmLP:
         lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = A.indptr, A.indices, A.data
         self.h = core._Highs()
         self.h.setOptionValue("output_flag", False)
-        # (no presolve: on the 2-layer GPT step the first, cold solve took 0.5-0.6 s of process
-        # time without it against 1.0-1.1 s with it; the warm solves after it have a basis and
-        # skip presolve anyway)
-        self.h.setOptionValue("presolve", "off")
         self.h.passModel(lp)
         self.ncol, self.nrow = n, r
         self.rows: dict = {}          # a memory row's key -> its row index in the model
