@@ -210,7 +210,6 @@ class SearchStrategies:
         prices, last = Prices(self.cost, self.allow_rs), None
         solved, best_objective = [], None
         self._hands = []
-        self._memories = {}   # id(problem) -> its _Liveness (a search's, for _decisions)
         self._phases = {}   # seconds per part of the search (plan.cost.solver["phases"])
         self._deadline = self.deadline if self.deadline is not None else \
             None if self.time_budget is None else time.perf_counter() + self.time_budget
@@ -295,7 +294,6 @@ class SearchStrategies:
                               allow_reduce_scatter=self.allow_rs, prices=prices, like=like)
             limit = self.memory_limit
             memory = _Liveness(graph, problem)
-            self.__dict__.setdefault("_memories", {})[id(problem)] = memory   # (for _decisions: computed once)
             # a plan to beat: every decision at its first candidate (the whole tensor, or what
             # the marks fix), if it fits; no candidate that cannot beat it is searched
             first = {t: 0 for t in problem.unary}
@@ -727,11 +725,7 @@ class SearchStrategies:
         with every other decision kept (the plan's modeled time with it instead)."""
         out = []
         base = problem.objective(sol.choice)
-        memory = None
-        if self.memory_limit is not None:
-            memory = getattr(self, "_memories", {}).get(id(problem))
-            if memory is None or memory.problem is not problem:
-                memory = _Liveness(problem.graph, problem)
+        memory = _Liveness(problem.graph, problem) if self.memory_limit is not None else None
         counts: dict = {}
         for n in problem.nodes:
             counts[n.template] = counts.get(n.template, 0) + 1
