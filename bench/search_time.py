@@ -18,6 +18,8 @@ and where the search's seconds went (``plan.cost.solver["phases"]``).
     python bench/search_time.py --layers 2 12 48 --repeat 3
     python bench/search_time.py --layers 2 --compiled     # parallelize().plan(): the memory
                                                           # check's compiles and searches again
+    python bench/search_time.py --layers 2 --meshes 4x2 --limits 0.5 --repeat 1 --lp-log
+                                                          # and each warm LP solve's seconds
 
 Without ``--compiled`` one search runs on the traced program (``SearchStrategies``
 with its own time budget), which is what the search-time goals are about; with it,
@@ -88,7 +90,8 @@ def search_once(pf, args, limit) -> dict:
         except sp.ShardingError as e:
             return dict(wall=time.perf_counter() - t0, cpu=time.process_time() - c0, error=str(e).splitlines()[0])
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return dict(wall=wall, cpu=cpu, **summary(graph.auto))
+    lp = [entry for model in getattr(search_mod, "_WARM", {}).values() for entry in getattr(model, "log", [])]
+    return dict(wall=wall, cpu=cpu, lp=lp, **summary(graph.auto))
 
 
 def plan_once(pf, args) -> dict:
@@ -132,6 +135,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cost-model", default="cpu", help="the cost model auto plans with (bench/compare.py's default)")
     ap.add_argument("--compiled", action="store_true", help="parallelize().plan(): with the memory check's rounds")
+    ap.add_argument("--lp-log", action="store_true",
+                    help="each warm LP solve of the last run: wall s, process s, simplex iterations, rows, status")
     args = ap.parse_args()
     print(f"GPT training step (zoo: heads 8 x 16, seq 32, batch 8, Adam), no marks, cost model {args.cost_model}; "
           f"{'plan() with the memory check' if args.compiled else 'one search'}, cold; medians of {args.repeat} "
@@ -168,6 +173,10 @@ def main():
                 print(f"{head} | step {r['step'] * 1e3:.4f} ms (written {r['written'] * 1e3:.4f}), peak "
                       f"{r['peak'] / 1e6:.3f} MB / limit {r['modeled_limit'] / 1e6:.3f}, gap {r['gap']:.2%} on "
                       f"{r['mesh']} | {r['status'][:110]}" + (f" | phases: {phases}" if phases else ""), flush=True)
+                if args.lp_log and r.get("lp"):
+                    print("    warm LP solves (wall s / process s, iterations, rows): " + "; ".join(
+                        f"{w:.2f}/{c:.2f} {it} it {n} rows" + ("" if st == "Optimal" else f" ({st})")
+                        for w, c, it, n, st in r["lp"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -161,3 +161,16 @@ def test_first_lp_rounds_do_not_dive_from_a_far_rounding_that_fits(monkeypatch):
     assert what == "exact" and not dives
     search._relaxed_round(red, problem, memory, list(rows), {at}, limit, None, model, dive_far=True)
     assert dives
+
+
+@pytest.mark.slow
+def test_warm_lp_logs_each_solve():
+    """``WarmLP.log`` (what ``bench/search_time.py --lp-log`` prints) has one entry per
+    solve: its seconds, the simplex's iterations, the memory rows held and the status."""
+    problem, memory, red, model, rows, limit, lp, _ = row_lp()
+    assert len(model.log) == model.solves == 2
+    (w0, c0, it0, n0, st0), (w1, c1, it1, n1, st1) = model.log
+    assert (n0, st0) == (0, "Optimal") and (n1, st1) == (1, "Optimal")
+    assert it0 > 0 and it1 > 0 and min(w0, c0, w1, c1) >= 0
+    model.solve(red.kept, rows, 1.0)   # (a limit no plan meets: the row alone is infeasible)
+    assert len(model.log) == 3 and model.log[-1][3] == 1 and model.log[-1][4] != "Optimal"

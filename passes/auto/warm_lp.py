@@ -105,6 +105,9 @@ class WarmLP:
         self.rows: dict = {}          # a memory row's key -> its row index in the model
         self.unit: Optional[float] = None   # bytes per unit of a memory row (HiGHS wants rows near 1)
         self.solves = 0
+        # per solve: (wall s, process s, simplex iterations, memory rows, status), for
+        # bench/search_time.py --lp-log (where a search's LP seconds go)
+        self.log: list = []
 
     def _marginals(self, a, b, rows_a, cols_b, shape, base, r, rows, cols, vals) -> int:
         """The rows tying an edge's pair variables (at ``base``) to its two decisions'
@@ -190,10 +193,13 @@ class WarmLP:
         # (HiGHS holds time_limit against the instance's run clock, which goes on across runs)
         self.h.setOptionValue("time_limit", self.h.getRunTime() + float(time_limit) if time_limit is not None
                               else np.inf)
+        c0 = time.process_time()
         self.h.run()
         self.solves += 1
         status = self.h.getModelStatus()
         seconds = time.perf_counter() - t0
+        self.log.append((seconds, time.process_time() - c0, int(self.h.getInfo().simplex_iteration_count),
+                         len(active), self.h.modelStatusToString(status)))
         if status != self.core.HighsModelStatus.kOptimal:
             out = milp.Solution({}, float("inf"), float("inf"), float("inf"),
                                 f"LP: {self.h.modelStatusToString(status)}", seconds, self.ncol, self.nx)
