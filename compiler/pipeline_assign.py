@@ -702,10 +702,16 @@ def _lines(eqns) -> list:
     return out
 
 
-def model_layers(an):
+def model_layers(an, layers: Optional[int] = None):
     """The repeated block of a one-stage analysis' forward: ``(start, period, count)`` in
     forward op positions (``ir/repeats.py`` ``find_repeats`` over the ops' tokens: the run
-    that covers the most ops), or None when nothing repeats."""
+    that covers the most ops), or None when nothing repeats.
+
+    With ``layers`` (the count the user gave): a run of that many repeats if there is one;
+    else, when the largest run has fewer, that run widened to ``layers`` blocks, or to as
+    many as it widens to (``_widen``): the model's first and last layers meet its input
+    and its head, and one of their ops can differ from the others' in its token (another
+    source line, an input of another width), which cuts the exact run short by a block."""
     from ..ir.repeats import find_repeats
     jaxpr = an.jaxpr.jaxpr
     ids: dict = {}
@@ -714,8 +720,42 @@ def model_layers(an):
     runs = find_repeats(seq, min_saved=1)
     if not runs:
         return None
-    r = max(runs, key=lambda r: (r.period * r.count, -r.start))
+    largest = lambda rs: max(rs, key=lambda r: (r.period * r.count, -r.start))   # noqa: E731
+    exact = [r for r in runs if r.count == layers]
+    r = largest(exact or runs)
+    if layers is not None and layers > r.count:
+        kinds = [(e.primitive.name, len(e.invars), len(e.outvars)) for e in forward]
+        for n in range(layers, r.count, -1):
+            widened = _widen(seq, kinds, r.start, r.period, r.count, n)
+            if widened is not None:
+                return widened
     return r.start, r.period, r.count
+
+
+def _widen(seq, kinds, start, period: int, count: int, want: int):
+    """``(start, period, want)``: ``want`` blocks of ``period`` ops around the exact run
+    ``seq[start : start + period * count]`` in which every op has the primitive (and
+    arity, ``kinds``) of the run's op at its place in the block, its token differing the
+    fewest times from the run's (ties: the start nearest the run's); None where no
+    window of ``want`` blocks has the block's primitives throughout. The window may
+    start up to a block before or after the run's start (an op that differs at the run's
+    first or last place shifts the exact run's phase)."""
+    best = None
+    extra = want - count
+    for s in range(start - extra * period, start + period):
+        if s < 0 or s + want * period > len(seq):
+            continue
+        misses = 0
+        for i in range(want * period):
+            ref = start + (s - start + i) % period
+            if kinds[s + i] != kinds[ref]:
+                break
+            misses += seq[s + i] != seq[ref]
+        else:
+            key = (misses, abs(s - start))
+            if best is None or key < best[0]:
+                best = (key, s)
+    return None if best is None else (best[1], period, want)
 
 
 def layer_bounds(an, counts) -> tuple:
@@ -724,7 +764,7 @@ def layer_bounds(an, counts) -> tuple:
     (an embedding) runs on the first stage and what follows it (the head, the loss) on the
     last. Returns per model stage its (first, end) forward op position."""
     counts = tuple(counts)
-    found = model_layers(an)
+    found = model_layers(an, sum(counts))
     F = len(an.stages[0].forward)
     if found is None:
         raise ShardingError(f"Pipeline(stages={counts}): stages given per layer need the model's repeated layers, "
@@ -733,7 +773,7 @@ def layer_bounds(an, counts) -> tuple:
     start, period, count = found
     if sum(counts) != count:
         raise ShardingError(f"Pipeline(stages={counts}): the counts sum to {sum(counts)}, and the model has {count} "
-                            f"layers (a block of {period} forward ops repeated {count} times); give layer counts "
+                            f"layers (a block of {period} forward ops, {count} times); give layer counts "
                             f"that sum to {count}")
     edges, n = [0], 0
     for c in counts[:-1]:

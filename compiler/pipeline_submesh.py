@@ -122,6 +122,10 @@ def _imported(closed, names, ir_mesh, batch_mask, arg_leaves):
         mark = _mark_of(op)
         if mark is not None:
             op.pipeline_mark = mark
+        # the equation's jax source info, for the per-rank program's equations (their lines
+        # find the model's layers): a pass that puts an op's line into words (the search's,
+        # under mode="auto") replaces Op.source's lookup, and its traceback, by the text
+        op.jax_source_info = getattr(op.__dict__.get("_source"), "info", None)
     graph.count_mesh = False
     if "dp" in ir_mesh.axis_names:
         for i, (x, b) in enumerate(zip(arg_leaves, batch_mask)):
@@ -360,8 +364,8 @@ def per_rank_jaxpr(graph, jax_mesh):
         env = {v.id: x for v, x in zip(graph.inputs, local)}
         for op in graph.ops:
             ins = [read(env, v) for v in op.inputs]
-            src = op.__dict__.get("_source")
-            tb = getattr(getattr(src, "info", None), "traceback", None)
+            info = getattr(op, "jax_source_info", None) or getattr(op.__dict__.get("_source"), "info", None)
+            tb = getattr(info, "traceback", None)
             mark = getattr(op, "pipeline_mark", None)
             with source_info_util.user_context(tb), \
                     (jax.named_scope(LAYOUT_MOVE) if is_collective(op) else contextlib.nullcontext()):

@@ -178,3 +178,35 @@ def test_a_permute_in_a_stage_is_refused_by_the_spmd_lowering_and_runs_in_mpmd()
     assert outcome == "rejected" and "collective permute" in detail and "SPMD lowering" in detail, (outcome, detail)
     outcome, detail = run(dataclasses.replace(PERMUTE_IN_A_STAGE, lowering="mpmd"))
     assert outcome == "right", detail
+
+
+# (seed 20261222, index 37): seven residual blocks as layers per stage, pp x mp, mode="auto"
+RESIDUAL_LAYERS_SEARCHED = Draw(index=37, width=4, blocks=["residual"] * 7, tied=False, scalar=False,
+                                mesh=((4, 2), ("pp", "mp")), schedule="gpipe", virtual=1, microbatches=4, rows=2,
+                                marks=False, column_marks=False, lowering="mpmd", zero1=False, optimizer="sgd",
+                                forward_only=False, cuts=[1, 4, 5], search="mode", layers=(1, 1, 1, 4))
+
+
+@pytest.mark.slow
+def test_layers_per_stage_under_mode_auto_equal_one_device():
+    """Under ``mode="auto"`` the search put the ops' source lines into words, which took
+    the place of their tracebacks, and the per-rank program's equations had no line: the
+    embedding's and the first layer's matmuls then differed from the other layers', the
+    repeat found was six blocks, and ``stages=(1, 1, 1, 4)`` was refused ("the model has
+    6 layers"). The program's equations now keep their lines
+    (``compiler/pipeline_submesh.py`` ``_imported``), and a repeat one block short at
+    the model's ends widens to the count given (``pipeline_assign.model_layers``)."""
+    import shardprop as sp
+    from shardprop.compiler.pipeline_assign import _src
+    from tests.fuzz.pipeline import build
+    d = RESIDUAL_LAYERS_SEARCHED
+    step, args, batch_argnums, _ = build(d)
+    pstep = sp.parallelize(step, mesh=d.mesh, batch_argnums=batch_argnums, mode="auto",
+                           pipeline=sp.Pipeline(microbatches=d.microbatches, schedule=d.schedule,
+                                                lowering=d.lowering, stages=d.layers))
+    an = pstep.plan(*args).program.an
+    jaxpr = an.jaxpr.jaxpr
+    dots = [jaxpr.eqns[i] for s in an.stages for i in s.forward if jaxpr.eqns[i].primitive.name == "dot_general"]
+    assert len(dots) == 15 and all(_src(e) for e in dots), [_src(e) for e in dots]
+    outcome, detail = run(d)
+    assert outcome == "right", detail
