@@ -169,15 +169,30 @@ PERMUTE_IN_A_STAGE = Draw(index=38, width=12, blocks=["dense", "reshape", "resid
 
 
 @pytest.mark.slow
-def test_a_permute_in_a_stage_is_refused_by_the_spmd_lowering_and_runs_in_mpmd():
+def test_a_permute_in_a_stage_equals_one_device_in_both_lowerings():
     """A stage's plan held a collective permute over the stage's devices. In the SPMD
     lowering it ran inside the stage's branch of the switch on the rank, where XLA's CPU
-    runtime waited for every device of the mesh: the step hung and XLA aborted the process.
-    It is now a ShardingError naming the op and the fixes; the MPMD lowering runs it."""
-    outcome, detail = run(PERMUTE_IN_A_STAGE)
-    assert outcome == "rejected" and "collective permute" in detail and "SPMD lowering" in detail, (outcome, detail)
-    outcome, detail = run(dataclasses.replace(PERMUTE_IN_A_STAGE, lowering="mpmd"))
-    assert outcome == "right", detail
+    runtime waited for every device of the mesh: the step hung and XLA aborted the process
+    (then it was refused). The SPMD lowering now runs each such permute as an all_gather
+    over the stage's devices and a pick of the source's block (``compiler/pipeline_submesh.py``
+    ``_permute_by_gather``); the MPMD lowering, a program per stage, keeps the permute."""
+    from collections import Counter
+
+    import shardprop as sp
+    from tests.fuzz.pipeline import build
+    step, args, batch_argnums, _ = build(PERMUTE_IN_A_STAGE)
+    prims = {}
+    for lowering in ("spmd", "mpmd"):
+        d = dataclasses.replace(PERMUTE_IN_A_STAGE, lowering=lowering)
+        pstep = sp.parallelize(step, mesh=d.mesh, batch_argnums=batch_argnums, shard_optimizer_state=True,
+                               pipeline=sp.Pipeline(microbatches=d.microbatches, schedule=d.schedule,
+                                                    virtual_stages=d.virtual, lowering=lowering))
+        prims[lowering] = Counter(e.primitive.name for e in pstep.plan(*args).program.an.jaxpr.jaxpr.eqns)
+        outcome, detail = run(d)
+        assert outcome == "right", (lowering, detail)
+    spmd, mpmd = prims["spmd"], prims["mpmd"]
+    assert mpmd["ppermute"] > 0 and spmd["ppermute"] == 0
+    assert spmd["all_gather"] == mpmd["all_gather"] + mpmd["ppermute"]
 
 
 # (seed 20261222, index 37): seven residual blocks as layers per stage, pp x mp, mode="auto"
