@@ -707,11 +707,11 @@ def model_layers(an, layers: Optional[int] = None):
     forward op positions (``ir/repeats.py`` ``find_repeats`` over the ops' tokens: the run
     that covers the most ops), or None when nothing repeats.
 
-    With ``layers`` (the count the user gave): a run of that many repeats if there is one;
-    else, when the largest run has fewer, that run widened to ``layers`` blocks, or to as
-    many as it widens to (``_widen``): the model's first and last layers meet its input
-    and its head, and one of their ops can differ from the others' in its token (another
-    source line, an input of another width), which cuts the exact run short by a block."""
+    With ``layers`` (the count the user gave), where that run has fewer repeats: the run
+    widened to ``layers`` blocks, or to as many as it widens to (``_widen``). The model's
+    first and last layers meet its input and its head, and one of their ops can differ
+    from the others' in its token (another source line, an input of another width),
+    which cuts the exact run short by a block."""
     from ..ir.repeats import find_repeats
     jaxpr = an.jaxpr.jaxpr
     ids: dict = {}
@@ -720,9 +720,7 @@ def model_layers(an, layers: Optional[int] = None):
     runs = find_repeats(seq, min_saved=1)
     if not runs:
         return None
-    largest = lambda rs: max(rs, key=lambda r: (r.period * r.count, -r.start))   # noqa: E731
-    exact = [r for r in runs if r.count == layers]
-    r = largest(exact or runs)
+    r = max(runs, key=lambda r: (r.period * r.count, -r.start))
     if layers is not None and layers > r.count:
         kinds = [(e.primitive.name, len(e.invars), len(e.outvars)) for e in forward]
         for n in range(layers, r.count, -1):
