@@ -391,6 +391,8 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
             for o in jaxpr.eqns[i].outvars:
                 seeded.add(o)
                 vphase[o] = "B"
+        if auto and seeded_ops:
+            _late_forward_to_backward(jaxpr, roles, phase, vphase)
         if S == 1 and not bwd_marks and not seeded:
             training = False
     stages = [StageProgram() for _ in range(S)]
@@ -414,6 +416,46 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
     # zero-bubble split: I = what the cotangent sent back needs, W = what the weight partials need
     _split_zero_bubble(an)
     return an
+
+
+def _late_forward_to_backward(jaxpr, roles, phase, vphase) -> None:
+    """Per-micro-batch ops after the forward's end (its last op that the step's outputs
+    read through forward ops: the loss) that read forward values only and whose every
+    reader is a backward op become backward ops. A planned program's own layout move of
+    an activation for a weight gradient (pp x dp x mp with ZeRO-1: the slice of a layer
+    norm's output to this rank's block, for its scale's gradient) sits among the
+    backward ops; as a forward op it came after the forward's last op, the automatic
+    cuts put it on the last stage, and the gradient it feeds, on the stage of its layer,
+    read it from a later stage (a ShardingError). As a backward op it runs on the stage
+    of the forward values it reads. (Residuals jax computes in the forward, before its
+    end, stay forward ops: they are the layers' own ops.)"""
+    readers, producer = {}, {}
+    for i, e in enumerate(jaxpr.eqns):
+        for a in e.invars:
+            if not isinstance(a, jcore.Literal):
+                readers.setdefault(a, []).append(i)
+        for o in e.outvars:
+            producer[o] = i
+    outs = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    # the forward's end: the outputs' ancestors through forward and once ops (not the backward)
+    end, seen, stack = -1, set(), [producer[v] for v in outs if v in producer]
+    while stack:
+        i = stack.pop()
+        if i in seen or not (roles[i] == ONCE or roles[i] == MB and phase[i] == "F"):
+            continue
+        seen.add(i)
+        if roles[i] == MB:
+            end = max(end, i)
+        stack += [producer[a] for a in jaxpr.eqns[i].invars if not isinstance(a, jcore.Literal) and a in producer]
+    for i in reversed(range(end + 1, len(jaxpr.eqns))):
+        if roles[i] != MB or phase[i] != "F":
+            continue
+        users = [u for o in jaxpr.eqns[i].outvars for u in readers.get(o, [])]
+        if users and not any(o in outs for o in jaxpr.eqns[i].outvars) and \
+                all(roles[u] == MB and phase[u] == "B" for u in users):
+            phase[i] = "B"
+            for o in jaxpr.eqns[i].outvars:
+                vphase[o] = "B"
 
 
 def _cuts(jaxpr, marks, backward: bool) -> dict:

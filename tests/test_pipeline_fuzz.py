@@ -225,3 +225,23 @@ def test_layers_per_stage_under_mode_auto_equal_one_device():
     assert len(dots) == 15 and all(_src(e) for e in dots), [_src(e) for e in dots]
     outcome, detail = run(d)
     assert outcome == "right", detail
+
+
+# (seed 20261222, index 20, with ZeRO-1 added): four layer norms as layers per stage on
+# pp x dp x mp, interleaved; the draw itself (no ZeRO-1) was right
+NORM_LAYERS_ZERO1 = Draw(index=20, width=12, blocks=["norm"] * 4, tied=False, scalar=True,
+                         mesh=((2, 2, 2), ("pp", "dp", "mp")), schedule="interleaved", virtual=2, microbatches=4,
+                         rows=2, marks=False, column_marks=True, lowering="spmd", zero1=True, optimizer="adam",
+                         forward_only=False, cuts=[0, 1, 2], layers=(1, 1, 1, 1))
+
+
+@pytest.mark.slow
+def test_layers_per_stage_with_zero1_beside_mp_equal_one_device():
+    """With ZeRO-1 the plan slices each norm's output to this rank's block for its scale's
+    gradient: an op that reads forward values only, placed among the backward ops. As a
+    forward op it came after the forward's last op, so the cuts put all four on the last
+    stage, and each scale's gradient read its slice from a later stage: refused ("a
+    backward value would flow up the stages"). Such an op is now a backward op, on its
+    layer's stage (``compiler/pipeline_assign.py`` ``_late_forward_to_backward``)."""
+    outcome, detail = run(NORM_LAYERS_ZERO1)
+    assert outcome == "right", detail
