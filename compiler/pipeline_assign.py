@@ -391,6 +391,8 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
             for o in jaxpr.eqns[i].outvars:
                 seeded.add(o)
                 vphase[o] = "B"
+        if auto and seeded_ops:
+            _late_forward_to_backward(jaxpr, roles, phase, vphase)
         if S == 1 and not bwd_marks and not seeded:
             training = False
     stages = [StageProgram() for _ in range(S)]
@@ -414,6 +416,46 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
     # zero-bubble split: I = what the cotangent sent back needs, W = what the weight partials need
     _split_zero_bubble(an)
     return an
+
+
+def _late_forward_to_backward(jaxpr, roles, phase, vphase) -> None:
+    """Per-micro-batch ops after the forward's end (its last op that the step's outputs
+    read through forward ops: the loss) that read forward values only and whose every
+    reader is a backward op become backward ops. A planned program's own layout move of
+    an activation for a weight gradient (pp x dp x mp with ZeRO-1: the slice of a layer
+    norm's output to this rank's block, for its scale's gradient) sits among the
+    backward ops; as a forward op it came after the forward's last op, the automatic
+    cuts put it on the last stage, and the gradient it feeds, on the stage of its layer,
+    read it from a later stage (a ShardingError). As a backward op it runs on the stage
+    of the forward values it reads. (Residuals jax computes in the forward, before its
+    end, stay forward ops: they are the layers' own ops.)"""
+    readers, producer = {}, {}
+    for i, e in enumerate(jaxpr.eqns):
+        for a in e.invars:
+            if not isinstance(a, jcore.Literal):
+                readers.setdefault(a, []).append(i)
+        for o in e.outvars:
+            producer[o] = i
+    outs = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    # the forward's end: the outputs' ancestors through forward and once ops (not the backward)
+    end, seen, stack = -1, set(), [producer[v] for v in outs if v in producer]
+    while stack:
+        i = stack.pop()
+        if i in seen or not (roles[i] == ONCE or roles[i] == MB and phase[i] == "F"):
+            continue
+        seen.add(i)
+        if roles[i] == MB:
+            end = max(end, i)
+        stack += [producer[a] for a in jaxpr.eqns[i].invars if not isinstance(a, jcore.Literal) and a in producer]
+    for i in reversed(range(end + 1, len(jaxpr.eqns))):
+        if roles[i] != MB or phase[i] != "F":
+            continue
+        users = [u for o in jaxpr.eqns[i].outvars for u in readers.get(o, [])]
+        if users and not any(o in outs for o in jaxpr.eqns[i].outvars) and \
+                all(roles[u] == MB and phase[u] == "B" for u in users):
+            phase[i] = "B"
+            for o in jaxpr.eqns[i].outvars:
+                vphase[o] = "B"
 
 
 def _cuts(jaxpr, marks, backward: bool) -> dict:
@@ -702,10 +744,16 @@ def _lines(eqns) -> list:
     return out
 
 
-def model_layers(an):
+def model_layers(an, layers: Optional[int] = None):
     """The repeated block of a one-stage analysis' forward: ``(start, period, count)`` in
     forward op positions (``ir/repeats.py`` ``find_repeats`` over the ops' tokens: the run
-    that covers the most ops), or None when nothing repeats."""
+    that covers the most ops), or None when nothing repeats.
+
+    With ``layers`` (the count the user gave), where that run has fewer repeats: the run
+    widened to ``layers`` blocks, or to as many as it widens to (``_widen``). The model's
+    first and last layers meet its input and its head, and one of their ops can differ
+    from the others' in its token (another source line, an input of another width),
+    which cuts the exact run short by a block."""
     from ..ir.repeats import find_repeats
     jaxpr = an.jaxpr.jaxpr
     ids: dict = {}
@@ -715,7 +763,39 @@ def model_layers(an):
     if not runs:
         return None
     r = max(runs, key=lambda r: (r.period * r.count, -r.start))
+    if layers is not None and layers > r.count:
+        kinds = [(e.primitive.name, len(e.invars), len(e.outvars)) for e in forward]
+        for n in range(layers, r.count, -1):
+            widened = _widen(seq, kinds, r.start, r.period, r.count, n)
+            if widened is not None:
+                return widened
     return r.start, r.period, r.count
+
+
+def _widen(seq, kinds, start, period: int, count: int, want: int):
+    """``(start, period, want)``: ``want`` blocks of ``period`` ops around the exact run
+    ``seq[start : start + period * count]`` in which every op has the primitive (and
+    arity, ``kinds``) of the run's op at its place in the block, its token differing the
+    fewest times from the run's (ties: the start nearest the run's); None where no
+    window of ``want`` blocks has the block's primitives throughout. The window may
+    start up to a block before or after the run's start (an op that differs at the run's
+    first or last place shifts the exact run's phase)."""
+    best = None
+    extra = want - count
+    for s in range(start - extra * period, start + period):
+        if s < 0 or s + want * period > len(seq):
+            continue
+        misses = 0
+        for i in range(want * period):
+            ref = start + (s - start + i) % period
+            if kinds[s + i] != kinds[ref]:
+                break
+            misses += seq[s + i] != seq[ref]
+        else:
+            key = (misses, abs(s - start))
+            if best is None or key < best[0]:
+                best = (key, s)
+    return None if best is None else (best[1], period, want)
 
 
 def layer_bounds(an, counts) -> tuple:
@@ -724,7 +804,7 @@ def layer_bounds(an, counts) -> tuple:
     (an embedding) runs on the first stage and what follows it (the head, the loss) on the
     last. Returns per model stage its (first, end) forward op position."""
     counts = tuple(counts)
-    found = model_layers(an)
+    found = model_layers(an, sum(counts))
     F = len(an.stages[0].forward)
     if found is None:
         raise ShardingError(f"Pipeline(stages={counts}): stages given per layer need the model's repeated layers, "
@@ -733,7 +813,7 @@ def layer_bounds(an, counts) -> tuple:
     start, period, count = found
     if sum(counts) != count:
         raise ShardingError(f"Pipeline(stages={counts}): the counts sum to {sum(counts)}, and the model has {count} "
-                            f"layers (a block of {period} forward ops repeated {count} times); give layer counts "
+                            f"layers (a block of {period} forward ops, {count} times); give layer counts "
                             f"that sum to {count}")
     edges, n = [0], 0
     for c in counts[:-1]:

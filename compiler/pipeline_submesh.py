@@ -122,6 +122,10 @@ def _imported(closed, names, ir_mesh, batch_mask, arg_leaves):
         mark = _mark_of(op)
         if mark is not None:
             op.pipeline_mark = mark
+        # the equation's jax source info, for the per-rank program's equations (their lines
+        # find the model's layers): a pass that puts an op's line into words (the search's,
+        # under mode="auto") replaces Op.source's lookup, and its traceback, by the text
+        op.jax_source_info = getattr(op.__dict__.get("_source"), "info", None)
     graph.count_mesh = False
     if "dp" in ir_mesh.axis_names:
         for i, (x, b) in enumerate(zip(arg_leaves, batch_mask)):
@@ -309,7 +313,7 @@ def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, ar
     the plans of one step's traces: with ``mode="auto"`` the first is searched, the others
     take its strategies (``_run_passes``); ``memory_limit``: with ``mode="auto"``, bytes per
     device the searched plan's modeled peak must fit (``passes/auto``'s ``NoPlanFits`` where none does); ``in_branches``: the
-    program runs in a branch per rank (the SPMD lowering: ``_no_permute_in_branches``)."""
+    program runs in a branch per rank (the SPMD lowering: ``_permute_by_gather``)."""
     args = jax.tree_util.tree_unflatten(args_tree, arg_leaves)
     graph = _imported(closed, names, ir_mesh, batch_mask, arg_leaves)
     graph.pinned_inputs.update(pins or {})
@@ -319,33 +323,35 @@ def plan_submesh(closed, names, *, ir_mesh, jax_mesh, batch_mask, arg_leaves, ar
     graph = _run_passes(graph, options, replay)
     if jax_mesh is None:   # the plan only
         return SubmeshProgram(None, [], [], [], [], [], [], graph)
-    if in_branches:
-        _no_permute_in_branches(graph)
-    return SubmeshProgram(per_rank_jaxpr(graph, jax_mesh), [partition_spec(v.layout) for v in graph.inputs],
+    return SubmeshProgram(per_rank_jaxpr(graph, jax_mesh, permute_by_gather=in_branches),
+                          [partition_spec(v.layout) for v in graph.inputs],
                           [partition_spec(v.layout) for v in graph.outputs],
                           [tuple(v.layout.dims) for v in graph.inputs], [tuple(v.layout.dims) for v in graph.outputs],
                           [tuple(v.type.shape) for v in graph.outputs],
                           [v.const for v in graph.inputs[graph.num_user_inputs:]], graph)
 
 
-def _no_permute_in_branches(graph) -> None:
-    """The SPMD lowering runs each stage's program in a branch of a ``lax.switch`` on the
-    rank. A collective_permute over the stage's axes there names every device of the mesh
-    in its pairs, and XLA's CPU runtime waits for all of them: the other stages' ranks, in
-    another branch, never come, and the step hangs until XLA aborts the process (pipeline
-    fuzzer seed 20261222, draw 38: pp x dp x mp with ZeRO-1). Refused, with the fixes,
-    until such a permute is lowered otherwise."""
-    for op in graph.ops:
-        if op.kind == "permute":
-            raise ShardingError(
-                f"a pipeline stage's plan moves {op.inputs[0].type} from {op.inputs[0].layout} "
-                f"by a collective permute over the stage's devices (for the op at {op.source or '<unknown>'}), "
-                "which the SPMD lowering cannot run inside a stage's branch (the other stages' devices would be "
-                "waited for). Use sp.Pipeline(lowering='mpmd'), or fix that value's layout with an sp.shard mark "
-                "so that no permute is needed")
+def _permute_by_gather(x, axes: tuple, pairs):
+    """A collective permute over the sub-mesh's ``axes`` (``pairs``: (source, destination)
+    ranks, linear over ``axes``, every rank a destination once) as an all_gather of the
+    blocks over ``axes`` and each rank's pick of its source's block. The SPMD lowering
+    runs each stage's program in a branch of a ``lax.switch`` on the rank, and a
+    ``ppermute`` there names every device of the whole mesh in its pairs: XLA's CPU
+    runtime waited for all of them, the other stages' devices, in other branches, never
+    came, and the step hung (pipeline fuzzer seed 20261222, draw 38: pp x dp x mp with
+    ZeRO-1). An all_gather's groups are the stage's devices only. The pick is a select
+    among static slices: no constant table, no broadcast, which the whole mesh's replay
+    of this program would have to take."""
+    source = dict((d, s) for s, d in pairs)
+    n = len(source)
+    if sorted(source) != list(range(n)):
+        raise ShardingError(f"internal: a permute's pairs {pairs} are not a permutation of the sub-mesh's ranks")
+    blocks = jax.lax.all_gather(x, axes, axis=0, tiled=False)
+    cases = [jax.lax.index_in_dim(blocks, source[r], 0, keepdims=False) for r in range(n)]
+    return jax.lax.select_n(jax.lax.axis_index(axes), *cases)
 
 
-def per_rank_jaxpr(graph, jax_mesh):
+def per_rank_jaxpr(graph, jax_mesh, permute_by_gather: bool = False):
     """The localized graph replayed on local blocks inside a ``shard_map`` over the
     sub-mesh and traced: the body's jaxpr (local shapes, the plan's collectives, the
     stage marks back as ``stage_boundary`` equations with their ``cut``). Each op's
@@ -360,13 +366,15 @@ def per_rank_jaxpr(graph, jax_mesh):
         env = {v.id: x for v, x in zip(graph.inputs, local)}
         for op in graph.ops:
             ins = [read(env, v) for v in op.inputs]
-            src = op.__dict__.get("_source")
-            tb = getattr(getattr(src, "info", None), "traceback", None)
+            info = getattr(op, "jax_source_info", None) or getattr(op.__dict__.get("_source"), "info", None)
+            tb = getattr(info, "traceback", None)
             mark = getattr(op, "pipeline_mark", None)
             with source_info_util.user_context(tb), \
                     (jax.named_scope(LAYOUT_MOVE) if is_collective(op) else contextlib.nullcontext()):
                 if mark is not None:
                     outs = stage_boundary_p.bind(*ins, direction=mark[0], cut=mark[1])
+                elif permute_by_gather and op.kind == "permute":
+                    outs = [_permute_by_gather(ins[0], tuple(axes), op.params["pairs"])]
                 else:
                     outs = run_op(op, ins, axes)
             for v, x in zip(op.outputs, outs):

@@ -169,12 +169,79 @@ PERMUTE_IN_A_STAGE = Draw(index=38, width=12, blocks=["dense", "reshape", "resid
 
 
 @pytest.mark.slow
-def test_a_permute_in_a_stage_is_refused_by_the_spmd_lowering_and_runs_in_mpmd():
+def test_a_permute_in_a_stage_equals_one_device_in_both_lowerings():
     """A stage's plan held a collective permute over the stage's devices. In the SPMD
     lowering it ran inside the stage's branch of the switch on the rank, where XLA's CPU
-    runtime waited for every device of the mesh: the step hung and XLA aborted the process.
-    It is now a ShardingError naming the op and the fixes; the MPMD lowering runs it."""
-    outcome, detail = run(PERMUTE_IN_A_STAGE)
-    assert outcome == "rejected" and "collective permute" in detail and "SPMD lowering" in detail, (outcome, detail)
-    outcome, detail = run(dataclasses.replace(PERMUTE_IN_A_STAGE, lowering="mpmd"))
+    runtime waited for every device of the mesh: the step hung and XLA aborted the process
+    (then it was refused). The SPMD lowering now runs each such permute as an all_gather
+    over the stage's devices and a pick of the source's block (``compiler/pipeline_submesh.py``
+    ``_permute_by_gather``); the MPMD lowering, a program per stage, keeps the permute."""
+    from collections import Counter
+
+    import shardprop as sp
+    from tests.fuzz.pipeline import build
+    step, args, batch_argnums, _ = build(PERMUTE_IN_A_STAGE)
+    prims = {}
+    for lowering in ("spmd", "mpmd"):
+        d = dataclasses.replace(PERMUTE_IN_A_STAGE, lowering=lowering)
+        pstep = sp.parallelize(step, mesh=d.mesh, batch_argnums=batch_argnums, shard_optimizer_state=True,
+                               pipeline=sp.Pipeline(microbatches=d.microbatches, schedule=d.schedule,
+                                                    virtual_stages=d.virtual, lowering=lowering))
+        prims[lowering] = Counter(e.primitive.name for e in pstep.plan(*args).program.an.jaxpr.jaxpr.eqns)
+        outcome, detail = run(d)
+        assert outcome == "right", (lowering, detail)
+    spmd, mpmd = prims["spmd"], prims["mpmd"]
+    assert mpmd["ppermute"] > 0 and spmd["ppermute"] == 0
+    assert spmd["all_gather"] == mpmd["all_gather"] + mpmd["ppermute"]
+
+
+# (seed 20261222, index 37): seven residual blocks as layers per stage, pp x mp, mode="auto"
+RESIDUAL_LAYERS_SEARCHED = Draw(index=37, width=4, blocks=["residual"] * 7, tied=False, scalar=False,
+                                mesh=((4, 2), ("pp", "mp")), schedule="gpipe", virtual=1, microbatches=4, rows=2,
+                                marks=False, column_marks=False, lowering="mpmd", zero1=False, optimizer="sgd",
+                                forward_only=False, cuts=[1, 4, 5], search="mode", layers=(1, 1, 1, 4))
+
+
+@pytest.mark.slow
+def test_layers_per_stage_under_mode_auto_equal_one_device():
+    """Under ``mode="auto"`` the search put the ops' source lines into words, which took
+    the place of their tracebacks, and the per-rank program's equations had no line: the
+    embedding's and the first layer's matmuls then differed from the other layers', the
+    repeat found was six blocks, and ``stages=(1, 1, 1, 4)`` was refused ("the model has
+    6 layers"). The program's equations now keep their lines
+    (``compiler/pipeline_submesh.py`` ``_imported``), and a repeat one block short at
+    the model's ends widens to the count given (``pipeline_assign.model_layers``)."""
+    import shardprop as sp
+    from shardprop.compiler.pipeline_assign import _src
+    from tests.fuzz.pipeline import build
+    d = RESIDUAL_LAYERS_SEARCHED
+    step, args, batch_argnums, _ = build(d)
+    pstep = sp.parallelize(step, mesh=d.mesh, batch_argnums=batch_argnums, mode="auto",
+                           pipeline=sp.Pipeline(microbatches=d.microbatches, schedule=d.schedule,
+                                                lowering=d.lowering, stages=d.layers))
+    an = pstep.plan(*args).program.an
+    jaxpr = an.jaxpr.jaxpr
+    dots = [jaxpr.eqns[i] for s in an.stages for i in s.forward if jaxpr.eqns[i].primitive.name == "dot_general"]
+    assert len(dots) == 15 and all(_src(e) for e in dots), [_src(e) for e in dots]
+    outcome, detail = run(d)
+    assert outcome == "right", detail
+
+
+# (seed 20261222, index 20, with ZeRO-1 added): four layer norms as layers per stage on
+# pp x dp x mp, interleaved; the draw itself (no ZeRO-1) was right
+NORM_LAYERS_ZERO1 = Draw(index=20, width=12, blocks=["norm"] * 4, tied=False, scalar=True,
+                         mesh=((2, 2, 2), ("pp", "dp", "mp")), schedule="interleaved", virtual=2, microbatches=4,
+                         rows=2, marks=False, column_marks=True, lowering="spmd", zero1=True, optimizer="adam",
+                         forward_only=False, cuts=[0, 1, 2], layers=(1, 1, 1, 1))
+
+
+@pytest.mark.slow
+def test_layers_per_stage_with_zero1_beside_mp_equal_one_device():
+    """With ZeRO-1 the plan slices each norm's output to this rank's block for its scale's
+    gradient: an op that reads forward values only, placed among the backward ops. As a
+    forward op it came after the forward's last op, so the cuts put all four on the last
+    stage, and each scale's gradient read its slice from a later stage: refused ("a
+    backward value would flow up the stages"). Such an op is now a backward op, on its
+    layer's stage (``compiler/pipeline_assign.py`` ``_late_forward_to_backward``)."""
+    outcome, detail = run(NORM_LAYERS_ZERO1)
     assert outcome == "right", detail

@@ -492,3 +492,30 @@ def test_one_heavy_stage_packs_without_zero_filled_concatenates():
     assert max(sizes) - min(sizes) > SMALL_GAP, sizes      # the pieces are padded: the case this guards
     assert zero_filled_concatenates(pstep.lower_text(params, opt.init(params), x, y)) == []
     assert_matches_one_device(step, params, opt.init(params), (x, y), pstep, steps=2)
+
+
+@pytest.mark.parametrize("pairs", [((0, 2), (1, 3), (2, 0), (3, 1)), ((0, 1), (1, 2), (2, 0), (3, 3))])
+def test_a_permute_by_gather_in_one_stages_branch_moves_the_blocks(pairs):
+    """The SPMD lowering's permute over a stage's devices (``pipeline_submesh._permute_by_gather``),
+    run in one pp rank's branch of a switch while the other rank's branch does something
+    else: each device of the stage holds its source's block, and nothing waits for the
+    other stage's devices."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardprop.compiler.pipeline_submesh import _permute_by_gather
+    mesh = jax.make_mesh((2, 2, 2), ("pp", "a", "b"), devices=jax.devices()[:8])
+    x = np.arange(2 * 8 * 3, dtype=np.float32).reshape(2, 8, 3)     # pp x (a, b) blocks of (2, 3)
+
+    def body(x):
+        moved = lambda x: _permute_by_gather(x, ("a", "b"), pairs)   # noqa: E731
+        return jax.lax.switch(jax.lax.axis_index("pp"), [moved, lambda x: 2 * x], x)
+    spec = P("pp", ("a", "b"))
+    out = np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))(
+        jax.device_put(x, NamedSharding(mesh, spec))))
+    blocks = x[0].reshape(4, 2, 3)
+    want = np.empty_like(blocks)
+    for s, d in pairs:
+        want[d] = blocks[s]
+    np.testing.assert_array_equal(out[0], want.reshape(8, 3))
+    np.testing.assert_array_equal(out[1], 2 * x[1])
