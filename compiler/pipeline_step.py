@@ -92,6 +92,9 @@ class PipelineInfo:
     # (host_step or mpmd_host_step, sharing by core_share), plus the once ops; step_time
     # is the side-by-side model the search uses
     host_step_time: float = 0.0
+    # plan(measure=True): the stage programs' own figures on this host
+    # (compiler/pipeline_host.py HostFigures), which host_step_time was then modeled on
+    host_figures: Optional[object] = None
     # mode="auto" beside the pipeline (a searched sub-mesh), bytes per device: the search's
     # modeled peak of one micro-batch's step (passes/auto's count, every stage's state in
     # it), less the state a device does not store (_state_elsewhere), plus what the
@@ -425,13 +428,28 @@ def stage_durations(prog, times) -> dict:
 
 def spmd_step(prog, durations, latency, once, cores=None):
     """The SPMD lowering's step with these stage ``durations`` and exchange ``latency`` (as
-    ``simulate`` takes them) and per rank its ``once`` ops' time: the tick table simulated
-    with the ranks sharing ``cores`` (None: side by side), then the once ops sharing them
-    again. Returns ``(seconds, the SimResult, the once phase's seconds)``."""
-    from ..passes.pipeline.simulate import shared_time
-    sim = simulate(prog.schedule, durations, latency=latency, cores=cores)
+    ``simulate`` takes them) and per rank its ``once`` ops' time: its tick loop run in
+    lockstep (``lockstep_time``): at each tick of the unit-cost tick table the busy ranks
+    run their actions sharing ``cores`` (None: side by side), the tick ends when the last
+    has ended (the exchanges after it are a rendezvous of every rank), then each exchange
+    the tick runs (forward, backward: ``prog.tables``' flags) costs the largest boundary's
+    latency (every rank sends the largest stage's packed size); then the once ops sharing
+    the cores again. Returns ``(seconds, the unit-cost SimResult the lowering runs, the
+    once phase's seconds)``."""
+    from ..passes.pipeline.simulate import CoreShare, lockstep_time, shared_time
+    T = int(prog.sim.makespan)
+    use = cores.action_use if isinstance(cores, CoreShare) else (lambda d, a: 1)
+    ticks = [[] for _ in range(T)]
+    for (t, d), a in sorted(prog.sim.tick_table.items()):
+        k = prog.schedule.model_stage(d, a.chunk)
+        ticks[t].append((durations[a.kind][k], use(d, a)))
+    per = float(max(latency)) if isinstance(latency, (list, tuple)) and latency else float(latency or 0)
+    tables = getattr(prog, "tables", None)
+    exchanges = ([int(tables["any_f"][t][0]) + int(tables["any_b"][t][0]) for t in range(T)]
+                 if tables is not None and prog.p > 1 else [0] * T)
+    loop = lockstep_time(ticks, cores, [per * n for n in exchanges])
     tail = float(shared_time(once, cores))
-    return float(sim.makespan) + tail, sim, tail
+    return float(loop) + tail, prog.sim, tail
 
 
 def host_step(prog, cost=None, cores=None, contention=None):
@@ -1294,7 +1312,11 @@ class PipelineFunction:
         return jnp.asarray(np.concatenate(parts, axis=c.an.bdim[v]))
 
     # ---------------------------------------------------------------- plan
-    def plan(self, *args) -> PipelinePlan:
+    def plan(self, *args, measure: bool = False) -> PipelinePlan:
+        """The plan of the step on ``args``. ``measure=True`` also times its stage programs
+        on this host, alone and the ranks at once (``compiler/pipeline_host.py``), and
+        models ``host_step_time`` on those figures (kept in ``pipeline.host_figures``)
+        instead of the cost model's."""
         c, leaves, mask = self._compile(args)
         prog, an, sch = c.prog, c.an, c.schedule
         names = lambda idxs: [an.jaxpr.jaxpr.eqns[i].primitive.name for i in idxs]
@@ -1320,6 +1342,10 @@ class PipelineFunction:
                             submesh_peak=c.submesh_peak, state_elsewhere=c.elsewhere,
                             beyond_one_microbatch=c.beyond_one, device_peak=c.device_peak,
                             submesh_budget=c.submesh_budget)
+        if measure:
+            from .pipeline_host import measure_host, measured_host_step
+            info.host_figures = measure_host(prog)
+            info.host_step_time = measured_host_step(prog, info.host_figures, self.pipeline.lowering, self.cost)[0]
         plan = PipelinePlan(info, prog)
         if self.dump_dir:
             import os
