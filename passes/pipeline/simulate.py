@@ -40,7 +40,8 @@ enough) demands ``u``, and the running actions all progress at ``CoreShare.rate`
 demands. Latencies are delays
 that use no core. :func:`shared_time` is the same sharing for independent jobs that start
 together (each rank's once ops after the loop), :func:`shared_finish` for jobs that start
-at given times.
+at given times, and :func:`lockstep_time` for a tick loop run in lockstep (the SPMD
+lowering's: each tick's actions share the cores and the tick ends with its slowest).
 
 **Release times** (``release=``): a callable ``(stage, action) -> time`` before which the
 action may not start, whatever its inputs (a driver that issues the actions one after
