@@ -353,7 +353,7 @@ def core_share(mesh, p: int, cost, prog):
     """What the ``p`` ranks of ``prog`` share on this host: a ``CoreShare`` where the
     profile measured the cores its programs keep busy alone and its ``at_once`` curve
     (each action demanding its ``action_cores`` times the devices of a rank; the host
-    delivering what the curve measured, converted to cores by the cores its matmul kept
+    delivering what the curve measured, converted to cores by the cores its program kept
     busy alone), else ``shared_cores`` (ranks counted, not their cores)."""
     from ..passes.pipeline.simulate import Capacity, CoreShare
     used = cores_alone(cost)
