@@ -9,8 +9,9 @@ time is not the bubble. What the CPU can show, each figure next to its target:
    buffers (``runtime/pipeline_lower.py`` ``bubble_computes_nothing``), per schedule;
 2. **step time against the sum of the stages' work**: the pipelined step against
    ``m`` times each stage's forward and backward programs plus its once ops (the
-   optimizer), each program jitted alone on one device of this process, its own
-   equations only (no packing, no exchange). Same process, same XLA CPU threading as the
+   optimizer), each program jitted alone on its rank's device of this process, its own
+   equations and the add of its partial sums into its accumulator (no packing, no
+   exchange: ``compiler/pipeline_host.py`` ``stage_programs``). Same process, same XLA CPU threading as the
    one-device step of the same model, which is printed beside it (on this machine a
    jitted program runs on one thread whether or not other devices are busy: see
    docs/results/pipeline.md). Target: at most 1.10;
@@ -18,26 +19,20 @@ time is not the bubble. What the CPU can show, each figure next to its target:
    compiled programs' temp bytes (``memory_analysis()``) and the activation slot buffers
    (slots x the stage input, the kept forward values and the cotangent);
 4. **step time against the cost model's**: the model of what runs here, the plan's
-   ``host_step_time`` (``compiler/pipeline_step.py``): each stage's programs priced by
-   the cost model given (default the calibrated ``"cpu"`` profile) at one device's rate
-   alone (``alone_cost``: the rates ``shardprop calibrate`` measured on one device alone,
-   or for a profile without them the rates over the contention derived from its devices
-   and the host's cores), the ranks sharing what the host runs at once (``core_share``:
-   each action's cores alone, from the profile's measured ``cores_alone``, against its
-   ``at_once`` curve; without ``cores_alone``, ``shared_cores``: the curve counting ranks,
-   or the host's cores; the counting model is printed beside it). For the SPMD
-   lowering (``host_step``) the tick table simulated so, then the ranks' once ops sharing
-   the cores too; for the MPMD lowering (``mpmd_host_step``) the same with each action
-   released when the Python driver has issued it (the profile's ``dispatch_s`` per
-   program, ``transfer_s`` per value moved), each rank's once ops starting when its
-   actions are done. Target: within 20%. Beside it, the side-by-side model at the
-   profile's contended rates (the plan's ``step_time`` plus the slowest rank's once ops),
-   and the shared-cores simulation fed the measured stage programs instead of the cost
-   model. A profile from ``shardprop calibrate`` on the host that runs the bench is the
-   one to pass (``--cost-model profile.json``). Above the rows: per action kind, the
-   cores each stage program keeps busy alone (CPU over wall seconds) measured and
-   modeled, and the ranks' programs of that kind run at once (``Together``) against
-   them alone, beside what the two models predict.
+   ``host_step_time`` with ``plan(*args, measure=True)`` (``compiler/pipeline_host.py``):
+   as the plan is made, each stage action's program is timed alone on its rank's device
+   and the first n ranks' programs at once (n = 2..p), and the host model simulates those
+   figures: for the SPMD lowering its tick loop in lockstep (``spmd_step``), then the
+   ranks' once ops sharing the host; for the MPMD lowering the tick table with each
+   action released when the Python driver has issued it (``mpmd_step``, at the measured
+   dispatch and transfer costs). Target: within 20%. Each row prints the parts (work
+   alone, the ranks' work done at once) as the plan measured them beside the same figures
+   timed in this run's turns, the model fed this run's figures, and for SPMD the plan's
+   figures simulated event by event instead of in lockstep; and beside it the profile's
+   host model (``--cost-model``, default the built-in ``"cpu"``: its ``alone`` rates and
+   ``at_once`` curve, ``core_share``). Above the rows: per action kind, the cores each
+   stage program keeps busy alone (CPU over wall seconds) and the ranks' programs of that
+   kind at once (``Together``) against them alone.
 
 Every time is a median over ``--reps`` repetitions, taken round-robin over every
 program (one-device step, each schedule, each stage program), so that the machine's load
