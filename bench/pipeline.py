@@ -75,7 +75,6 @@ from shardprop.compiler.pipeline_host import (HostFigures, RanksAtOnce, fit_capa
 from shardprop.compiler.pipeline_step import core_share, host_step, mpmd_host_step
 from shardprop.passes.cost import CostModel
 from shardprop.passes.pipeline import simulate
-from shardprop.passes.pipeline.simulate import shared_time
 from shardprop.runtime.distributed import use_cpu_devices
 from shardprop.runtime.pipeline_lower import bubble_computes_nothing, noop_branch_opcodes
 
@@ -295,7 +294,7 @@ def threading(fns, width, batch, p):
     fns[("threads", "separate", p)] = lambda: jax.block_until_ready([one(*a) for a in own])
 
 
-def in_run_figures(prog, wkey, med, plan_figures, reps):
+def in_run_figures(prog, wkey, med, plan_figures, reps, label):
     """``HostFigures`` from this run's timings (each stage program alone, the ``p`` ranks
     at once, in the same turns as the steps), the driver's costs as the plan measured
     them: the same model fed what the run itself measured, to tell a miss of the model's
@@ -307,7 +306,8 @@ def in_run_figures(prog, wkey, med, plan_figures, reps):
     rank_work = tuple(sum(med[("work", wkey, (kind, k))] for k in range(prog.S) if prog.rank_of(k) == d
                           for kind in prog.kinds) for d in range(prog.p))
     runs = ((prog.p, rank_work, med[("ranks at once", wkey)]),) if prog.p > 1 else ()
-    return HostFigures(alone, once, fit_capacity(runs), runs, plan_figures.dispatch_s, plan_figures.transfer_s, reps)
+    return HostFigures(alone, once, fit_capacity(runs), runs, plan_figures.dispatch_s, plan_figures.transfer_s, reps,
+                       med.get(("idle loop", label)))
 
 
 def criterion_4(runs, med, used, cost, p, m, reps) -> list:
@@ -343,7 +343,7 @@ def criterion_4(runs, med, used, cost, p, m, reps) -> list:
     for name, r in runs.items():
         prog, figs, t = r["prog"], r["plan"].pipeline.host_figures, med[name]
         model = r["plan"].pipeline.host_step_time
-        here = in_run_figures(prog, r["wkey"], med, figs, reps)
+        here = in_run_figures(prog, r["wkey"], med, figs, reps, name)
         model_here = measured_host_step(prog, here, r["low"], cost)[0]
         work_plan = sum(figs.once) + m * sum(s for _, s in figs.alone)
         work_here = sum(here.once) + m * sum(s for _, s in here.alone)
@@ -355,8 +355,10 @@ def criterion_4(runs, med, used, cost, p, m, reps) -> list:
         if r["low"] == "spmd":
             # what lockstep adds: the same figures run event by event, as the MPMD lowering runs
             sim = simulate(prog.schedule, figs.durations(prog), cores=figs.capacity())
-            events = float(sim.makespan) + float(shared_time(list(figs.once), figs.capacity()))
-            extra = f"; the plan's figures without lockstep (event by event) {events * 1e3:.1f} ms"
+            events = float(sim.makespan) + figs.idle_loop
+            extra = (f"; the plan's figures without lockstep (event by event) {events * 1e3:.1f} ms; the program "
+                     f"with no action at any tick, plan / this run: {figs.idle_loop * 1e3:.1f} / "
+                     f"{here.idle_loop * 1e3:.1f} ms")
         lines.append(f"   {'':<17} parts, plan (measured {r['plan_seconds']:.1f} s to make, load {r['plan_load']:.1f}) / "
                      f"this run: work alone (F+B x m + once) {work_plan * 1e3:.1f} / {work_here * 1e3:.1f} ms; "
                      f"{p} ranks at once did {figs.capacity()(p):.2f} / {here.capacity()(p):.2f} ranks' work; "
@@ -430,6 +432,7 @@ def main(argv=None):
                 compiled = pstep.compiled(*args)
                 runs[label] = dict(plan=plan, prog=prog, wkey=wkey, hlo=compiled.as_text(),
                                    temp=compiled.memory_analysis().temp_size_in_bytes)
+                fns[("idle loop", label)] = pstep.idle_loop(*args)
             else:
                 runs[label] = dict(plan=plan, prog=prog, wkey=wkey, mpmd=pstep.mpmd(*args))
             runs[label].update(low=low, plan_seconds=plan_seconds, plan_load=os.getloadavg()[0])

@@ -21,12 +21,17 @@ its own figures, when asked, as ``measure=True`` times the search's plans:
   that makes the model's own processor sharing (``simulate.shared_time``) of those ranks'
   work alone end when the measured run ended (``fit_capacity``), so the simulation reads
   back what was measured rather than a ratio of sums that uneven stages would bias;
-- **the driver** (``dispatch_s``, ``transfer_s``): calibrate's ``_driver_costs``.
+- **the driver** (``dispatch_s``, ``transfer_s``): calibrate's ``_driver_costs``;
+- **the SPMD lowering's own cost** (``HostFigures.idle_loop``, ``lowering="spmd"``): the
+  step's one program with every tick's action the no-op branch (``idle_loop_program``):
+  the state unpacked, every tick's slot writes and exchanges, the once ops and the
+  packing of the new state, on every rank at once. On the 2-core host that was 68 ms of
+  a 276 ms 1F1B step at width 1024, work the stage programs alone do not show.
 
 Every program is timed in turns with the others, the median of ``reps`` rounds after a
 warm-up, so a busy spell of the host hits them alike. ``measured_host_step`` runs the
-host model's simulation (the SPMD lowering's lockstep ticks, or the MPMD driver's
-release times) on these figures in place of the profile's.
+host model's simulation (the SPMD lowering's lockstep ticks plus its idle loop, or the
+MPMD driver's release times) on these figures in place of the profile's.
 
 Only a mesh whose pipeline ranks are one device each is measured (a rank of several
 devices runs collectives inside its programs); other meshes get a ``ShardingError``.
@@ -195,7 +200,8 @@ class HostFigures:
     ``once``: per rank, its stages' once ops alone; ``at_once``: ``((n, ranks' work done),
     ...)``, the ``Capacity`` points fitted to ``runs``: ``(n, per rank its work alone, the
     seconds the n ranks took at once)``; ``dispatch_s``, ``transfer_s``: a Python driver's
-    cost per program dispatched and per value moved; ``reps``: the medians' rounds."""
+    cost per program dispatched and per value moved; ``reps``: the medians' rounds;
+    ``idle_loop``: the SPMD program with no action at any tick (None: not measured)."""
     alone: tuple
     once: tuple
     at_once: tuple
@@ -203,6 +209,7 @@ class HostFigures:
     dispatch_s: float
     transfer_s: float
     reps: int
+    idle_loop: Optional[float] = None
 
     def durations(self, prog) -> dict:
         """The action times as ``simulate`` takes them: ``{kind: [seconds per model stage]}``."""
@@ -227,12 +234,27 @@ class HostFigures:
                                               for n, w, s in self.runs) + ")")
         lines.append(f"  driver: {self.dispatch_s * 1e6:.1f} us per program dispatched, "
                      f"{self.transfer_s * 1e6:.1f} us per value moved")
+        if self.idle_loop is not None:
+            lines.append(f"  the SPMD program with no action at any tick: {self.idle_loop * 1e3:.2f} ms")
         return "\n".join(lines)
 
 
-def measure_host(prog, reps: int = MEASURE_REPS, programs: Optional[dict] = None) -> HostFigures:
+def idle_loop_program(prog, run):
+    """The SPMD lowering's step with every tick's action the no-op branch: a copy of
+    ``prog`` whose action tables are all 0 (its exchange flags, slots and once phase
+    kept), built by ``run(copy)`` (the caller's inputs and build), which returns a
+    zero-argument callable that runs it once and waits."""
+    import copy
+    idle = copy.copy(prog)
+    idle.tables = dict(prog.tables, act=np.zeros_like(prog.tables["act"]), acc=np.zeros_like(prog.tables["acc"]))
+    return run(idle)
+
+
+def measure_host(prog, reps: int = MEASURE_REPS, programs: Optional[dict] = None, idle_loop=None) -> HostFigures:
     """Time ``prog``'s stage programs alone and its ranks' programs at once on this host
-    (the module doc); ``programs``: ``stage_programs``' result, where already built."""
+    (the module doc); ``programs``: ``stage_programs``' result, where already built;
+    ``idle_loop``: a zero-argument callable (``idle_loop_program``) timed in the same
+    turns, for the SPMD lowering."""
     from .calibrate import _driver_costs
     devices = rank_devices(prog)
     programs = stage_programs(prog, devices) if programs is None else programs
@@ -240,6 +262,8 @@ def measure_host(prog, reps: int = MEASURE_REPS, programs: Optional[dict] = None
     fns = dict(programs)
     for n in counts:
         fns[("at once", n)] = RanksAtOnce(prog, programs, n)
+    if idle_loop is not None:
+        fns["idle loop"] = idle_loop
     med = timed_in_turns(fns, reps)
     alone = tuple(((kind, k), med[(kind, k)] / prog.m) for k in range(prog.S) for kind in prog.kinds)
     once = tuple(sum(med[("once", k)] for k in range(prog.S) if prog.rank_of(k) == d) for d in range(prog.p))
@@ -247,14 +271,15 @@ def measure_host(prog, reps: int = MEASURE_REPS, programs: Optional[dict] = None
                  for d in range(prog.p)]
     runs = tuple((n, tuple(rank_work[:n]), med[("at once", n)]) for n in counts)
     dispatch_s, transfer_s = _driver_costs(devices, reps)
-    return HostFigures(alone, once, fit_capacity(runs), runs, dispatch_s, transfer_s, reps)
+    return HostFigures(alone, once, fit_capacity(runs), runs, dispatch_s, transfer_s, reps, med.get("idle loop"))
 
 
 def measured_host_step(prog, figures: HostFigures, lowering: str = "spmd", cost=None):
     """The host model's step of ``prog`` on ``figures`` in place of the profile's: each
     action its measured time alone, the ranks sharing the measured ``Capacity``, the once
-    ops their measured times; the SPMD lowering's ticks in lockstep (``spmd_step``, the
-    exchanges at ``cost``'s link), or the MPMD driver's release times at the measured
+    ops their measured times; the SPMD lowering's ticks in lockstep (``spmd_step``), plus
+    its idle loop where measured (else the exchanges at ``cost``'s link and the once ops
+    alone), or the MPMD driver's release times at the measured
     dispatch and transfer costs (``mpmd_step``, an exchange a copy at ``cost``'s memory
     rate alone). Returns ``(seconds, the SimResult, the once phase's or the driver's
     seconds)``."""
@@ -264,5 +289,10 @@ def measured_host_step(prog, figures: HostFigures, lowering: str = "spmd", cost=
     if lowering == "mpmd":
         copies = [8 * _boundary_floats(prog, k) / priced.memory_bytes_per_s for k in range(prog.S - 1)]
         return mpmd_step(prog, durations, copies, list(figures.once), cores, figures.dispatch_s, figures.transfer_s)
+    if figures.idle_loop is not None:
+        # the actions in lockstep, and what the program does beside them as measured: the
+        # exchanges, the once ops and the state's unpacking and packing included
+        loop, sim, _ = spmd_step(prog, durations, 0.0, [0.0] * prog.p, cores)
+        return loop + figures.idle_loop, sim, figures.idle_loop
     _, latency = _modeled_times(prog, priced)
     return spmd_step(prog, durations, latency, list(figures.once), cores)

@@ -1344,7 +1344,8 @@ class PipelineFunction:
                             submesh_budget=c.submesh_budget)
         if measure:
             from .pipeline_host import measure_host, measured_host_step
-            info.host_figures = measure_host(prog)
+            idle = self._idle_loop(c, leaves) if self.pipeline.lowering != "mpmd" else None
+            info.host_figures = measure_host(prog, idle_loop=idle)
             info.host_step_time = measured_host_step(prog, info.host_figures, self.pipeline.lowering, self.cost)[0]
         plan = PipelinePlan(info, prog)
         if self.dump_dir:
@@ -1357,6 +1358,22 @@ class PipelineFunction:
                     f.write(info.rank_text(d) + "\n")
             info.to_html(os.path.join(self.dump_dir, "pipeline.html"))
         return plan
+
+    def idle_loop(self, *args):
+        """The SPMD step of ``args`` with every tick's action the no-op branch, as a
+        zero-argument callable that runs it once and waits (``pipeline_host.idle_loop_program``:
+        what the program does beside its stage actions)."""
+        c, leaves, _ = self._compile(args)
+        return self._idle_loop(c, leaves)
+
+    def _idle_loop(self, c, leaves):
+        from .pipeline_host import idle_loop_program
+        sources, desc, rep, batch = self._inputs(c, leaves)
+
+        def run(idle_prog):
+            fn = idle_prog.build(len(sources), desc)
+            return lambda: jax.block_until_ready(fn(sources, rep, batch))
+        return idle_loop_program(c.prog, run)
 
     def lower_text(self, *args) -> str:
         """The compiled HLO of the pipelined program (for the per-rank checks)."""

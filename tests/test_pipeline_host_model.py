@@ -406,6 +406,12 @@ def test_host_figures_flow_into_the_model(pipelined):
         assert measured_host_step(prog, shared, lowering, MEASURED)[0] > base
     base = measured_host_step(prog, figs, "mpmd", MEASURED)[0]
     assert measured_host_step(prog, driven, "mpmd", MEASURED)[0] > base
+    # the SPMD program's idle loop (its once ops, exchanges and packing, measured) is added
+    # to the actions in lockstep, in place of the once ops and modeled exchanges
+    from shardprop.compiler.pipeline_step import spmd_step
+    lockstep = spmd_step(prog, figs.durations(prog), 0.0, [0.0] * prog.p, figs.capacity())[0]
+    idle = replace(figs, idle_loop=5e-3)
+    assert measured_host_step(prog, idle, "spmd", MEASURED)[0] == pytest.approx(lockstep + 5e-3)
     copies = [8 * 8 * 2 / MEASURED.alone.memory_bytes_per_s]      # a micro-batch's 2 x 8 floats, copied
     side_by_side = mpmd_step(prog, figs.durations(prog), copies, list(figs.once), None)[0]
     assert base == pytest.approx(side_by_side)
@@ -423,7 +429,7 @@ def test_plan_measure_times_the_stage_programs(measured_1f1b):
     assert all(t > 0 for _, t in figs.alone) and len(figs.once) == prog.p and all(t > 0 for t in figs.once)
     assert [n for n, _ in figs.at_once] == [1, 2] and LEAST_CAPACITY <= figs.at_once[1][1] <= 2
     assert [n for n, _, _ in figs.runs] == [2] and len(figs.runs[0][1]) == 2
-    assert figs.dispatch_s > 0 and figs.transfer_s > 0
+    assert figs.dispatch_s > 0 and figs.transfer_s > 0 and figs.idle_loop > 0
     assert plan.pipeline.host_step_time == measured_host_step(prog, figs, "spmd", pstep.cost)[0]
     assert "ranks at once" in figs.text()
     # without measure=True the plan keeps the profile's model
