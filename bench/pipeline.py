@@ -60,6 +60,7 @@ heavy layers").
 """
 import argparse
 import os
+from dataclasses import replace
 import statistics
 import sys
 import time
@@ -72,7 +73,7 @@ import optax
 import shardprop as sp
 from shardprop.compiler.pipeline_host import (HostFigures, RanksAtOnce, fit_capacity, measured_host_step,
                                               rank_devices, stage_programs)
-from shardprop.compiler.pipeline_step import core_share, host_step, mpmd_host_step
+from shardprop.compiler.pipeline_step import core_share, host_step, mpmd_host_step, shared_cores
 from shardprop.passes.cost import CostModel
 from shardprop.passes.pipeline import simulate
 from shardprop.runtime.distributed import use_cpu_devices
@@ -364,9 +365,26 @@ def criterion_4(runs, med, used, cost, p, m, reps) -> list:
                      f"{p} ranks at once did {figs.capacity()(p):.2f} / {here.capacity()(p):.2f} ranks' work; "
                      f"modeled step on this run's figures {model_here * 1e3:.1f} ms (step / that "
                      f"{t / model_here:.2f}){extra}")
+        # which concurrency figure predicts: this run's work alone sharing the plan's curve, or
+        # the calibration's (the profile's at_once, per rank: shared_cores), against this run's
+        by = {}
+        for label, curve in (("the plan's", figs.at_once), ("the calibration's", calibrated_curve(mesh, p, cost))):
+            if curve is not None:
+                by[label] = measured_host_step(prog, replace(here, at_once=curve), r["low"], cost)[0]
         lines.append(f"   {'':<17} plan's curve: " + ", ".join(f"{n} -> {c:.2f}" for n, c in figs.at_once)
-                     + f"; driver {figs.dispatch_s * 1e6:.1f} us a program, {figs.transfer_s * 1e6:.1f} us a move")
+                     + f"; driver {figs.dispatch_s * 1e6:.1f} us a program, {figs.transfer_s * 1e6:.1f} us a move; "
+                     f"this run's work alone sharing " + ", ".join(f"{k} curve {v * 1e3:.1f} ms ({t / v:.2f})"
+                                                                   for k, v in by.items()))
     return lines
+
+
+def calibrated_curve(mesh, p, cost):
+    """The profile's ``at_once`` curve as ranks' work done with 1..p ranks running
+    (``shared_cores``; side by side where it shares nothing), or None without one."""
+    if not cost.at_once:
+        return None
+    cap = shared_cores(mesh, p, cost)
+    return tuple((n, float(cap(n)) if cap is not None else float(n)) for n in range(1, p + 1))
 
 
 def add_model_args(ap) -> None:
