@@ -71,8 +71,8 @@ import numpy as np
 import optax
 
 import shardprop as sp
-from shardprop.compiler.pipeline_host import (HostFigures, RanksAtOnce, fit_capacity, measured_host_step,
-                                              rank_devices, stage_programs)
+from shardprop.compiler.pipeline_host import (HostFigures, RanksAtOnce, branch_programs, fit_capacity,
+                                              measured_host_step, rank_devices, stage_programs)
 from shardprop.compiler.pipeline_step import core_share, host_step, mpmd_host_step, shared_cores
 from shardprop.passes.cost import CostModel
 from shardprop.passes.pipeline import simulate
@@ -301,12 +301,16 @@ def in_run_figures(prog, wkey, med, plan_figures, reps, label):
     them: the same model fed what the run itself measured, to tell a miss of the model's
     structure from a miss of its figures."""
     m = prog.m
-    alone = tuple(((kind, k), med[("work", wkey, (kind, k))] / m) for k in range(prog.S) for kind in prog.kinds)
+    # the SPMD lowering's actions as its tick loop runs them (its branches), the MPMD's its programs
+    spmd = ("idle loop", label) in med
+    act = (lambda key: med[("branch", label, key)]) if spmd else (lambda key: med[("work", wkey, key)])
+    alone = tuple(((kind, k), act((kind, k)) / m) for k in range(prog.S) for kind in prog.kinds)
     once = tuple(sum(med[("work", wkey, ("once", k))] for k in range(prog.S) if prog.rank_of(k) == d)
                  for d in range(prog.p))
-    rank_work = tuple(sum(med[("work", wkey, (kind, k))] for k in range(prog.S) if prog.rank_of(k) == d
+    rank_work = tuple(sum(act((kind, k)) for k in range(prog.S) if prog.rank_of(k) == d
                           for kind in prog.kinds) for d in range(prog.p))
-    runs = ((prog.p, rank_work, med[("ranks at once", wkey)]),) if prog.p > 1 else ()
+    together = med[("branches at once", label)] if spmd else med[("ranks at once", wkey)]
+    runs = ((prog.p, rank_work, together),) if prog.p > 1 else ()
     return HostFigures(alone, once, fit_capacity(runs), runs, plan_figures.dispatch_s, plan_figures.transfer_s, reps,
                        med.get(("idle loop", label)))
 
@@ -451,6 +455,13 @@ def main(argv=None):
                 runs[label] = dict(plan=plan, prog=prog, wkey=wkey, hlo=compiled.as_text(),
                                    temp=compiled.memory_analysis().temp_size_in_bytes)
                 fns[("idle loop", label)] = pstep.idle_loop(*args)
+                c, leaves, _ = pstep._compile(args)
+                _, _, rep_in, batch_in = pstep._inputs(c, leaves)
+                branches_ = branch_programs(prog, rank_devices(prog), rep_in, batch_in)
+                for kind in prog.kinds:
+                    for k in range(prog.S):
+                        fns[("branch", label, (kind, k))] = branches_[(kind, k)]
+                fns[("branches at once", label)] = RanksAtOnce(prog, branches_, prog.p)
             else:
                 runs[label] = dict(plan=plan, prog=prog, wkey=wkey, mpmd=pstep.mpmd(*args))
             runs[label].update(low=low, plan_seconds=plan_seconds, plan_load=os.getloadavg()[0])

@@ -11,10 +11,13 @@ apart (docs/results/pipeline.md). Fed the stage programs' own concurrency, the s
 simulation put the MPMD step within 5% of the measured one. So here the plan measures
 its own figures, when asked, as ``measure=True`` times the search's plans:
 
-- **work alone** (``HostFigures.alone``): each (action kind, model stage)'s program, the
-  equations the lowering runs for it plus the add of its partial sums into the
-  accumulator (donated, as the MPMD lowering adds them), jitted on its rank's device and
-  run ``m`` times back to back; each stage's once ops (the optimizer) likewise, once;
+- **work alone** (``HostFigures.alone``): each (action kind, model stage)'s program as
+  the lowering runs it, jitted on its rank's device and run ``m`` times back to back: for
+  the MPMD lowering its equations plus the add of its partial sums into the accumulator
+  (donated, as that lowering adds them: ``StageProgram``); for the SPMD lowering the tick
+  loop's branch (its inputs unpacked from the slots and the packed state row, its
+  outputs packed: ``BranchProgram``) and the add of its piece into the flat accumulator;
+  each stage's once ops (the optimizer) once;
 - **work done at once** (``HostFigures.at_once``): the first ``n`` ranks each running its
   stages' actions of every micro-batch in program order, dispatched from one thread in
   turns (the MPMD driver's way), for ``n = 2 .. p``. The figure is the ``Capacity`` point
@@ -93,6 +96,58 @@ class StageProgram:
         for _ in range(self.times):
             self.dispatch()
         self.wait()
+
+
+class BranchProgram:
+    """One action as the SPMD lowering's tick loop runs it (``prog._branch(key)``: its
+    inputs unpacked from the slot rows, the packed state row and the micro-batch, the
+    stage's equations, what it sends, keeps and accumulates packed), then its partial sums
+    added into the accumulator (donated) as the loop adds them, on ``device``, on zeros
+    and the step's replicated and batch inputs ``rep``, ``batch``. A call runs it
+    ``times`` times back to back; ``dispatch`` and ``wait`` as ``StageProgram``'s."""
+
+    def __init__(self, prog, key, device, rep, batch, times: int = 1):
+        from jax import lax
+        run, d, n = prog._branch(key), prog.rank_of(key[1]), prog.ACCK
+        put = lambda x: jax.device_put(x, device)
+        rows = tuple(put(jnp.zeros((size,), jnp.float32)) for size in (prog.A, prog.R, prog.G, prog.O))
+        state_row = put(jnp.zeros((prog.state_size,), jnp.float32))
+        hoisted = jax.jit(lambda s: prog.unpack_hoisted(s, d))(state_row)
+        self.args = (rows, state_row, {i: put(np.asarray(x)) for i, x in rep.items()},
+                     {i: put(np.asarray(x)) for i, x in batch.items()}, hoisted)
+        accumulates = bool(prog.progs[key]["accs"])
+
+        def one(acc, rows, state_row, rep, batch, hoisted):
+            (resid_row, out_row), (piece, base), send_f, send_b = run((rows, jnp.int32(0), state_row, rep, batch,
+                                                                       hoisted))
+            if accumulates:
+                acc = lax.dynamic_update_slice_in_dim(acc, lax.dynamic_slice_in_dim(acc, base, n) + piece, base, 0)
+            return acc, resid_row, out_row, send_f, send_b
+        self.fn = jax.jit(one, donate_argnums=0)
+        self.acc = put(jnp.zeros((prog.ACC,), jnp.float32))
+        self.times, self.last = times, None
+
+    def dispatch(self) -> None:
+        self.last = self.fn(self.acc, *self.args)
+        self.acc = self.last[0]
+
+    def wait(self) -> None:
+        jax.block_until_ready(self.last)
+
+    def __call__(self) -> None:
+        for _ in range(self.times):
+            self.dispatch()
+        self.wait()
+
+
+def branch_programs(prog, devices, rep, batch) -> dict:
+    """``stage_programs`` as the SPMD lowering runs them: each (kind, model stage)'s
+    action a ``BranchProgram`` run ``prog.m`` times a call; the once ops as they are."""
+    out = stage_programs(prog, devices)
+    for k in range(prog.S):
+        for kind in prog.kinds:
+            out[(kind, k)] = BranchProgram(prog, (kind, k), devices[prog.rank_of(k)], rep, batch, prog.m)
+    return out
 
 
 def rank_devices(prog) -> list:

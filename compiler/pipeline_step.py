@@ -1344,8 +1344,14 @@ class PipelineFunction:
                             submesh_budget=c.submesh_budget)
         if measure:
             from .pipeline_host import measure_host, measured_host_step
-            idle = self._idle_loop(c, leaves) if self.pipeline.lowering != "mpmd" else None
-            info.host_figures = measure_host(prog, idle_loop=idle)
+            programs = idle = None
+            if self.pipeline.lowering != "mpmd":
+                # the SPMD lowering's own actions (its branches) and what it does beside them
+                from .pipeline_host import branch_programs, rank_devices
+                _, _, rep, batch = self._inputs(c, leaves)
+                programs = branch_programs(prog, rank_devices(prog), rep, batch)
+                idle = self._idle_loop(c, leaves)
+            info.host_figures = measure_host(prog, programs=programs, idle_loop=idle)
             info.host_step_time = measured_host_step(prog, info.host_figures, self.pipeline.lowering, self.cost)[0]
         plan = PipelinePlan(info, prog)
         if self.dump_dir:
