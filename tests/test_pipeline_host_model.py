@@ -441,3 +441,31 @@ def test_plan_measure_refuses_ranks_of_several_devices():
     pstep = sp.parallelize(step, mesh=((2, 2), ("pp", "dp")), pipeline=sp.Pipeline(microbatches=2))
     with pytest.raises(sp.ShardingError, match="one device.*Fix: measure the step on a mesh of the 'pp' axis"):
         pstep.plan(*args, measure=True)
+
+
+@pytest.mark.slow
+def test_plan_measure_times_the_mpmd_programs_and_the_spmd_branches(measured_1f1b):
+    """For the MPMD lowering the plan times its stage programs (no idle loop: nothing
+    runs beside them but the driver); for the SPMD lowering the tick loop's branches, each
+    adding its piece into the flat accumulator as the loop does."""
+    from shardprop.compiler.pipeline_host import BranchProgram, branch_programs, measured_host_step, rank_devices
+    step, args = _mlp_step()
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b",
+                                                                              lowering="mpmd"))
+    plan = pstep.plan(*args, measure=True)
+    figs = plan.pipeline.host_figures
+    assert figs.idle_loop is None
+    assert plan.pipeline.host_step_time == measured_host_step(plan.program, figs, "mpmd", pstep.cost)[0]
+    spmd, args, spmd_plan = measured_1f1b
+    prog = spmd_plan.program
+    c, leaves, _ = spmd._compile(args)
+    _, _, rep, batch = spmd._inputs(c, leaves)
+    programs = branch_programs(prog, rank_devices(prog), rep, batch)
+    for kind in prog.kinds:
+        for k in range(prog.S):
+            pr = programs[(kind, k)]
+            assert isinstance(pr, BranchProgram) and pr.times == prog.m
+            pr()
+            acc, resid_row, out_row, send_f, send_b = pr.last
+            assert acc.shape == (prog.ACC,) and send_f.shape == (prog.A,) and send_b.shape == (prog.G,)
+            assert list(acc.devices()) == [rank_devices(prog)[prog.rank_of(k)]]
