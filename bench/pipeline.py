@@ -71,9 +71,9 @@ import numpy as np
 import optax
 
 import shardprop as sp
-from shardprop.compiler.pipeline_host import (HostFigures, RanksAtOnce, branch_programs, fit_capacity,
-                                              measured_host_step, rank_devices, stage_programs)
-from shardprop.compiler.pipeline_step import core_share, host_step, mpmd_host_step, shared_cores
+from shardprop.compiler.pipeline_host import (HostFigures, RanksAtOnce, branch_programs, fit_capacity, rank_devices,
+                                              stage_programs)
+from shardprop.compiler.pipeline_step import core_share, host_step, measured_host_step, mpmd_host_step, shared_cores
 from shardprop.passes.cost import CostModel
 from shardprop.passes.pipeline import simulate
 from shardprop.runtime.distributed import use_cpu_devices

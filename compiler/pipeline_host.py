@@ -32,9 +32,9 @@ its own figures, when asked, as ``measure=True`` times the search's plans:
   a 276 ms 1F1B step at width 1024, work the stage programs alone do not show.
 
 Every program is timed in turns with the others, the median of ``reps`` rounds after a
-warm-up, so a busy spell of the host hits them alike. ``measured_host_step`` runs the
-host model's simulation (the SPMD lowering's lockstep ticks plus its idle loop, or the
-MPMD driver's release times) on these figures in place of the profile's.
+warm-up, so a busy spell of the host hits them alike. ``pipeline_step.measured_host_step``
+runs the host model's simulation (the SPMD lowering's lockstep ticks plus its idle loop,
+or the MPMD driver's release times) on these figures in place of the profile's.
 
 Only a mesh whose pipeline ranks are one device each is measured (a rank of several
 devices runs collectives inside its programs); other meshes get a ``ShardingError``.
@@ -327,27 +327,3 @@ def measure_host(prog, reps: int = MEASURE_REPS, programs: Optional[dict] = None
     runs = tuple((n, tuple(rank_work[:n]), med[("at once", n)]) for n in counts)
     dispatch_s, transfer_s = _driver_costs(devices, reps)
     return HostFigures(alone, once, fit_capacity(runs), runs, dispatch_s, transfer_s, reps, med.get("idle loop"))
-
-
-def measured_host_step(prog, figures: HostFigures, lowering: str = "spmd", cost=None):
-    """The host model's step of ``prog`` on ``figures`` in place of the profile's: each
-    action its measured time alone, the ranks sharing the measured ``Capacity``, the once
-    ops their measured times; the SPMD lowering's ticks in lockstep (``spmd_step``), plus
-    its idle loop where measured (else the exchanges at ``cost``'s link and the once ops
-    alone), or the MPMD driver's release times at the measured
-    dispatch and transfer costs (``mpmd_step``, an exchange a copy at ``cost``'s memory
-    rate alone). Returns ``(seconds, the SimResult, the once phase's or the driver's
-    seconds)``."""
-    from .pipeline_step import _boundary_floats, _modeled_times, _priced, mpmd_step, spmd_step
-    priced, _ = _priced(cost, None)
-    durations, cores = figures.durations(prog), figures.capacity()
-    if lowering == "mpmd":
-        copies = [8 * _boundary_floats(prog, k) / priced.memory_bytes_per_s for k in range(prog.S - 1)]
-        return mpmd_step(prog, durations, copies, list(figures.once), cores, figures.dispatch_s, figures.transfer_s)
-    if figures.idle_loop is not None:
-        # the actions in lockstep, and what the program does beside them as measured: the
-        # exchanges, the once ops and the state's unpacking and packing included
-        loop, sim, _ = spmd_step(prog, durations, 0.0, [0.0] * prog.p, cores)
-        return loop + figures.idle_loop, sim, figures.idle_loop
-    _, latency = _modeled_times(prog, priced)
-    return spmd_step(prog, durations, latency, list(figures.once), cores)

@@ -501,6 +501,30 @@ def mpmd_step(prog, durations, latency, once, cores=None, dispatch_s=0, transfer
     return max(end, sim.makespan, issued), sim, issued
 
 
+def measured_host_step(prog, figures, lowering: str = "spmd", cost=None):
+    """The host model's step of ``prog`` on ``figures`` (``pipeline_host.HostFigures``,
+    measured by ``plan(measure=True)``) in place of the profile's: each
+    action its measured time alone, the ranks sharing the measured ``Capacity``, the once
+    ops their measured times; the SPMD lowering's ticks in lockstep (``spmd_step``), plus
+    its idle loop where measured (else the exchanges at ``cost``'s link and the once ops
+    alone), or the MPMD driver's release times at the measured
+    dispatch and transfer costs (``mpmd_step``, an exchange a copy at ``cost``'s memory
+    rate alone). Returns ``(seconds, the SimResult, the once phase's or the driver's
+    seconds)``."""
+    priced, _ = _priced(cost, None)
+    durations, cores = figures.durations(prog), figures.capacity()
+    if lowering == "mpmd":
+        copies = [8 * _boundary_floats(prog, k) / priced.memory_bytes_per_s for k in range(prog.S - 1)]
+        return mpmd_step(prog, durations, copies, list(figures.once), cores, figures.dispatch_s, figures.transfer_s)
+    if figures.idle_loop is not None:
+        # the actions in lockstep, and what the program does beside them as measured: the
+        # exchanges, the once ops and the state's unpacking and packing included
+        loop, sim, _ = spmd_step(prog, durations, 0.0, [0.0] * prog.p, cores)
+        return loop + figures.idle_loop, sim, figures.idle_loop
+    _, latency = _modeled_times(prog, priced)
+    return spmd_step(prog, durations, latency, list(figures.once), cores)
+
+
 def _modeled_bytes(prog, schedule, scale: float = 1.0, slots=None) -> int:
     """Bytes per device of a pipelined step: its state row, the accumulator, and the
     activation slots it keeps in flight (``slots``, or the schedule's peak per rank),
@@ -1343,7 +1367,7 @@ class PipelineFunction:
                             beyond_one_microbatch=c.beyond_one, device_peak=c.device_peak,
                             submesh_budget=c.submesh_budget)
         if measure:
-            from .pipeline_host import measure_host, measured_host_step
+            from .pipeline_host import measure_host
             programs = idle = None
             if self.pipeline.lowering != "mpmd":
                 # the SPMD lowering's own actions (its branches) and what it does beside them

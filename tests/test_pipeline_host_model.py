@@ -392,7 +392,8 @@ def test_host_figures_flow_into_the_model(pipelined):
     """``measured_host_step`` simulates the figures it is given: the actions' times alone
     (twice as long, a longer step), the ranks' work at once (less work done at once, a
     longer step; side by side, the side-by-side simulation) and the driver's costs."""
-    from shardprop.compiler.pipeline_host import HostFigures, measured_host_step
+    from shardprop.compiler.pipeline_host import HostFigures
+    from shardprop.compiler.pipeline_step import measured_host_step
     from shardprop.compiler.pipeline_step import mpmd_step
     prog, _ = pipelined
     alone = tuple(((kind, k), 1e-3 * (2 if kind != "forward" else 1)) for k in range(prog.S) for kind in prog.kinds)
@@ -421,7 +422,8 @@ def test_host_figures_flow_into_the_model(pipelined):
 def test_plan_measure_times_the_stage_programs(measured_1f1b):
     """``plan(measure=True)`` times every (kind, stage) program and each rank's once ops,
     fits the ranks' work at once, and its host_step_time is the model on those figures."""
-    from shardprop.compiler.pipeline_host import LEAST_CAPACITY, HostFigures, measured_host_step
+    from shardprop.compiler.pipeline_host import LEAST_CAPACITY, HostFigures
+    from shardprop.compiler.pipeline_step import measured_host_step
     pstep, args, plan = measured_1f1b
     figs, prog = plan.pipeline.host_figures, plan.program
     assert isinstance(figs, HostFigures)
@@ -448,7 +450,8 @@ def test_plan_measure_times_the_mpmd_programs_and_the_spmd_branches(measured_1f1
     """For the MPMD lowering the plan times its stage programs (no idle loop: nothing
     runs beside them but the driver); for the SPMD lowering the tick loop's branches, each
     adding its piece into the flat accumulator as the loop does."""
-    from shardprop.compiler.pipeline_host import BranchProgram, branch_programs, measured_host_step, rank_devices
+    from shardprop.compiler.pipeline_host import BranchProgram, branch_programs, rank_devices
+    from shardprop.compiler.pipeline_step import measured_host_step
     step, args = _mlp_step()
     pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b",
                                                                               lowering="mpmd"))
