@@ -311,8 +311,9 @@ def in_run_figures(prog, wkey, med, plan_figures, reps, label):
                           for kind in prog.kinds) for d in range(prog.p))
     together = med[("branches at once", label)] if spmd else med[("ranks at once", wkey)]
     runs = ((prog.p, rank_work, together),) if prog.p > 1 else ()
+    in_loop = tuple(med[("rank loop", label, d)] for d in range(prog.p)) if spmd else ()
     return HostFigures(alone, once, fit_capacity(runs), runs, plan_figures.dispatch_s, plan_figures.transfer_s, reps,
-                       med.get(("idle loop", label)))
+                       med.get(("idle loop", label)), in_loop)
 
 
 def criterion_4(runs, med, used, cost, p, m, reps) -> list:
@@ -359,11 +360,13 @@ def criterion_4(runs, med, used, cost, p, m, reps) -> list:
         extra = ""
         if r["low"] == "spmd":
             # what lockstep adds: the same figures run event by event, as the MPMD lowering runs
-            sim = simulate(prog.schedule, figs.durations(prog), cores=figs.capacity())
+            sim = simulate(prog.schedule, figs.loop_durations(prog), cores=figs.capacity())
             events = float(sim.makespan) + figs.idle_loop
+            fp, fh = figs.in_loop_factor(prog), here.in_loop_factor(prog)
             extra = (f"; the plan's figures without lockstep (event by event) {events * 1e3:.1f} ms; the program "
                      f"with no action at any tick, plan / this run: {figs.idle_loop * 1e3:.1f} / "
-                     f"{here.idle_loop * 1e3:.1f} ms")
+                     f"{here.idle_loop * 1e3:.1f} ms; each rank's actions in the loop over its branches alone, plan "
+                     f"{' '.join(f'{x:.2f}' for x in fp)} / this run {' '.join(f'{x:.2f}' for x in fh)}")
         lines.append(f"   {'':<17} parts, plan (measured {r['plan_seconds']:.1f} s to make, load {r['plan_load']:.1f}) / "
                      f"this run: work alone (F+B x m + once) {work_plan * 1e3:.1f} / {work_here * 1e3:.1f} ms; "
                      f"{p} ranks at once did {figs.capacity()(p):.2f} / {here.capacity()(p):.2f} ranks' work; "
@@ -455,6 +458,8 @@ def main(argv=None):
                 runs[label] = dict(plan=plan, prog=prog, wkey=wkey, hlo=compiled.as_text(),
                                    temp=compiled.memory_analysis().temp_size_in_bytes)
                 fns[("idle loop", label)] = pstep.idle_loop(*args)
+                for d in range(prog.p):
+                    fns[("rank loop", label, d)] = pstep.idle_loop(*args, acting=(d,))
                 c, leaves, _ = pstep._compile(args)
                 _, _, rep_in, batch_in = pstep._inputs(c, leaves)
                 branches_ = branch_programs(prog, rank_devices(prog), rep_in, batch_in)

@@ -29,7 +29,11 @@ its own figures, when asked, as ``measure=True`` times the search's plans:
   step's one program with every tick's action the no-op branch (``idle_loop_program``):
   the state unpacked, every tick's slot writes and exchanges, the once ops and the
   packing of the new state, on every rank at once. On the 2-core host that was 68 ms of
-  a 276 ms 1F1B step at width 1024, work the stage programs alone do not show.
+  a 276 ms 1F1B step at width 1024, work the stage programs alone do not show. And per
+  rank the same program with only that rank's actions (``HostFigures.in_loop``): what its
+  actions cost in the loop beyond its branches alone (1.17x under load 8: the
+  accumulator's cond and the slot writes around each action), which scales that rank's
+  actions (``in_loop_factor``).
 
 Every program is timed in turns with the others, the median of ``reps`` rounds after a
 warm-up, so a busy spell of the host hits them alike. ``pipeline_step.measured_host_step``
@@ -256,7 +260,9 @@ class HostFigures:
     ...)``, the ``Capacity`` points fitted to ``runs``: ``(n, per rank its work alone, the
     seconds the n ranks took at once)``; ``dispatch_s``, ``transfer_s``: a Python driver's
     cost per program dispatched and per value moved; ``reps``: the medians' rounds;
-    ``idle_loop``: the SPMD program with no action at any tick (None: not measured)."""
+    ``idle_loop``: the SPMD program with no action at any tick (None: not measured);
+    ``in_loop``: per rank, the same program with that rank's actions only (() : not
+    measured): its actions as the loop runs them, alone, beside the idle loop."""
     alone: tuple
     once: tuple
     at_once: tuple
@@ -265,6 +271,28 @@ class HostFigures:
     transfer_s: float
     reps: int
     idle_loop: Optional[float] = None
+    in_loop: tuple = ()
+
+    def in_loop_factor(self, prog) -> list:
+        """Per rank, how much longer its actions take in the SPMD loop than its branch
+        programs alone: (its loop alone, less the idle loop) over its actions alone, at
+        least 1 (an action in the loop does at least its branch's work); 1 where not
+        measured."""
+        if not self.in_loop or self.idle_loop is None:
+            return [1.0] * prog.p
+        alone = dict(self.alone)
+        out = []
+        for d in range(prog.p):
+            work = prog.m * sum(alone[(kind, k)] for k in range(prog.S) if prog.rank_of(k) == d for kind in prog.kinds)
+            out.append(max(1.0, (self.in_loop[d] - self.idle_loop) / work) if work > 0 else 1.0)
+        return out
+
+    def loop_durations(self, prog) -> dict:
+        """``durations`` with each rank's actions at their time in the SPMD loop
+        (``in_loop_factor``)."""
+        factor = self.in_loop_factor(prog)
+        alone = dict(self.alone)
+        return {kind: [alone[(kind, k)] * factor[prog.rank_of(k)] for k in range(prog.S)] for kind in prog.kinds}
 
     def durations(self, prog) -> dict:
         """The action times as ``simulate`` takes them: ``{kind: [seconds per model stage]}``."""
@@ -291,25 +319,33 @@ class HostFigures:
                      f"{self.transfer_s * 1e6:.1f} us per value moved")
         if self.idle_loop is not None:
             lines.append(f"  the SPMD program with no action at any tick: {self.idle_loop * 1e3:.2f} ms")
+        if self.in_loop:
+            lines.append("  with one rank's actions only: " + " ".join(f"{t * 1e3:.1f}" for t in self.in_loop)
+                         + " ms (per rank)")
         return "\n".join(lines)
 
 
-def idle_loop_program(prog, run):
-    """The SPMD lowering's step with every tick's action the no-op branch: a copy of
-    ``prog`` whose action tables are all 0 (its exchange flags, slots and once phase
-    kept), built by ``run(copy)`` (the caller's inputs and build), which returns a
-    zero-argument callable that runs it once and waits."""
+def idle_loop_program(prog, run, acting=()):
+    """The SPMD lowering's step with every tick's action the no-op branch, except on the
+    ranks ``acting``: a copy of ``prog`` whose action tables are 0 on the other ranks (its
+    exchange flags, slots and once phase kept), built by ``run(copy)`` (the caller's inputs
+    and build), which returns a zero-argument callable that runs it once and waits. With
+    one rank acting, that rank's actions run in the loop as they do in the step, alone."""
     import copy
     idle = copy.copy(prog)
-    idle.tables = dict(prog.tables, act=np.zeros_like(prog.tables["act"]), acc=np.zeros_like(prog.tables["acc"]))
+    keep = np.zeros(prog.tables["act"].shape, bool)
+    keep[:, list(acting)] = True
+    idle.tables = dict(prog.tables, act=np.where(keep, prog.tables["act"], 0), acc=np.where(keep, prog.tables["acc"], 0))
     return run(idle)
 
 
-def measure_host(prog, reps: int = MEASURE_REPS, programs: Optional[dict] = None, idle_loop=None) -> HostFigures:
+def measure_host(prog, reps: int = MEASURE_REPS, programs: Optional[dict] = None, idle_loop=None,
+                 rank_loops=None) -> HostFigures:
     """Time ``prog``'s stage programs alone and its ranks' programs at once on this host
     (the module doc); ``programs``: ``stage_programs``' result, where already built;
     ``idle_loop``: a zero-argument callable (``idle_loop_program``) timed in the same
-    turns, for the SPMD lowering."""
+    turns, and ``rank_loops``, per rank, the same with that rank acting, for the SPMD
+    lowering."""
     from .calibrate import _driver_costs
     devices = rank_devices(prog)
     programs = stage_programs(prog, devices) if programs is None else programs
@@ -319,6 +355,8 @@ def measure_host(prog, reps: int = MEASURE_REPS, programs: Optional[dict] = None
         fns[("at once", n)] = RanksAtOnce(prog, programs, n)
     if idle_loop is not None:
         fns["idle loop"] = idle_loop
+    for d, fn in enumerate(rank_loops or ()):
+        fns[("rank loop", d)] = fn
     med = timed_in_turns(fns, reps)
     alone = tuple(((kind, k), med[(kind, k)] / prog.m) for k in range(prog.S) for kind in prog.kinds)
     once = tuple(sum(med[("once", k)] for k in range(prog.S) if prog.rank_of(k) == d) for d in range(prog.p))
@@ -326,4 +364,6 @@ def measure_host(prog, reps: int = MEASURE_REPS, programs: Optional[dict] = None
                  for d in range(prog.p)]
     runs = tuple((n, tuple(rank_work[:n]), med[("at once", n)]) for n in counts)
     dispatch_s, transfer_s = _driver_costs(devices, reps)
-    return HostFigures(alone, once, fit_capacity(runs), runs, dispatch_s, transfer_s, reps, med.get("idle loop"))
+    in_loop = tuple(med[("rank loop", d)] for d in range(len(rank_loops or ())))
+    return HostFigures(alone, once, fit_capacity(runs), runs, dispatch_s, transfer_s, reps, med.get("idle loop"),
+                       in_loop)

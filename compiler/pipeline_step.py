@@ -517,9 +517,9 @@ def measured_host_step(prog, figures, lowering: str = "spmd", cost=None):
         copies = [8 * _boundary_floats(prog, k) / priced.memory_bytes_per_s for k in range(prog.S - 1)]
         return mpmd_step(prog, durations, copies, list(figures.once), cores, figures.dispatch_s, figures.transfer_s)
     if figures.idle_loop is not None:
-        # the actions in lockstep, and what the program does beside them as measured: the
-        # exchanges, the once ops and the state's unpacking and packing included
-        loop, sim, _ = spmd_step(prog, durations, 0.0, [0.0] * prog.p, cores)
+        # the actions in lockstep at their cost in the loop, and what the program does
+        # beside them as measured: the exchanges, the once ops, the state's unpacking and packing
+        loop, sim, _ = spmd_step(prog, figures.loop_durations(prog), 0.0, [0.0] * prog.p, cores)
         return loop + figures.idle_loop, sim, figures.idle_loop
     _, latency = _modeled_times(prog, priced)
     return spmd_step(prog, durations, latency, list(figures.once), cores)
@@ -1368,14 +1368,15 @@ class PipelineFunction:
                             submesh_budget=c.submesh_budget)
         if measure:
             from .pipeline_host import measure_host
-            programs = idle = None
+            programs = idle = ranks = None
             if self.pipeline.lowering != "mpmd":
                 # the SPMD lowering's own actions (its branches) and what it does beside them
                 from .pipeline_host import branch_programs, rank_devices
                 _, _, rep, batch = self._inputs(c, leaves)
                 programs = branch_programs(prog, rank_devices(prog), rep, batch)
                 idle = self._idle_loop(c, leaves)
-            info.host_figures = measure_host(prog, programs=programs, idle_loop=idle)
+                ranks = [self._idle_loop(c, leaves, acting=(d,)) for d in range(self.p)]
+            info.host_figures = measure_host(prog, programs=programs, idle_loop=idle, rank_loops=ranks)
             info.host_step_time = measured_host_step(prog, info.host_figures, self.pipeline.lowering, self.cost)[0]
         plan = PipelinePlan(info, prog)
         if self.dump_dir:
@@ -1389,21 +1390,22 @@ class PipelineFunction:
             info.to_html(os.path.join(self.dump_dir, "pipeline.html"))
         return plan
 
-    def idle_loop(self, *args):
-        """The SPMD step of ``args`` with every tick's action the no-op branch, as a
-        zero-argument callable that runs it once and waits (``pipeline_host.idle_loop_program``:
-        what the program does beside its stage actions)."""
+    def idle_loop(self, *args, acting=()):
+        """The SPMD step of ``args`` with every tick's action the no-op branch (except on
+        the ranks ``acting``), as a zero-argument callable that runs it once and waits
+        (``pipeline_host.idle_loop_program``: what the program does beside its stage
+        actions, or beside those ranks' actions)."""
         c, leaves, _ = self._compile(args)
-        return self._idle_loop(c, leaves)
+        return self._idle_loop(c, leaves, acting)
 
-    def _idle_loop(self, c, leaves):
+    def _idle_loop(self, c, leaves, acting=()):
         from .pipeline_host import idle_loop_program
         sources, desc, rep, batch = self._inputs(c, leaves)
 
         def run(idle_prog):
             fn = idle_prog.build(len(sources), desc)
             return lambda: jax.block_until_ready(fn(sources, rep, batch))
-        return idle_loop_program(c.prog, run)
+        return idle_loop_program(c.prog, run, acting)
 
     def lower_text(self, *args) -> str:
         """The compiled HLO of the pipelined program (for the per-rank checks)."""

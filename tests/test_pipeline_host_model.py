@@ -413,6 +413,13 @@ def test_host_figures_flow_into_the_model(pipelined):
     lockstep = spmd_step(prog, figs.durations(prog), 0.0, [0.0] * prog.p, figs.capacity())[0]
     idle = replace(figs, idle_loop=5e-3)
     assert measured_host_step(prog, idle, "spmd", MEASURED)[0] == pytest.approx(lockstep + 5e-3)
+    # a rank whose actions took 1.5x their time alone in the loop (its loop with only its
+    # actions, less the idle loop) runs them 1.5x as long; a faster reading is taken as 1
+    work = [prog.m * sum(t for (kind, k), t in alone if prog.rank_of(k) == d) for d in range(prog.p)]
+    slow = replace(idle, in_loop=(5e-3 + 1.5 * work[0], 5e-3 + 0.5 * work[1]))
+    assert slow.in_loop_factor(prog) == pytest.approx([1.5, 1.0])
+    assert slow.loop_durations(prog)["forward"] == pytest.approx([1.5e-3, 1e-3])
+    assert measured_host_step(prog, slow, "spmd", MEASURED)[0] > measured_host_step(prog, idle, "spmd", MEASURED)[0]
     copies = [8 * 8 * 2 / MEASURED.alone.memory_bytes_per_s]      # a micro-batch's 2 x 8 floats, copied
     side_by_side = mpmd_step(prog, figs.durations(prog), copies, list(figs.once), None)[0]
     assert base == pytest.approx(side_by_side)
@@ -432,6 +439,8 @@ def test_plan_measure_times_the_stage_programs(measured_1f1b):
     assert [n for n, _ in figs.at_once] == [1, 2] and LEAST_CAPACITY <= figs.at_once[1][1] <= 2
     assert [n for n, _, _ in figs.runs] == [2] and len(figs.runs[0][1]) == 2
     assert figs.dispatch_s > 0 and figs.transfer_s > 0 and figs.idle_loop > 0
+    assert len(figs.in_loop) == prog.p and all(t > 0 for t in figs.in_loop)
+    assert all(f >= 1.0 for f in figs.in_loop_factor(prog))
     assert plan.pipeline.host_step_time == measured_host_step(prog, figs, "spmd", pstep.cost)[0]
     assert "ranks at once" in figs.text()
     # without measure=True the plan keeps the profile's model
