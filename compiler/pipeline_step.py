@@ -89,8 +89,9 @@ class PipelineInfo:
     stage_times: list = field(default_factory=list)   # per model stage: {kind: modeled seconds}
     # modeled seconds of the step as it runs on these devices: stage work at one device's
     # rate alone, ranks sharing the host's cores where forced CPU devices outnumber them
-    # (host_step or mpmd_host_step, sharing by core_share), plus the once ops; step_time
-    # is the side-by-side model the search uses
+    # (host_step or mpmd_host_step, sharing by core_share), plus the once ops; with
+    # plan(measure=True), the same simulation on the plan's own measured figures
+    # (measured_host_step); step_time is the side-by-side model the search uses
     host_step_time: float = 0.0
     # plan(measure=True): the stage programs' own figures on this host
     # (compiler/pipeline_host.py HostFigures), which host_step_time was then modeled on
