@@ -9,8 +9,9 @@ time is not the bubble. What the CPU can show, each figure next to its target:
    buffers (``runtime/pipeline_lower.py`` ``bubble_computes_nothing``), per schedule;
 2. **step time against the sum of the stages' work**: the pipelined step against
    ``m`` times each stage's forward and backward programs plus its once ops (the
-   optimizer), each program jitted alone on one device of this process, its own
-   equations only (no packing, no exchange). Same process, same XLA CPU threading as the
+   optimizer), each program jitted alone on its rank's device of this process, its own
+   equations and the add of its partial sums into its accumulator (no packing, no
+   exchange: ``compiler/pipeline_host.py`` ``stage_programs``). Same process, same XLA CPU threading as the
    one-device step of the same model, which is printed beside it (on this machine a
    jitted program runs on one thread whether or not other devices are busy: see
    docs/results/pipeline.md). Target: at most 1.10;
@@ -18,26 +19,20 @@ time is not the bubble. What the CPU can show, each figure next to its target:
    compiled programs' temp bytes (``memory_analysis()``) and the activation slot buffers
    (slots x the stage input, the kept forward values and the cotangent);
 4. **step time against the cost model's**: the model of what runs here, the plan's
-   ``host_step_time`` (``compiler/pipeline_step.py``): each stage's programs priced by
-   the cost model given (default the calibrated ``"cpu"`` profile) at one device's rate
-   alone (``alone_cost``: the rates ``shardprop calibrate`` measured on one device alone,
-   or for a profile without them the rates over the contention derived from its devices
-   and the host's cores), the ranks sharing what the host runs at once (``core_share``:
-   each action's cores alone, from the profile's measured ``cores_alone``, against its
-   ``at_once`` curve; without ``cores_alone``, ``shared_cores``: the curve counting ranks,
-   or the host's cores; the counting model is printed beside it). For the SPMD
-   lowering (``host_step``) the tick table simulated so, then the ranks' once ops sharing
-   the cores too; for the MPMD lowering (``mpmd_host_step``) the same with each action
-   released when the Python driver has issued it (the profile's ``dispatch_s`` per
-   program, ``transfer_s`` per value moved), each rank's once ops starting when its
-   actions are done. Target: within 20%. Beside it, the side-by-side model at the
-   profile's contended rates (the plan's ``step_time`` plus the slowest rank's once ops),
-   and the shared-cores simulation fed the measured stage programs instead of the cost
-   model. A profile from ``shardprop calibrate`` on the host that runs the bench is the
-   one to pass (``--cost-model profile.json``). Above the rows: per action kind, the
-   cores each stage program keeps busy alone (CPU over wall seconds) measured and
-   modeled, and the ranks' programs of that kind run at once (``Together``) against
-   them alone, beside what the two models predict.
+   ``host_step_time`` with ``plan(*args, measure=True)`` (``compiler/pipeline_host.py``):
+   as the plan is made, each stage action's program is timed alone on its rank's device
+   and the first n ranks' programs at once (n = 2..p), and the host model simulates those
+   figures: for the SPMD lowering its tick loop in lockstep (``spmd_step``), then the
+   ranks' once ops sharing the host; for the MPMD lowering the tick table with each
+   action released when the Python driver has issued it (``mpmd_step``, at the measured
+   dispatch and transfer costs). Target: within 20%. Each row prints the parts (work
+   alone, the ranks' work done at once) as the plan measured them beside the same figures
+   timed in this run's turns, the model fed this run's figures, and for SPMD the plan's
+   figures simulated event by event instead of in lockstep; and beside it the profile's
+   host model (``--cost-model``, default the built-in ``"cpu"``: its ``alone`` rates and
+   ``at_once`` curve, ``core_share``). Above the rows: per action kind, the cores each
+   stage program keeps busy alone (CPU over wall seconds) and the ranks' programs of that
+   kind at once (``Together``) against them alone.
 
 Every time is a median over ``--reps`` repetitions, taken round-robin over every
 program (one-device step, each schedule, each stage program), so that the machine's load
@@ -74,15 +69,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.extend import core as jcore
 
 import shardprop as sp
-from shardprop.compiler.calibrate import host_cores
-from shardprop.compiler.pipeline_step import (_eqn_time, _modeled_times, action_cores, alone_cost,
-                                              calibration_contention, core_share, devices_at_once, host_step,
-                                              mpmd_host_step, shared_cores, spmd_step, stage_durations)
+from shardprop.compiler.pipeline_host import (HostFigures, RanksAtOnce, branch_programs, fit_capacity, rank_devices,
+                                              stage_programs)
+from shardprop.compiler.pipeline_step import core_share, host_step, measured_host_step, mpmd_host_step, shared_cores
 from shardprop.passes.cost import CostModel
-from shardprop.passes.pipeline.simulate import _capacity
+from shardprop.passes.pipeline import simulate
 from shardprop.runtime.distributed import use_cpu_devices
 from shardprop.runtime.pipeline_lower import bubble_computes_nothing, noop_branch_opcodes
 
@@ -135,53 +128,6 @@ class Stepper:
         jax.block_until_ready([getattr(leaf, "buffer", leaf) for leaf in jax.tree.leaves(p)])
 
 
-class Program:
-    """Equations ``idxs`` of the pipeline's micro-batch jaxpr, jitted alone on one device:
-    inputs are what they read (zeros of the right shapes), outputs ``outs``. A call runs
-    it ``times`` times back to back (a stage's ``m`` micro-batches), so that a sample is
-    long enough to time on a loaded machine."""
-
-    def __init__(self, prog, idxs, outs, times=1):
-        self.times = times
-        j = prog.j
-        self.prog, self.idxs = prog, list(idxs)
-        reads = [v for v in prog._reads(self.idxs) if v not in set(j.constvars)]
-        produced = {o for i in self.idxs for o in j.eqns[i].outvars}
-        self.outs = [v for v in dict.fromkeys(outs) if v in produced]
-        self.reads = reads
-        self.args = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in reads]
-
-        def run(*vals):
-            env = dict(zip(j.constvars, prog.consts))
-            env.update(zip(reads, vals))
-            prog._run(self.idxs, env)
-            return [env[v] for v in self.outs]
-        self.fn = jax.jit(run)
-
-    def __call__(self):
-        for _ in range(self.times):
-            out = self.fn(*self.args)
-        jax.block_until_ready(out)
-
-    def modeled(self, cost) -> float:
-        return sum(_eqn_time(self.prog.j.eqns[i], cost) for i in self.idxs)
-
-
-def stage_programs(prog, m):
-    """Per model stage: its forward and backward programs (what they send, keep for the
-    backward, accumulate and output), each run ``m`` times a call, and its once ops (the
-    new state), run once."""
-    out = {}
-    outvars = [v for v in prog.j.outvars if not isinstance(v, jcore.Literal)]
-    for k in range(prog.S):
-        for kind in prog.kinds:
-            pr = prog.progs[(kind, k)]
-            keep = list(prog.resid[k].vars) if kind == "forward" else []
-            out[(kind, k)] = Program(prog, pr["idxs"], list(pr["sends"]) + pr["accs"] + pr["outs_b"] + keep, m)
-        out[("once", k)] = Program(prog, prog.once[k]["idxs"], outvars)
-    return out
-
-
 def interleaved(fns: dict, reps: int, cores=None) -> dict:
     """Median seconds per callable, timed round-robin ``reps`` times after one warm-up;
     into ``cores`` (a dict, where given) the cores each kept busy: this process's CPU
@@ -204,34 +150,18 @@ def interleaved(fns: dict, reps: int, cores=None) -> dict:
 class Together:
     """Each model stage's ``kind`` program on its own rank's device, all dispatched from
     one thread ``m`` rounds in a row (as the MPMD driver issues them), then waited for:
-    the ranks' programs at once, against the same programs alone (``Program``)."""
+    the ranks' programs of one kind at once, against the same programs alone."""
 
     def __init__(self, prog, programs, kind, m):
-        devices = np.asarray(prog.mesh.devices).reshape(prog.p, -1)[:, 0]
         self.m = m
-        self.calls = [(programs[(kind, k)].fn, [jax.device_put(x, devices[prog.rank_of(k)])
-                                                  for x in programs[(kind, k)].args]) for k in range(prog.S)]
+        self.programs = [programs[(kind, k)] for k in range(prog.S)]
 
     def __call__(self):
-        out = []
         for _ in range(self.m):
-            out += [fn(*args) for fn, args in self.calls]
-        jax.block_until_ready(out)
-
-
-def modeled_step(prog, durations, latency, once, cores=None):
-    """The SPMD step's model (``spmd_step``) with these stage times, in seconds."""
-    return spmd_step(prog, durations, latency, once, cores)[0]
-
-
-def cost_model_step(prog, cost, once_programs):
-    """The plan's modeled step priced by ``cost`` (``_modeled_times``: each stage
-    program's roofline, each boundary's exchange), plus the slowest rank's once ops."""
-    times, latency = _modeled_times(prog, cost)
-    durations = stage_durations(prog, times)
-    once = [sum(once_programs[k].modeled(cost) for k in range(prog.S) if prog.rank_of(k) == d)
-            for d in range(prog.p)]
-    return modeled_step(prog, durations, latency, once), max(once)
+            for pr in self.programs:
+                pr.dispatch()
+        for pr in self.programs:
+            pr.wait()
 
 
 def pipelined(width, layers, batch, p, m, name, v=1, lowering="spmd"):
@@ -365,6 +295,105 @@ def threading(fns, width, batch, p):
     fns[("threads", "separate", p)] = lambda: jax.block_until_ready([one(*a) for a in own])
 
 
+def in_run_figures(prog, wkey, med, plan_figures, reps, label):
+    """``HostFigures`` from this run's timings (each stage program alone, the ``p`` ranks
+    at once, in the same turns as the steps), the driver's costs as the plan measured
+    them: the same model fed what the run itself measured, to tell a miss of the model's
+    structure from a miss of its figures."""
+    m = prog.m
+    # the SPMD lowering's actions as its tick loop runs them (its branches), the MPMD's its programs
+    spmd = ("idle loop", label) in med
+    act = (lambda key: med[("branch", label, key)]) if spmd else (lambda key: med[("work", wkey, key)])
+    alone = tuple(((kind, k), act((kind, k)) / m) for k in range(prog.S) for kind in prog.kinds)
+    once = tuple(sum(med[("work", wkey, ("once", k))] for k in range(prog.S) if prog.rank_of(k) == d)
+                 for d in range(prog.p))
+    rank_work = tuple(sum(act((kind, k)) for k in range(prog.S) if prog.rank_of(k) == d
+                          for kind in prog.kinds) for d in range(prog.p))
+    together = med[("branches at once", label)] if spmd else med[("ranks at once", wkey)]
+    runs = ((prog.p, rank_work, together),) if prog.p > 1 else ()
+    in_loop = tuple(med[("rank loop", label, d)] for d in range(prog.p)) if spmd else ()
+    return HostFigures(alone, once, fit_capacity(runs), runs, plan_figures.dispatch_s, plan_figures.transfer_s, reps,
+                       med.get(("idle loop", label)), in_loop)
+
+
+def criterion_4(runs, med, used, cost, p, m, reps) -> list:
+    """Criterion 4's lines: per row the step against the plan's host model on its own
+    stage programs' figures (``plan(measure=True)``, measured as the plan was made), with
+    its parts beside what this run measured of the same figures, and the profile's host
+    model for comparison."""
+    lines = []
+    if not runs:
+        return lines
+    mesh = next(iter(runs.values()))["plan"].program.mesh
+    lines.append(f"4. step time / the cost model's (target: 0.80 to 1.20). The model: the plan's host_step_time "
+                 f"with plan(measure=True) (compiler/pipeline_host.py): each stage action's program timed alone on "
+                 f"its rank's device and the first n ranks' programs at once (n = 2..{p}), as the plan is made, "
+                 f"then the same simulation as the profile's host model on those figures (SPMD: the tick loop in "
+                 f"lockstep; MPMD: the driver's release times at its measured dispatch and transfer costs). Beside "
+                 f"it: the parts as this run measured them (work alone, {p} ranks at once, in the same turns as the "
+                 f"steps) and the model fed those; and {cost.name}'s host model (core_share: the profile's alone "
+                 f"rates and at_once curve)")
+    shown = set()
+    for name, r in runs.items():
+        prog, wkey = r["prog"], r["wkey"]
+        if wkey in shown:
+            continue
+        shown.add(wkey)
+        for kind in prog.kinds:
+            alone = [med[("work", wkey, (kind, k))] for k in range(prog.S)]
+            at_once = sum(alone) / med[("together", wkey, kind)]
+            uses = [used[("work", wkey, (kind, k))] for k in range(prog.S)]
+            lines.append(f"   {kind:<8} programs (S={prog.S}) in this run: cores each keeps busy alone (CPU / wall s) "
+                         f"{' '.join(f'{u:.2f}' for u in uses)}; all {prog.S} at once (dispatched from one thread) "
+                         f"did {at_once:.2f} ranks' work alone ({used[('together', wkey, kind)]:.2f} cores busy)")
+    for name, r in runs.items():
+        prog, figs, t = r["prog"], r["plan"].pipeline.host_figures, med[name]
+        model = r["plan"].pipeline.host_step_time
+        here = in_run_figures(prog, r["wkey"], med, figs, reps, name)
+        model_here = measured_host_step(prog, here, r["low"], cost)[0]
+        work_plan = sum(figs.once) + m * sum(s for _, s in figs.alone)
+        work_here = sum(here.once) + m * sum(s for _, s in here.alone)
+        share = core_share(mesh, p, cost, prog)
+        profile_model = (mpmd_host_step if r["low"] == "mpmd" else host_step)(prog, cost, share)[0]
+        lines.append(f"   {name:<17} step {t * 1e3:7.1f} ms, modeled {model * 1e3:7.1f} ms: {t / model:5.2f}   "
+                     f"[{cost.name}'s host model {profile_model * 1e3:.1f} ms: {t / profile_model:.2f}]")
+        extra = ""
+        if r["low"] == "spmd":
+            # what lockstep adds: the same figures run event by event, as the MPMD lowering runs
+            sim = simulate(prog.schedule, figs.loop_durations(prog), cores=figs.capacity())
+            events = float(sim.makespan) + figs.idle_loop
+            fp, fh = figs.in_loop_factor(prog), here.in_loop_factor(prog)
+            extra = (f"; the plan's figures without lockstep (event by event) {events * 1e3:.1f} ms; the program "
+                     f"with no action at any tick, plan / this run: {figs.idle_loop * 1e3:.1f} / "
+                     f"{here.idle_loop * 1e3:.1f} ms; each rank's actions in the loop over its branches alone, plan "
+                     f"{' '.join(f'{x:.2f}' for x in fp)} / this run {' '.join(f'{x:.2f}' for x in fh)}")
+        lines.append(f"   {'':<17} parts, plan (measured {r['plan_seconds']:.1f} s to make, load {r['plan_load']:.1f}) / "
+                     f"this run: work alone (F+B x m + once) {work_plan * 1e3:.1f} / {work_here * 1e3:.1f} ms; "
+                     f"{p} ranks at once did {figs.capacity()(p):.2f} / {here.capacity()(p):.2f} ranks' work; "
+                     f"modeled step on this run's figures {model_here * 1e3:.1f} ms (step / that "
+                     f"{t / model_here:.2f}){extra}")
+        # which concurrency figure predicts: this run's work alone sharing the plan's curve, or
+        # the calibration's (the profile's at_once, per rank: shared_cores), against this run's
+        by = {}
+        for label, curve in (("the plan's", figs.at_once), ("the calibration's", calibrated_curve(mesh, p, cost))):
+            if curve is not None:
+                by[label] = measured_host_step(prog, replace(here, at_once=curve), r["low"], cost)[0]
+        lines.append(f"   {'':<17} plan's curve: " + ", ".join(f"{n} -> {c:.2f}" for n, c in figs.at_once)
+                     + f"; driver {figs.dispatch_s * 1e6:.1f} us a program, {figs.transfer_s * 1e6:.1f} us a move; "
+                     f"this run's work alone sharing " + ", ".join(f"{k} curve {v * 1e3:.1f} ms ({t / v:.2f})"
+                                                                   for k, v in by.items()))
+    return lines
+
+
+def calibrated_curve(mesh, p, cost):
+    """The profile's ``at_once`` curve as ranks' work done with 1..p ranks running
+    (``shared_cores``; side by side where it shares nothing), or None without one."""
+    if not cost.at_once:
+        return None
+    cap = shared_cores(mesh, p, cost)
+    return tuple((n, float(cap(n)) if cap is not None else float(n)) for n in range(1, p + 1))
+
+
 def add_model_args(ap) -> None:
     """The bench's model and pipeline (bench/pipeline_mpmd_processes.py takes them too)."""
     ap.add_argument("--width", type=int, default=1024)
@@ -408,23 +437,39 @@ def main(argv=None):
             continue
         for low in a.lowerings:
             pstep, args = pipelined(a.width, a.layers, a.batch, p, m, name, v, lowering=low)
-            plan = pstep.plan(*args)
+            # criterion 4's model: the plan's host step on its stage programs' figures, measured
+            # as the plan is made (before, and apart from, this run's timings)
+            t0 = time.perf_counter()
+            plan = pstep.plan(*args, measure=True)
+            plan_seconds = time.perf_counter() - t0
             prog = plan.program
             # the stages' programs: the same for schedules with the same stages and action kinds
             wkey = (prog.S, tuple(prog.kinds))
             if wkey not in works:
-                works[wkey] = stage_programs(prog, m)
+                works[wkey] = stage_programs(prog, rank_devices(prog), m)
                 for key, pr in works[wkey].items():
                     fns[("work", wkey, key)] = pr
                 for kind in prog.kinds:     # the ranks' programs of a kind at once (criterion 4)
                     fns[("together", wkey, kind)] = Together(prog, works[wkey], kind, m)
+                fns[("ranks at once", wkey)] = RanksAtOnce(prog, works[wkey], prog.p)
             label = name if low == "spmd" else f"{name} mpmd"
             if low == "spmd":
                 compiled = pstep.compiled(*args)
                 runs[label] = dict(plan=plan, prog=prog, wkey=wkey, hlo=compiled.as_text(),
                                    temp=compiled.memory_analysis().temp_size_in_bytes)
+                fns[("idle loop", label)] = pstep.idle_loop(*args)
+                for d in range(prog.p):
+                    fns[("rank loop", label, d)] = pstep.idle_loop(*args, acting=(d,))
+                c, leaves, _ = pstep._compile(args)
+                _, _, rep_in, batch_in = pstep._inputs(c, leaves)
+                branches_ = branch_programs(prog, rank_devices(prog), rep_in, batch_in)
+                for kind in prog.kinds:
+                    for k in range(prog.S):
+                        fns[("branch", label, (kind, k))] = branches_[(kind, k)]
+                fns[("branches at once", label)] = RanksAtOnce(prog, branches_, prog.p)
             else:
                 runs[label] = dict(plan=plan, prog=prog, wkey=wkey, mpmd=pstep.mpmd(*args))
+            runs[label].update(low=low, plan_seconds=plan_seconds, plan_load=os.getloadavg()[0])
             fns[label] = Stepper(pstep, *args)
     ticks = ablations(a, fns) if a.breakdown else {}
     # how many devices make progress at once here (criterion 4's second model)
@@ -499,95 +544,7 @@ def main(argv=None):
         lines.append(f"   1f1b / gpipe (mpmd, the busiest rank's activations held): {o['act'] / g['act']:.2f}")
 
     lines.append("")
-    mesh = next(iter(runs.values()))["plan"].program.mesh if runs else None
-    cores = shared_cores(mesh, p, cost) if mesh is not None else None
-    # measured: p devices running one program at once take tp against t1 alone, so p * t1 / tp
-    # of them progress at once (this process's share of the host's cores, under its load);
-    # at least one, as a rank running alone is at its alone rate by definition
-    together = min(p, max(1.0, p * med[("threads", 1)] / med[("threads", p)]))
-    contention = calibration_contention(cost)
-    at_once = devices_at_once(cost)
-    curve = ", ".join(f"{k} busy -> {c:.2f}" for k, c in cost.at_once)
-    how = (f"measured by its calibration: one device alone {contention:.2f} x as fast as with all "
-           f"{cost.device_count} busy; devices' work done at once: {curve or f'{at_once:.2f} with all busy'}"
-           if at_once is not None else
-           f"derived, not measured: its {cost.device_count} devices on this host's {host_cores()} cores")
-    driver = (f"; the MPMD driver's {cost.dispatch_s * 1e6:.1f} us per program dispatched and "
-              f"{(cost.transfer_s or 0) * 1e6:.1f} us per value moved" if cost.dispatch_s is not None else
-              "; no driver costs in the profile (MPMD dispatch priced at 0)")
-    lines.append(f"4. step time / the cost model's (target: 0.80 to 1.20); model: {cost.name}'s stage times at one "
-                 f"device's rate alone (contention {contention:.2f}, {how}), the tick table simulated with "
-                 f"the {p} ranks sharing the host "
-                 f"({'side by side' if cores is None else f'{float(_capacity(cores, p)):.2f} ranks of work done with all {p} running'}), then the once "
-                 f"ops sharing it{driver}. Measured here: a matmul program on one device {med[('threads', 1)] * 1e3:.2f} "
-                 f"ms, on {p} devices at once {med[('threads', p)] * 1e3:.2f} ms, so {p} devices progress as "
-                 f"{together:.2f} alone (at least 1; as {p} programs each dispatched to its device, the MPMD "
-                 f"driver's way, {med[('threads', 'separate', p)] * 1e3:.2f} ms, "
-                 f"{p * med[('threads', 1)] / med[('threads', 'separate', p)]:.2f} alone); 'measured cores' is the same model with that in place of the "
-                 f"{host_cores()} cores, in the sharing and in the calibration's contention ({cost.device_count} / "
-                 f"{together:.2f}: as if calibrated under this run's load)")
-    shown = set()
-    for name, r in runs.items():
-        prog, wkey = r["prog"], r["wkey"]
-        if wkey in shown:
-            continue
-        shown.add(wkey)
-        priced = action_cores(prog, cost)
-        share = core_share(mesh, p, cost, prog)
-        for kind in prog.kinds:
-            alone = [med[("work", wkey, (kind, k))] for k in range(prog.S)]
-            at_once = sum(alone) / med[("together", wkey, kind)]
-            uses = [used[("work", wkey, (kind, k))] for k in range(prog.S)]
-            model_uses = [priced[0][k][kind] for k in range(prog.S)] if priced else None
-            predicted = (f"{prog.S * share.rate([u * len(np.asarray(mesh.devices).reshape(-1)) / p for u in model_uses]):.2f}"
-                         if model_uses and hasattr(share, "rate") else "-")
-            counted = f"{min(prog.S, float(_capacity(cores, prog.S))):.2f}" if cores is not None else f"{prog.S}"
-            lines.append(f"   {kind:<8} programs (S={prog.S}): cores each keeps busy alone (CPU / wall s) "
-                         f"{' '.join(f'{u:.2f}' for u in uses)} measured"
-                         + (f", {' '.join(f'{u:.2f}' for u in model_uses)} modeled" if model_uses else "")
-                         + f"; all {prog.S} ranks' at once (dispatched from one thread) did {at_once:.2f} ranks' "
-                         f"work alone ({used[('together', wkey, kind)]:.2f} cores busy); modeled: {predicted} "
-                         f"by their cores, {counted} counting ranks")
-    for name, r in runs.items():
-        prog, works_ = r["prog"], works[r["wkey"]]
-        host_model = mpmd_host_step if "mpmd" in r else host_step
-        share = core_share(mesh, p, cost, prog)
-        model, _, _ = host_model(prog, cost, share)
-        model_counted, _, _ = host_model(prog, cost, cores)
-        model_here, _, _ = host_model(prog, cost, together,
-                                      contention=max(1.0, (cost.device_count or 1) / together))
-        # the model before calibrate measured the host: contention from devices over cores, the
-        # host's cores shared, both lowerings priced as the SPMD one (host_step)
-        derived = replace(cost, alone=None, dispatch_s=None, transfer_s=None, at_once=())
-        model_derived, _, _ = host_step(prog, derived, shared_cores(mesh, p, derived))
-        contended, _ = cost_model_step(prog, cost, {k: works_[("once", k)] for k in range(prog.S)})
-        # the same simulation on the stage programs measured above (one device, alone)
-        measured = {kind: [med[("work", r["wkey"], (kind, k))] / m for k in range(prog.S)] for kind in prog.kinds}
-        once_meas = [sum(med[("work", r["wkey"], ("once", k))] for k in range(prog.S) if prog.rank_of(k) == d)
-                     for d in range(p)]
-        sim_meas = modeled_step(prog, measured, 0.0, once_meas, cores)
-        sim_here = modeled_step(prog, measured, 0.0, once_meas, together)
-        # the ranks' own programs at once (Together), F and B together: the work they got
-        # done with all S running, as the sharing (what concurrency alone would explain)
-        own = (sum(med[("work", r["wkey"], (kind, k))] for kind in prog.kinds for k in range(prog.S))
-               / sum(med[("together", r["wkey"], kind)] for kind in prog.kinds))
-        sim_own = modeled_step(prog, measured, 0.0, once_meas, min(float(p), own))
-        modeled_fb = sum(works_[(kind, k)].modeled(cost) for k in range(prog.S) for kind in prog.kinds) * m
-        alone_fb = sum(works_[(kind, k)].modeled(alone_cost(cost)) for k in range(prog.S) for kind in prog.kinds) * m
-        meas_fb = sum(med[("work", r["wkey"], (kind, k))] for k in range(prog.S) for kind in prog.kinds)
-        t = med[name]
-        lines.append(f"   {name:<17} step {t * 1e3:7.1f} ms, modeled {model * 1e3:7.1f} ms: {t / model:5.2f}   "
-                     f"[counting ranks, not their cores: modeled {model_counted * 1e3:.1f} ms, "
-                     f"{t / model_counted:.2f}] "
-                     f"[the model before: contention from devices / cores, MPMD as SPMD: modeled {model_derived * 1e3:.1f} "
-                     f"ms, {t / model_derived:.2f}] "
-                     f"[measured cores: modeled {model_here * 1e3:.1f} ms, {t / model_here:.2f}; side by side at the "
-                     f"contended rates {contended * 1e3:.1f} ms, {t / contended:.2f}]")
-        lines.append(f"   {'':<17} where it misses: {cost.name}'s F+B x m alone {alone_fb * 1e3:.1f} ms "
-                     f"({modeled_fb * 1e3:.1f} contended) against {meas_fb * 1e3:.1f} measured alone; the shared-cores "
-                     f"simulation on the measured stage programs {sim_meas * 1e3:.1f} ms (step / that "
-                     f"{t / sim_meas:.2f}), on measured cores {sim_here * 1e3:.1f} ms ({t / sim_here:.2f}), on the stage "
-                     f"programs' own work at once ({own:.2f} ranks') {sim_own * 1e3:.1f} ms ({t / sim_own:.2f})")
+    lines += criterion_4(runs, med, used, cost, p, m, a.reps)
 
     if a.breakdown:
         lines.append("")

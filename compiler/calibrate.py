@@ -21,9 +21,10 @@ is how much the devices slow each other, measured rather than assumed from devic
 cores (on a 16-core host, 8 forced devices each ran matmuls at a third of one device's
 rate alone). A Python driver's cost per jitted program dispatched, and per
 ``jax.device_put`` to another device, neither waited for, is timed too (``dispatch_s``,
-``transfer_s``: what the MPMD pipeline's driver pays per instruction), and the same
-matmul chain on 1, 2, 4, ... and all devices at once gives how many devices' work the host
-gets done with that many busy (``at_once``: 8 forced devices on 2 shared cores did about
+``transfer_s``: what the MPMD pipeline's driver pays per instruction), and a chain of one
+dense layer's forward and backward (a pipeline stage's working set and op mix) on 1, 2, 4,
+... and all devices at once gives how many devices' work the host gets done with that many
+busy (``at_once``: 8 forced devices on 2 shared cores did about
 one device's work, whatever the count). Each time is the
 median of repetitions; a
 collective's is the difference between a program that runs it 9 times in a row and
@@ -65,10 +66,12 @@ PHASE_SHAPE = (32, 128)
 PHASE_BLOCKS = (1, 4, 16)
 KIND_APART = 0.5                     # a kind gets its own fit where the group's misses it by more,
 KIND_BIASED = 0.25                   # or misses it by more than this in the same direction at every size
-# the matmul whose chain times devices running at once: a micro-batch's few rows against a
-# whole 4 MiB weight, as a pipeline stage runs (the host model is at_once's only reader);
-# streaming the weight, it shares the memory system as a stage does, where a square
-# in-cache matmul would show more devices' work done at once than a stage gets
+# the layer whose forward and backward, chained, time devices running at once: a
+# micro-batch's few rows against a whole 4 MiB weight, as a pipeline stage runs (the host
+# model is at_once's only reader); streaming the weight, it shares the memory system as a
+# stage does, where a square in-cache matmul would show more devices' work done at once
+# than a stage gets; and its backward's matmuls with a transposed operand, which on the
+# 2-core host overlapped less than the plain matmul (docs/results/pipeline.md)
 AT_ONCE_SHAPE = (32, 1024, 1024)
 DISPATCHES = 200                     # programs (and transfers) the driver issues per timed sample
 
@@ -254,6 +257,25 @@ def _matmul_body(m: int, k: int, n: int, chain: int):
     return body
 
 
+def _layer_body(m: int, k: int, n: int, chain: int):
+    """``chain`` forward and backward passes of a dense ``tanh`` layer per device, each fed
+    by the last, as a pipeline stage runs a micro-batch: ``h = tanh(a @ w)`` ([m, k] @ [k,
+    n]), then the weight's gradient ``a.T @ g`` (accumulated) and the input's ``g @ w.T``,
+    which becomes the next pass's input; the operands cut from the local buffer."""
+    import jax.numpy as jnp
+
+    def body(x):
+        a, w = x[:m * k].reshape(m, k), x[:k * n].reshape(k, n)
+        gw = jnp.zeros_like(w)
+        for _ in range(chain):
+            h = jnp.tanh(a @ w)
+            g = 1.0 - h * h
+            gw = gw + a.T @ g
+            a = (g @ w.T) * 0.5
+        return x.at[:m * k].set(a.reshape(-1)).at[:k * n].add(gw.reshape(-1) * 1e-6)
+    return body
+
+
 def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, log=None, wait: str = "wall") -> CostModel:
     import jax
     from jax.sharding import Mesh as JaxMesh
@@ -386,8 +408,9 @@ def _compute_rates(jmesh, one, reps: int) -> tuple:
 
 
 def _at_once(devices, reps: int, shape=AT_ONCE_SHAPE) -> tuple:
-    """``((k, work), ...)`` for k = 1, 2, 4, ... and every device: the same chain of
-    matmuls per device on k devices at once (one ``shard_map``), timed in turns; ``work``
+    """``((k, work), ...)`` for k = 1, 2, 4, ... and every device: the same chain of a
+    layer's forward and backward (``_layer_body``) per device on k devices at once (one
+    ``shard_map``), timed in turns; ``work``
     is k times one device's time alone over the k devices' time, the devices' work alone
     that k of them busy get done at once."""
     import jax
@@ -398,7 +421,7 @@ def _at_once(devices, reps: int, shape=AT_ONCE_SHAPE) -> tuple:
     for c in counts:
         jm = JaxMesh(np.array(devices[:c]), ("d",))
         x = jax.device_put(np.ones(c * max(m * k, k * n), np.float32), NamedSharding(jm, PartitionSpec("d")))
-        calls.append((_program(jm, _matmul_body(m, k, n, 1 + CHAIN)), x))
+        calls.append((_program(jm, _layer_body(m, k, n, 1 + CHAIN)), x))
     times = _median_times(calls, reps)
     return tuple((c, c * times[0] / t) for c, t in zip(counts, times))
 
@@ -423,7 +446,7 @@ def _cores_used(calls, reps: int) -> float:
 def _cores_alone(device, reps: int) -> tuple:
     """``(("contraction", cores), ("memory", cores), ("at_once", cores))``: the cores one
     ``device`` alone keeps busy (``_cores_used``) running the calibration's matmul chains
-    (every shape), its fused loops (every size), and ``_at_once``'s matmul chain. XLA:CPU
+    (every shape), its fused loops (every size), and ``_at_once``'s layer chain. XLA:CPU
     runs one program on several of the host's threads where its ops are large enough, so
     how much several devices get done at once depends on how many cores each program
     already keeps busy alone (the pipeline's host model, ``pipeline_step.core_share``)."""
@@ -439,7 +462,7 @@ def _cores_alone(device, reps: int) -> tuple:
                                                max(max(a * b, b * c) for a, b, c in MATMUL_SHAPES)), reps)),
             ("memory", _cores_used(calls([_prefix(_fused_loops(1 + CHAIN), s) for s in ELEMENTWISE_SIZES],
                                          max(ELEMENTWISE_SIZES)), reps)),
-            ("at_once", _cores_used(calls([_matmul_body(m, k, n, 1 + CHAIN)], max(m * k, k * n)), reps)))
+            ("at_once", _cores_used(calls([_layer_body(m, k, n, 1 + CHAIN)], max(m * k, k * n)), reps)))
 
 
 def _driver_costs(devices, reps: int, calls: int = DISPATCHES) -> tuple:

@@ -89,9 +89,13 @@ class PipelineInfo:
     stage_times: list = field(default_factory=list)   # per model stage: {kind: modeled seconds}
     # modeled seconds of the step as it runs on these devices: stage work at one device's
     # rate alone, ranks sharing the host's cores where forced CPU devices outnumber them
-    # (host_step or mpmd_host_step, sharing by core_share), plus the once ops; step_time
-    # is the side-by-side model the search uses
+    # (host_step or mpmd_host_step, sharing by core_share), plus the once ops; with
+    # plan(measure=True), the same simulation on the plan's own measured figures
+    # (measured_host_step); step_time is the side-by-side model the search uses
     host_step_time: float = 0.0
+    # plan(measure=True): the stage programs' own figures on this host
+    # (compiler/pipeline_host.py HostFigures), which host_step_time was then modeled on
+    host_figures: Optional[object] = None
     # mode="auto" beside the pipeline (a searched sub-mesh), bytes per device: the search's
     # modeled peak of one micro-batch's step (passes/auto's count, every stage's state in
     # it), less the state a device does not store (_state_elsewhere), plus what the
@@ -350,7 +354,7 @@ def core_share(mesh, p: int, cost, prog):
     """What the ``p`` ranks of ``prog`` share on this host: a ``CoreShare`` where the
     profile measured the cores its programs keep busy alone and its ``at_once`` curve
     (each action demanding its ``action_cores`` times the devices of a rank; the host
-    delivering what the curve measured, converted to cores by the cores its matmul kept
+    delivering what the curve measured, converted to cores by the cores its program kept
     busy alone), else ``shared_cores`` (ranks counted, not their cores)."""
     from ..passes.pipeline.simulate import Capacity, CoreShare
     used = cores_alone(cost)
@@ -425,13 +429,28 @@ def stage_durations(prog, times) -> dict:
 
 def spmd_step(prog, durations, latency, once, cores=None):
     """The SPMD lowering's step with these stage ``durations`` and exchange ``latency`` (as
-    ``simulate`` takes them) and per rank its ``once`` ops' time: the tick table simulated
-    with the ranks sharing ``cores`` (None: side by side), then the once ops sharing them
-    again. Returns ``(seconds, the SimResult, the once phase's seconds)``."""
-    from ..passes.pipeline.simulate import shared_time
-    sim = simulate(prog.schedule, durations, latency=latency, cores=cores)
+    ``simulate`` takes them) and per rank its ``once`` ops' time: its tick loop run in
+    lockstep (``lockstep_time``): at each tick of the unit-cost tick table the busy ranks
+    run their actions sharing ``cores`` (None: side by side), the tick ends when the last
+    has ended (the exchanges after it are a rendezvous of every rank), then each exchange
+    the tick runs (forward, backward: ``prog.tables``' flags) costs the largest boundary's
+    latency (every rank sends the largest stage's packed size); then the once ops sharing
+    the cores again. Returns ``(seconds, the unit-cost SimResult the lowering runs, the
+    once phase's seconds)``."""
+    from ..passes.pipeline.simulate import CoreShare, lockstep_time, shared_time
+    T = int(prog.sim.makespan)
+    use = cores.action_use if isinstance(cores, CoreShare) else (lambda d, a: 1)
+    ticks = [[] for _ in range(T)]
+    for (t, d), a in sorted(prog.sim.tick_table.items()):
+        k = prog.schedule.model_stage(d, a.chunk)
+        ticks[t].append((durations[a.kind][k], use(d, a)))
+    per = float(max(latency)) if isinstance(latency, (list, tuple)) and latency else float(latency or 0)
+    tables = getattr(prog, "tables", None)
+    exchanges = ([int(tables["any_f"][t][0]) + int(tables["any_b"][t][0]) for t in range(T)]
+                 if tables is not None and prog.p > 1 else [0] * T)
+    loop = lockstep_time(ticks, cores, [per * n for n in exchanges])
     tail = float(shared_time(once, cores))
-    return float(sim.makespan) + tail, sim, tail
+    return float(loop) + tail, prog.sim, tail
 
 
 def host_step(prog, cost=None, cores=None, contention=None):
@@ -481,6 +500,30 @@ def mpmd_step(prog, durations, latency, once, cores=None, dispatch_s=0, transfer
     last = [max((e.end for e in sim.events if e.stage == d), default=0) for d in range(prog.p)]
     end = shared_finish([(max(last[d], once_release[d]), once[d]) for d in range(prog.p)], cores)
     return max(end, sim.makespan, issued), sim, issued
+
+
+def measured_host_step(prog, figures, lowering: str = "spmd", cost=None):
+    """The host model's step of ``prog`` on ``figures`` (``pipeline_host.HostFigures``,
+    measured by ``plan(measure=True)``) in place of the profile's: each
+    action its measured time alone, the ranks sharing the measured ``Capacity``, the once
+    ops their measured times; the SPMD lowering's ticks in lockstep (``spmd_step``), plus
+    its idle loop where measured (else the exchanges at ``cost``'s link and the once ops
+    alone), or the MPMD driver's release times at the measured
+    dispatch and transfer costs (``mpmd_step``, an exchange a copy at ``cost``'s memory
+    rate alone). Returns ``(seconds, the SimResult, the once phase's or the driver's
+    seconds)``."""
+    priced, _ = _priced(cost, None)
+    durations, cores = figures.durations(prog), figures.capacity()
+    if lowering == "mpmd":
+        copies = [8 * _boundary_floats(prog, k) / priced.memory_bytes_per_s for k in range(prog.S - 1)]
+        return mpmd_step(prog, durations, copies, list(figures.once), cores, figures.dispatch_s, figures.transfer_s)
+    if figures.idle_loop is not None:
+        # the actions in lockstep at their cost in the loop, and what the program does
+        # beside them as measured: the exchanges, the once ops, the state's unpacking and packing
+        loop, sim, _ = spmd_step(prog, figures.loop_durations(prog), 0.0, [0.0] * prog.p, cores)
+        return loop + figures.idle_loop, sim, figures.idle_loop
+    _, latency = _modeled_times(prog, priced)
+    return spmd_step(prog, durations, latency, list(figures.once), cores)
 
 
 def _modeled_bytes(prog, schedule, scale: float = 1.0, slots=None) -> int:
@@ -1294,7 +1337,11 @@ class PipelineFunction:
         return jnp.asarray(np.concatenate(parts, axis=c.an.bdim[v]))
 
     # ---------------------------------------------------------------- plan
-    def plan(self, *args) -> PipelinePlan:
+    def plan(self, *args, measure: bool = False) -> PipelinePlan:
+        """The plan of the step on ``args``. ``measure=True`` also times its stage programs
+        on this host, alone and the ranks at once (``compiler/pipeline_host.py``), and
+        models ``host_step_time`` on those figures (kept in ``pipeline.host_figures``)
+        instead of the cost model's."""
         c, leaves, mask = self._compile(args)
         prog, an, sch = c.prog, c.an, c.schedule
         names = lambda idxs: [an.jaxpr.jaxpr.eqns[i].primitive.name for i in idxs]
@@ -1320,6 +1367,18 @@ class PipelineFunction:
                             submesh_peak=c.submesh_peak, state_elsewhere=c.elsewhere,
                             beyond_one_microbatch=c.beyond_one, device_peak=c.device_peak,
                             submesh_budget=c.submesh_budget)
+        if measure:
+            from .pipeline_host import measure_host
+            programs = idle = ranks = None
+            if self.pipeline.lowering != "mpmd":
+                # the SPMD lowering's own actions (its branches) and what it does beside them
+                from .pipeline_host import branch_programs, rank_devices
+                _, _, rep, batch = self._inputs(c, leaves)
+                programs = branch_programs(prog, rank_devices(prog), rep, batch)
+                idle = self._idle_loop(c, leaves)
+                ranks = [self._idle_loop(c, leaves, acting=(d,)) for d in range(self.p)]
+            info.host_figures = measure_host(prog, programs=programs, idle_loop=idle, rank_loops=ranks)
+            info.host_step_time = measured_host_step(prog, info.host_figures, self.pipeline.lowering, self.cost)[0]
         plan = PipelinePlan(info, prog)
         if self.dump_dir:
             import os
@@ -1331,6 +1390,23 @@ class PipelineFunction:
                     f.write(info.rank_text(d) + "\n")
             info.to_html(os.path.join(self.dump_dir, "pipeline.html"))
         return plan
+
+    def idle_loop(self, *args, acting=()):
+        """The SPMD step of ``args`` with every tick's action the no-op branch (except on
+        the ranks ``acting``), as a zero-argument callable that runs it once and waits
+        (``pipeline_host.idle_loop_program``: what the program does beside its stage
+        actions, or beside those ranks' actions)."""
+        c, leaves, _ = self._compile(args)
+        return self._idle_loop(c, leaves, acting)
+
+    def _idle_loop(self, c, leaves, acting=()):
+        from .pipeline_host import idle_loop_program
+        sources, desc, rep, batch = self._inputs(c, leaves)
+
+        def run(idle_prog):
+            fn = idle_prog.build(len(sources), desc)
+            return lambda: jax.block_until_ready(fn(sources, rep, batch))
+        return idle_loop_program(c.prog, run, acting)
 
     def lower_text(self, *args) -> str:
         """The compiled HLO of the pipelined program (for the per-rank checks)."""

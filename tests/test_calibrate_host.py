@@ -62,3 +62,18 @@ def test_cores_used_is_cpu_over_wall_on_a_small_program():
     x = jax.device_put(np.ones(128 * 128, np.float32), NamedSharding(jm, PartitionSpec("d")))
     used = calibrate._cores_used([(calibrate._program(jm, calibrate._matmul_body(128, 128, 128, 9)), x)], reps=3)
     assert 0.05 < used <= calibrate.host_cores() + 0.5
+
+
+def test_at_once_layer_is_a_stage_forward_and_backward():
+    """``at_once``'s program is a dense tanh layer's forward and backward, as a pipeline
+    stage runs a micro-batch: one pass leaves the input's gradient (of the summed outputs),
+    halved, where the input was, and keeps the buffer's shape."""
+    import jax.numpy as jnp
+    import numpy as np
+    m, k, n = 4, 8, 8
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(max(m * k, k * n)).astype(np.float32)) * 0.3
+    out = calibrate._layer_body(m, k, n, 1)(x)
+    a, w = x[:m * k].reshape(m, k), x[:k * n].reshape(k, n)
+    grad = jax.grad(lambda a: jnp.tanh(a @ w).sum())(a)
+    assert out.shape == x.shape
+    np.testing.assert_allclose(out[:m * k].reshape(m, k), 0.5 * grad, rtol=1e-4, atol=1e-5)

@@ -325,3 +325,159 @@ def test_importing_the_bench_changes_nothing():
     spec.loader.exec_module(module)
     assert callable(module.make) and callable(module.force_cpu_devices)
     assert dict(os.environ) == env and jax.config.jax_num_cpu_devices == devices
+
+
+# ---------------------------------------------------------------- the plan's own figures
+# (compiler/pipeline_host.py: plan(measure=True)) and the SPMD lowering's lockstep ticks
+
+def test_lockstep_ticks_by_hand():
+    """Two ticks: ranks running works 1 and 2, then 1 alone. Side by side the first tick
+    ends with its slowest action (2), then 1: 3. On one shared core the first tick's two
+    actions share it (both at 1/2 until t = 2, the rest of the 2 alone: 3), then 1: 4.
+    Each tick's exchanges add their latency."""
+    from shardprop.passes.pipeline.simulate import lockstep_time
+    ticks = [[(1, 1), (2, 1)], [(1, 1)]]
+    assert lockstep_time(ticks) == 3
+    assert lockstep_time(ticks, cores=1) == 4
+    assert lockstep_time(ticks, cores=1, latency=[Fr(1, 2), 0]) == Fr(9, 2)
+    with pytest.raises(sp.ShardingError, match="2 ticks"):
+        lockstep_time(ticks, latency=[1])
+
+
+@pytest.fixture(scope="module")
+def measured_1f1b():
+    """A 2-stage 1F1B MLP step, m = 4, SPMD-lowered, planned with measure=True."""
+    step, args = _mlp_step()
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b"))
+    return pstep, args, pstep.plan(*args, measure=True)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_spmd_step_runs_the_unit_tick_table_in_lockstep(name):
+    """At equal action times the lockstep loop is the unit-cost tick table (one action
+    time a tick). With backwards twice as long, GPipe's ticks each hold one kind, so
+    lockstep ends where the event-by-event simulation does; 1F1B's steady ticks hold a
+    forward beside a backward, and the forward's rank waits: lockstep is longer."""
+    from shardprop.compiler.pipeline_step import UNIT, spmd_step
+    s = build_schedule(name, 2, 4)
+    prog = NS(sim=simulate(s, UNIT), schedule=s, S=2, p=2, kinds=["forward", "backward"], tables=None)
+    once = [0, 0]
+    equal = {kind: [Fr(1)] * 2 for kind in prog.kinds}
+    assert spmd_step(prog, equal, 0, once)[0] == prog.sim.makespan
+    longer = {"forward": [Fr(1)] * 2, "backward": [Fr(2)] * 2}
+    events = simulate(s, longer).makespan
+    if name == "gpipe":
+        assert spmd_step(prog, longer, 0, once)[0] == events
+    else:
+        assert spmd_step(prog, longer, 0, once)[0] > events
+
+
+def test_capacity_fit_reads_back_the_sharing_it_was_made_from():
+    """Runs timed as the simulation would share them on a known curve give that curve
+    back (uneven ranks' work included); a run faster than its longest rank alone is no
+    more than side by side, and a stall is held at LEAST_CAPACITY."""
+    from shardprop.compiler.pipeline_host import LEAST_CAPACITY, fit_capacity
+    from shardprop.passes.pipeline.simulate import Capacity
+    truth = Capacity(((1, 1.0), (2, 1.3), (3, 1.2), (4, 0.9)))
+    works = [0.010, 0.012, 0.011, 0.015]
+    runs = [(n, works[:n], float(shared_time(works[:n], truth))) for n in (2, 3, 4)]
+    fitted = fit_capacity(runs)
+    assert [n for n, _ in fitted] == [1, 2, 3, 4]
+    assert [c for _, c in fitted] == pytest.approx([c for _, c in truth.points], abs=1e-4)
+    assert fit_capacity([(2, [1.0, 1.0], 0.5)]) == ((1, 1.0), (2, 2.0))
+    assert fit_capacity([(2, [1.0, 1.0], 1e6)]) == ((1, 1.0), (2, LEAST_CAPACITY))
+
+
+def test_host_figures_flow_into_the_model(pipelined):
+    """``measured_host_step`` simulates the figures it is given: the actions' times alone
+    (twice as long, a longer step), the ranks' work at once (less work done at once, a
+    longer step; side by side, the side-by-side simulation) and the driver's costs."""
+    from shardprop.compiler.pipeline_host import HostFigures
+    from shardprop.compiler.pipeline_step import measured_host_step
+    from shardprop.compiler.pipeline_step import mpmd_step
+    prog, _ = pipelined
+    alone = tuple(((kind, k), 1e-3 * (2 if kind != "forward" else 1)) for k in range(prog.S) for kind in prog.kinds)
+    figs = HostFigures(alone, (1e-4,) * prog.p, ((1, 1.0), (2, 2.0)), (), 0.0, 0.0, 1)
+    slower = replace(figs, alone=tuple((key, 2 * t) for key, t in alone))
+    shared = replace(figs, at_once=((1, 1.0), (2, 1.0)))
+    driven = replace(figs, dispatch_s=1e-4, transfer_s=1e-4)
+    for lowering in ("spmd", "mpmd"):
+        base = measured_host_step(prog, figs, lowering, MEASURED)[0]
+        assert measured_host_step(prog, slower, lowering, MEASURED)[0] > 1.5 * base
+        assert measured_host_step(prog, shared, lowering, MEASURED)[0] > base
+    base = measured_host_step(prog, figs, "mpmd", MEASURED)[0]
+    assert measured_host_step(prog, driven, "mpmd", MEASURED)[0] > base
+    # the SPMD program's idle loop (its once ops, exchanges and packing, measured) is added
+    # to the actions in lockstep, in place of the once ops and modeled exchanges
+    from shardprop.compiler.pipeline_step import spmd_step
+    lockstep = spmd_step(prog, figs.durations(prog), 0.0, [0.0] * prog.p, figs.capacity())[0]
+    idle = replace(figs, idle_loop=5e-3)
+    assert measured_host_step(prog, idle, "spmd", MEASURED)[0] == pytest.approx(lockstep + 5e-3)
+    # a rank whose actions took 1.5x their time alone in the loop (its loop with only its
+    # actions, less the idle loop) runs them 1.5x as long; a faster reading is taken as 1
+    work = [prog.m * sum(t for (kind, k), t in alone if prog.rank_of(k) == d) for d in range(prog.p)]
+    slow = replace(idle, in_loop=(5e-3 + 1.5 * work[0], 5e-3 + 0.5 * work[1]))
+    assert slow.in_loop_factor(prog) == pytest.approx([1.5, 1.0])
+    assert slow.loop_durations(prog)["forward"] == pytest.approx([1.5e-3, 1e-3])
+    assert measured_host_step(prog, slow, "spmd", MEASURED)[0] > measured_host_step(prog, idle, "spmd", MEASURED)[0]
+    copies = [8 * 8 * 2 / MEASURED.alone.memory_bytes_per_s]      # a micro-batch's 2 x 8 floats, copied
+    side_by_side = mpmd_step(prog, figs.durations(prog), copies, list(figs.once), None)[0]
+    assert base == pytest.approx(side_by_side)
+
+
+@pytest.mark.slow
+def test_plan_measure_times_the_stage_programs(measured_1f1b):
+    """``plan(measure=True)`` times every (kind, stage) program and each rank's once ops,
+    fits the ranks' work at once, and its host_step_time is the model on those figures."""
+    from shardprop.compiler.pipeline_host import LEAST_CAPACITY, HostFigures
+    from shardprop.compiler.pipeline_step import measured_host_step
+    pstep, args, plan = measured_1f1b
+    figs, prog = plan.pipeline.host_figures, plan.program
+    assert isinstance(figs, HostFigures)
+    assert sorted(dict(figs.alone)) == sorted((kind, k) for k in range(prog.S) for kind in prog.kinds)
+    assert all(t > 0 for _, t in figs.alone) and len(figs.once) == prog.p and all(t > 0 for t in figs.once)
+    assert [n for n, _ in figs.at_once] == [1, 2] and LEAST_CAPACITY <= figs.at_once[1][1] <= 2
+    assert [n for n, _, _ in figs.runs] == [2] and len(figs.runs[0][1]) == 2
+    assert figs.dispatch_s > 0 and figs.transfer_s > 0 and figs.idle_loop > 0
+    assert len(figs.in_loop) == prog.p and all(t > 0 for t in figs.in_loop)
+    assert all(f >= 1.0 for f in figs.in_loop_factor(prog))
+    assert plan.pipeline.host_step_time == measured_host_step(prog, figs, "spmd", pstep.cost)[0]
+    assert "ranks at once" in figs.text()
+    # without measure=True the plan keeps the profile's model
+    assert pstep.plan(*args).pipeline.host_figures is None
+
+
+def test_plan_measure_refuses_ranks_of_several_devices():
+    step, args = _mlp_step()
+    pstep = sp.parallelize(step, mesh=((2, 2), ("pp", "dp")), pipeline=sp.Pipeline(microbatches=2))
+    with pytest.raises(sp.ShardingError, match="one device.*Fix: measure the step on a mesh of the 'pp' axis"):
+        pstep.plan(*args, measure=True)
+
+
+@pytest.mark.slow
+def test_plan_measure_times_the_mpmd_programs_and_the_spmd_branches(measured_1f1b):
+    """For the MPMD lowering the plan times its stage programs (no idle loop: nothing
+    runs beside them but the driver); for the SPMD lowering the tick loop's branches, each
+    adding its piece into the flat accumulator as the loop does."""
+    from shardprop.compiler.pipeline_host import BranchProgram, branch_programs, rank_devices
+    from shardprop.compiler.pipeline_step import measured_host_step
+    step, args = _mlp_step()
+    pstep = sp.parallelize(step, mesh=((2,), ("pp",)), pipeline=sp.Pipeline(microbatches=4, schedule="1f1b",
+                                                                              lowering="mpmd"))
+    plan = pstep.plan(*args, measure=True)
+    figs = plan.pipeline.host_figures
+    assert figs.idle_loop is None
+    assert plan.pipeline.host_step_time == measured_host_step(plan.program, figs, "mpmd", pstep.cost)[0]
+    spmd, args, spmd_plan = measured_1f1b
+    prog = spmd_plan.program
+    c, leaves, _ = spmd._compile(args)
+    _, _, rep, batch = spmd._inputs(c, leaves)
+    programs = branch_programs(prog, rank_devices(prog), rep, batch)
+    for kind in prog.kinds:
+        for k in range(prog.S):
+            pr = programs[(kind, k)]
+            assert isinstance(pr, BranchProgram) and pr.times == prog.m
+            pr()
+            acc, resid_row, out_row, send_f, send_b = pr.last
+            assert acc.shape == (prog.ACC,) and send_f.shape == (prog.A,) and send_b.shape == (prog.G,)
+            assert list(acc.devices()) == [rank_devices(prog)[prog.rank_of(k)]]

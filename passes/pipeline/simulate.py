@@ -40,7 +40,8 @@ enough) demands ``u``, and the running actions all progress at ``CoreShare.rate`
 demands. Latencies are delays
 that use no core. :func:`shared_time` is the same sharing for independent jobs that start
 together (each rank's once ops after the loop), :func:`shared_finish` for jobs that start
-at given times.
+at given times, and :func:`lockstep_time` for a tick loop run in lockstep (the SPMD
+lowering's: each tick's actions share the cores and the tick ends with its slowest).
 
 **Release times** (``release=``): a callable ``(stage, action) -> time`` before which the
 action may not start, whatever its inputs (a driver that issues the actions one after
@@ -513,15 +514,18 @@ def _exact_cores(cores, exact: bool):
     return _num(cores, exact)
 
 
-def shared_finish(jobs, cores=None):
+def shared_finish(jobs, cores=None, uses=None):
     """When the last of independent jobs ``(start, work)`` ends on ranks that share
     ``cores`` (``None``: side by side), processor sharing as in ``simulate``: between two
     events (a start or an end) the ``n`` jobs running each progress at ``min(1, cores / n)``
     (for a ``CoreShare``, at its rate of the running jobs' uses: job ``i`` uses
-    ``cores.once[i]`` cores alone, its ``unit`` where it gives none)."""
+    ``uses[i]`` cores alone where given, else ``cores.once[i]``, its ``unit`` where it
+    gives none)."""
     jobs = list(jobs)
     exact = _exact([x for j in jobs for x in j] + _core_values(cores))
-    uses = cores.once_uses(len(jobs)) if isinstance(cores, CoreShare) else [1] * len(jobs)
+    if uses is None:
+        uses = cores.once_uses(len(jobs)) if isinstance(cores, CoreShare) else [1] * len(jobs)
+    uses = list(uses)
     order = sorted(range(len(jobs)), key=lambda i: (_num(jobs[i][0], exact), _num(jobs[i][1], exact)))
     uses = [uses[i] for i in order]
     jobs = [(_num(jobs[i][0], exact), _num(jobs[i][1], exact)) for i in order]
@@ -555,8 +559,27 @@ def shared_finish(jobs, cores=None):
     return end
 
 
-def shared_time(works, cores=None):
+def shared_time(works, cores=None, uses=None):
     """Time for independent jobs of durations ``works`` that start together on ranks that
     share ``cores`` (``None``: side by side, the longest job): ``shared_finish`` with every
-    job starting at 0."""
-    return shared_finish([(0, w) for w in works], cores)
+    job starting at 0 (``uses``: per job, the cores it keeps busy alone, for a
+    ``CoreShare``)."""
+    return shared_finish([(0, w) for w in works], cores, uses)
+
+
+def lockstep_time(ticks, cores=None, latency=0):
+    """The makespan of a tick loop run in lockstep (the SPMD lowering's: after each tick
+    every rank meets the others in the exchanges, so a tick ends when its slowest action
+    has): ``ticks``, per tick the ``(work, use)`` of each action run in it (``use``: the
+    cores it keeps busy alone, read by a ``CoreShare``; else ignored), the actions of a
+    tick sharing ``cores`` as ``shared_time`` shares them; plus ``latency`` per tick (a
+    number, or one per tick: the exchanges that tick runs)."""
+    lat = list(latency) if isinstance(latency, (list, tuple)) else [latency] * len(ticks)
+    if len(lat) != len(ticks):
+        raise ShardingError(f"pipeline simulation: {len(lat)} latencies for {len(ticks)} ticks")
+    total = 0
+    for actions, delay in zip(ticks, lat):
+        total += delay
+        if actions:
+            total += shared_time([w for w, _ in actions], cores, [u for _, u in actions])
+    return total
