@@ -61,7 +61,22 @@ MEASURE_REPS = 5
 LEAST_CAPACITY = 0.05       # a fitted point never below this (ranks' work at once): a stall is not a rate
 
 
-class StageProgram:
+class _Repeated:
+    """A program run ``times`` times back to back a call (``dispatch`` each, not waited
+    for), then waited for."""
+    times: int
+    last = None
+
+    def wait(self) -> None:
+        jax.block_until_ready(self.last)
+
+    def __call__(self) -> None:
+        for _ in range(self.times):
+            self.dispatch()
+        self.wait()
+
+
+class StageProgram(_Repeated):
     """Equations ``idxs`` of ``prog``'s micro-batch jaxpr jitted on ``device``: inputs what
     they read (zeros of their shapes), outputs ``outs``; with ``accs`` (partial sums) each
     call also adds them into accumulators it takes and returns, donated, as the lowering
@@ -93,16 +108,9 @@ class StageProgram:
         out = self.fn(*self.acc, *self.args)
         self.acc, self.last = list(out[:len(self.accs)]), out
 
-    def wait(self) -> None:
-        jax.block_until_ready(self.last)
-
-    def __call__(self) -> None:
-        for _ in range(self.times):
-            self.dispatch()
-        self.wait()
 
 
-class BranchProgram:
+class BranchProgram(_Repeated):
     """One action as the SPMD lowering's tick loop runs it (``prog._branch(key)``: its
     inputs unpacked from the slot rows, the packed state row and the micro-batch, the
     stage's equations, what it sends, keeps and accumulates packed), then its partial sums
@@ -134,14 +142,6 @@ class BranchProgram:
     def dispatch(self) -> None:
         self.last = self.fn(self.acc, *self.args)
         self.acc = self.last[0]
-
-    def wait(self) -> None:
-        jax.block_until_ready(self.last)
-
-    def __call__(self) -> None:
-        for _ in range(self.times):
-            self.dispatch()
-        self.wait()
 
 
 def branch_programs(prog, devices, rep, batch) -> dict:

@@ -204,7 +204,7 @@ def families(problem) -> list[Family]:
 
 
 def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[float] = 10.0,
-               fams: Optional[list] = None, warm=None, fit=None) -> list[HandPlan]:
+               fams: Optional[list] = None, warm=None, fit=None, every: bool = False) -> list[HandPlan]:
     """Each of ``families(problem)`` (or ``fams``) solved for its storage layouts and
     priced. ``peak_of(choice)``: its modeled peak. ``warm``: a ``warm_lp.WarmLP`` of
     this problem whose reduction kept every family's candidates (``milp.reduce(...,
@@ -217,7 +217,9 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
     solved for time alone, the family's ops may hold far more (tp+FSDP on the 2-layer
     GPT step on 4 x 2 modeled 4.59 MB against a 2.54 MB limit, while the engineer's
     fits), and the search, which returns nothing worse than the best hand plan that
-    fits, would have none to hold to."""
+    fits, would have none to hold to. ``every``: each family over the limit is solved
+    under it, not only those that could be the best that fits (a hand plan picked by
+    name, which measure=True times, must be there whatever the others cost)."""
     out = []
     for fam in (families(problem) if fams is None else fams):
         if fam.allowed is None:
@@ -234,7 +236,7 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
         plan.allowed, plan.key = allowed, (problem.fingerprint, key, limit)
         out.append(plan)
     if fit is not None:
-        out = _fit_cheapest(problem, out, fit, peak_of, limit)
+        out = _fit_cheapest(problem, out, fit, peak_of, limit, every)
     kept: list = []
     for plan in out:
         same = next((p for p in kept if p.choice is not None and p.choice == plan.choice), None)
@@ -245,18 +247,18 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
     return kept
 
 
-def _fit_cheapest(problem, plans: list, fit, peak_of, limit) -> list:
+def _fit_cheapest(problem, plans: list, fit, peak_of, limit, every: bool = False) -> list:
     """The plans over the limit solved again under it (``_fitted``), cheapest first, while
-    one could still be the best that fits: a plan solved under the limit costs at least
-    its time-optimal plan, so one whose time-optimal plan is no cheaper than a plan that
-    fits is left as it is (on the GPT steps most families are over the limit, and each
-    solve under it is several LPs)."""
+    one could still be the best that fits (or all of them, ``every``): a plan solved under
+    the limit costs at least its time-optimal plan, so one whose time-optimal plan is no
+    cheaper than a plan that fits is left as it is (on the GPT steps most families are
+    over the limit, and each solve under it is several LPs)."""
     out = list(plans)
     order = sorted((i for i, p in enumerate(out) if p.choice is not None and not p.fits), key=lambda i: out[i].time)
     for i in order:
         p = out[i]
         least = bound(out)
-        if least is not None and p.time >= least * (1 - 1e-12):
+        if not every and least is not None and p.time >= least * (1 - 1e-12):
             p.note += "; not solved under the limit (a hand plan that fits is cheaper than its time-optimal plan)"
             continue
         out[i] = _fitted(problem, p, p.allowed, fit, peak_of, limit, p.key)

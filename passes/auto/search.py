@@ -239,7 +239,11 @@ class SearchStrategies:
         graph.set_mesh(mesh)
         if solution is None:
             if self.pick is not None:
-                raise ShardingError(f"no hand plan {self.pick!r} that fits on {graph.mesh} among "
+                named = [h for h in self._hands if h.label == self.pick]
+                if named:   # (it exists: over the limit, or not solved)
+                    raise ShardingError(f"the hand plan {self.pick!r} does not fit on {graph.mesh}: "
+                                        f"{'; '.join(str(h) for h in named)}")
+                raise ShardingError(f"no hand plan {self.pick!r} on {graph.mesh} among "
                                     f"{[h.label for h in self._hands]}: pick one of those")
             raise self._overflow(problem, peak)
         self._write(graph, problem, solution)
@@ -312,7 +316,8 @@ class SearchStrategies:
             return self._fit_hand(problem, memory, limit, allowed, choice)
         with self._phase("hand plans"):
             plans = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, time_limit=self.time_limit,
-                                    fams=fams, warm=warm, fit=fit if limit is not None else None) if fams else []
+                                    fams=fams, warm=warm, fit=fit if limit is not None else None,
+                                    every=self.pick is not None) if fams else []
         if self._deadline is not None:
             # (the hand plans are solved in full, each within time_limit: what they compare
             # with must be there; the budget is for the search's own rounds, which on a
