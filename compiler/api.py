@@ -308,7 +308,14 @@ class ParallelFunction:
             except ShardingError:               # no plan models under this limit
                 compiled = None
         if len(limits.rounds) > 1:
-            cheaper = self._cheaper_hand_that_fits(compiled, compared, args, kwargs, progress, base)
+            # a lowered modeled limit held the hand plans too to the searched plan's overshoot,
+            # though their own programs may compile under the user's limit (the 12-layer GPT
+            # step on 4 x 2 at 0.9 of the free peak left out ZeRO-1, modeled at half the
+            # searched plan's time): those of every round cheaper as written are tried
+            cheaper = self._hand_that_fits(compared, args, kwargs, progress, base,
+                                           below=compiled.plan.cost.written_time or compiled.plan.cost.step_time,
+                                           why="the memory check lowered the modeled limit for the searched plan, "
+                                               "and this hand plan, cheaper as written, fits once compiled")
             if cheaper is not None:
                 cheaper.plan.cost.memory_checks = tuple(limits.rounds)
                 return cheaper
@@ -317,26 +324,6 @@ class ParallelFunction:
         cost.compiled_memory = used
         cost.memory_checks = tuple(limits.rounds)
         return compiled
-
-    def _cheaper_hand_that_fits(self, compiled: Compiled, hands: list, args, kwargs, progress: CompileProgress,
-                                base: Options) -> Optional[Compiled]:
-        """After the memory check lowered the modeled limit: a lower limit holds every plan,
-        the hand plans too, to the searched plan's overshoot, though a hand plan's own program
-        may compile under the user's limit (a 12-layer GPT step on 4 x 2 at 0.9 of the free
-        peak: Megatron's plan, modeled at half the searched plan's time, compiled under the
-        limit and was left out). So the hand plans of every round, modeled under the user's
-        limit and cheaper as written than the plan found, are compiled cheapest first (at
-        most MEASURE_MAX); the first whose compiled peak fits is returned, or None."""
-        mine = compiled.plan.cost.written_time or compiled.plan.cost.step_time
-        for h in measuring.candidates(hands, float("inf"), self.options.memory_limit):
-            if h.written >= mine:
-                break
-            c, _ = self._hand_compiled(h, args, kwargs, progress, base)
-            if c is not None:
-                c.plan.cost.solver["status"] += (f"; the memory check lowered the modeled limit for the searched "
-                                                 f"plan, and this hand plan, cheaper as written, fits once compiled")
-                return c
-        return None
 
     def _fastest(self, compiled: Compiled, args, kwargs, progress: CompileProgress, base: Options) -> Compiled:
         """measure=True (``compiler/measure.py``): the search's plan and the hand plans the
@@ -385,14 +372,18 @@ class ParallelFunction:
         cost.memory_limit, cost.compiled_memory = limit, used
         return c, ""
 
-    def _hand_that_fits(self, hands: list, args, kwargs, progress: CompileProgress, base: Options):
+    def _hand_that_fits(self, hands: list, args, kwargs, progress: CompileProgress, base: Options,
+                        below: float = float("inf"),
+                        why: str = "no searched plan fit the limit once compiled, and this hand plan does"):
         """The cheapest (as written) of the hand plans ``hands`` modeled under the memory
-        limit whose compiled peak is under it too (at most MEASURE_MAX tried), or None."""
+        limit and cheaper than ``below`` whose compiled peak is under it too (at most
+        MEASURE_MAX tried), its status saying ``why``, or None."""
         for h in measuring.candidates(hands, float("inf"), self.options.memory_limit):
+            if h.written >= below:
+                break
             c, _ = self._hand_compiled(h, args, kwargs, progress, base)
             if c is not None:
-                c.plan.cost.solver["status"] += ("; no searched plan fit the limit once compiled, and this hand "
-                                                 "plan does")
+                c.plan.cost.solver["status"] += f"; {why}"
                 return c
         return None
 

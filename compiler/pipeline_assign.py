@@ -392,7 +392,7 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
                 seeded.add(o)
                 vphase[o] = "B"
         if auto and seeded_ops:
-            _late_forward_to_backward(jaxpr, roles, phase, vphase)
+            _late_forward_to_backward(jaxpr, roles, phase, vphase, producer)
         if S == 1 and not bwd_marks and not seeded:
             training = False
     stages = [StageProgram() for _ in range(S)]
@@ -418,7 +418,7 @@ def analyse(j_global, j_micro, j_shape, batch_mask, *, S: int, m: int, global_ba
     return an
 
 
-def _late_forward_to_backward(jaxpr, roles, phase, vphase) -> None:
+def _late_forward_to_backward(jaxpr, roles, phase, vphase, producer) -> None:
     """Per-micro-batch ops after the forward's end (its last op that the step's outputs
     read through forward ops: the loss) that read forward values only and whose every
     reader is a backward op become backward ops. A planned program's own layout move of
@@ -428,14 +428,8 @@ def _late_forward_to_backward(jaxpr, roles, phase, vphase) -> None:
     cuts put it on the last stage, and the gradient it feeds, on the stage of its layer,
     read it from a later stage (a ShardingError). As a backward op it runs on the stage
     of the forward values it reads. (Residuals jax computes in the forward, before its
-    end, stay forward ops: they are the layers' own ops.)"""
-    readers, producer = {}, {}
-    for i, e in enumerate(jaxpr.eqns):
-        for a in e.invars:
-            if not isinstance(a, jcore.Literal):
-                readers.setdefault(a, []).append(i)
-        for o in e.outvars:
-            producer[o] = i
+    end, stay forward ops: they are the layers' own ops.) ``producer``: each value's
+    equation, as ``analyse`` built it."""
     outs = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
     # the forward's end: the outputs' ancestors through forward and once ops (not the backward)
     end, seen, stack = -1, set(), [producer[v] for v in outs if v in producer]
@@ -450,7 +444,7 @@ def _late_forward_to_backward(jaxpr, roles, phase, vphase) -> None:
     for i in reversed(range(end + 1, len(jaxpr.eqns))):
         if roles[i] != MB or phase[i] != "F":
             continue
-        users = [u for o in jaxpr.eqns[i].outvars for u in readers.get(o, [])]
+        users = [u for o in jaxpr.eqns[i].outvars for u in _users(jaxpr, o)]
         if users and not any(o in outs for o in jaxpr.eqns[i].outvars) and \
                 all(roles[u] == MB and phase[u] == "B" for u in users):
             phase[i] = "B"

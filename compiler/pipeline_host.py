@@ -45,8 +45,6 @@ devices runs collectives inside its programs); other meshes get a ``ShardingErro
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,8 +54,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from ..ir.errors import ShardingError
+from .measure import MEASURE_REPS, median_steps
 
-MEASURE_REPS = 5
 LEAST_CAPACITY = 0.05       # a fitted point never below this (ranks' work at once): a stall is not a rate
 
 
@@ -207,19 +205,6 @@ class RanksAtOnce:
                 pr.wait()
 
 
-def timed_in_turns(fns: dict, reps: int) -> dict:
-    """Median wall seconds per callable, ``reps`` rounds in turns after one warm-up each."""
-    for f in fns.values():
-        f()
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def fit_capacity(runs) -> tuple:
     """Capacity points ``((1, 1), (n, work), ...)`` from ``runs``: ``(n, works, seconds)``,
     ``n`` ranks whose work alone is ``works`` (seconds each) that ran at once in
@@ -357,7 +342,8 @@ def measure_host(prog, reps: int = MEASURE_REPS, programs: Optional[dict] = None
         fns["idle loop"] = idle_loop
     for d, fn in enumerate(rank_loops or ()):
         fns[("rank loop", d)] = fn
-    med = timed_in_turns(fns, reps)
+    # (each a callable that runs its programs and waits: no inputs to make)
+    med = dict(zip(fns, median_steps([(f, tuple) for f in fns.values()], reps)))
     alone = tuple(((kind, k), med[(kind, k)] / prog.m) for k in range(prog.S) for kind in prog.kinds)
     once = tuple(sum(med[("once", k)] for k in range(prog.S) if prog.rank_of(k) == d) for d in range(prog.p))
     rank_work = [sum(med[(kind, k)] for k in range(prog.S) if prog.rank_of(k) == d for kind in prog.kinds)

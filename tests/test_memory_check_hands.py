@@ -1,8 +1,8 @@
 """When the searched plan compiles over the memory limit, the memory check searches again
 under a lower modeled limit, which holds the hand plans to the searched plan's overshoot
 too. A hand plan modeled under the user's limit and cheaper as written may compile under
-it: it is compiled, and kept where it fits (``compiler/api.py``
-``_cheaper_hand_that_fits``). Before, the 2-layer GPT step on 4 x 2 at 0.9 of the free
+it: it is compiled, and kept where it fits (``compiler/api.py`` ``_fit_compiled``, by
+``_hand_that_fits(below=)``). Before, the 2-layer GPT step on 4 x 2 at 0.9 of the free
 plan's peak returned a plan modeled 1.55x its ZeRO-1 hand plan (33.1 against 21.3 ms),
 and measured 1.15x the best hand plan (docs/results/search_and_memory.md)."""
 import sys
