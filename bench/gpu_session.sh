@@ -2,7 +2,8 @@
 # Everything a machine with a GPU (and its host's CPUs) should measure, in one run:
 #   bash bench/gpu_session.sh OUTDIR
 # On the GPU: the smoke run and the GPU profile check (with the GPT step's parts). On the
-# host's CPUs (8 forced devices): a fresh calibration, then the pipeline bench and auto
+# host's CPUs (8 forced devices): a fresh calibration, then the pipeline benches (the
+# schedules; automatic against equal cuts) and auto
 # under memory limits priced by it, and the zoo against XLA. Each step has a time limit
 # and writes OUTDIR/<step>.txt as it goes, so a step cut short keeps what it printed.
 # docs/results/gpu.md has the first such run (one H200, 2026-11-27).
@@ -22,6 +23,9 @@ step gpu_smoke 120 $py bench/gpu_smoke.py
 step gpu_profile 240 $py bench/gpu_profile.py --parts
 step calibrate 120 $py -m shardprop.compiler.cli calibrate --mesh 8 --cpu --reps 5 -o "$out/cpu.json"
 step pipeline 150 $py bench/pipeline.py --reps 5 --cost-model "$out/cpu.json"
+# automatic cuts against equal-layer marks, measured where the ranks have cores of their own
+# (issue 26's "measured >= 1.3x": the 2-vCPU development machines run ranks one after another)
+step pipeline_cuts 150 $py bench/pipeline_cuts.py --batch 512 --lowering mpmd --one-thread-per-device --reps 5 --steps 5
 step compare_limits 240 $py bench/compare.py --auto --hand --quick --limits 0.5,0.7,0.9 \
     --cost-model "$out/cpu.json" --cases gpt2_train_dp2xmp4 gpt2_train_mp8 gpt2_train_dp4xmp2
 step compare 150 $py bench/compare.py --quick

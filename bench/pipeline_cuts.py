@@ -35,10 +35,15 @@ It prints, for each:
 Forced CPU devices share this machine's cores, so a pipeline's ranks do not run in
 parallel as GPUs would: a rank that idles frees a core for the others, and the measured
 pipelined step (3) is bounded by the total work over the cores as much as by the slowest
-stage. (2) is the figure that isolates the cuts.
+stage. (2) is the figure that isolates the cuts, and the bench prints how many ranks' work
+the host does at once (the ranks' devices given a heavy layer each together, against
+one): near 1, as on the 2-vCPU machines this project is developed on, no cuts can show in
+(3). On a host with a core per rank (``bench/gpu_session.sh`` runs it on a lent machine's
+16 cores) they can.
 
     python bench/pipeline_cuts.py                       # pp 4, 6 light + 2 heavy layers (x8), m 8, 1f1b
     python bench/pipeline_cuts.py --reps 7 --steps 5
+    python bench/pipeline_cuts.py --pp 2 --light 2 --heavy 2 --batch 512 --lowering mpmd --one-thread-per-device
 """
 import argparse
 import os
@@ -140,6 +145,31 @@ def stage_work(a, layers_per_stage, rows):
         out[name] = [(statistics.median(fs), max(0.0, statistics.median(bs) - statistics.median(fs)))
                      for fs, bs in per]
     return out
+
+
+def side_by_side(a, rows) -> float:
+    """How many ranks' work this host does at once: a heavy layer's forward on one
+    device, and on each of the ``pp`` ranks' devices dispatched together (as the MPMD
+    driver does), medians of ``--reps`` interleaved repetitions. Near 1, the ranks run
+    one after another, and any cuts take the stages' total work: the measured ratio
+    (3) cannot show the balance (2) decides."""
+    k = a.width * a.ratio
+    rng = np.random.default_rng(1)
+    w1 = rng.standard_normal((a.width, k)).astype(np.float32) / np.sqrt(a.width)
+    w2 = rng.standard_normal((k, a.width)).astype(np.float32) / np.sqrt(k)
+    h = rng.standard_normal((rows, a.width)).astype(np.float32)
+    layer = jax.jit(lambda h, w1, w2: [h := h + jnp.tanh(h @ w1) @ w2 for _ in range(a.steps)][-1])
+    own = [tuple(jax.device_put(v, d) for v in (h, w1, w2)) for d in jax.devices()[:a.pp]]
+    alone, together = [], []
+    jax.block_until_ready([layer(*o) for o in own])
+    for _ in range(a.reps):
+        t = time.perf_counter()
+        jax.block_until_ready(layer(*own[0]))
+        alone.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        jax.block_until_ready([layer(*o) for o in own])
+        together.append(time.perf_counter() - t)
+    return a.pp * statistics.median(alone) / statistics.median(together)
 
 
 def cpu_model(a, rows):
@@ -249,6 +279,8 @@ def main(argv=None):
               f"forward + backward) {[round((f + b) * 1e3, 2) for f, b in per_stage]}; schedule makespan with "
               f"them {composed[name] * 1e3:.1f} ms")
     print(f"  measured stage work, composed by the schedule: equal / auto = {composed['equal'] / composed['auto']:.2f}x")
+    print(f"  this host runs the {a.pp} ranks' work at once as {side_by_side(a, rows):.2f} ranks' alone "
+          f"(a heavy layer on each rank's device, dispatched together, against one)")
     cpu_model(a, rows)
     cpu_plans(a, equal_cuts)
     modeled = runs["equal"]["info"].step_time / runs["auto"]["info"].step_time
