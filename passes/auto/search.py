@@ -340,7 +340,12 @@ class SearchStrategies:
             upper = beat if upper is None else min(upper, beat)
         with self._phase("reduce"):
             red = milp.reduce(problem, memory_matters=limit is not None, upper=upper)
-            smallest = (memory.peak(first)[0], first) if limit is not None else None   # for the error
+            # for the error: the least peak of the plans met so far (the hand plans too: on the
+            # 1-D mesh of bench/zoo.py's megatron_mlp, every decision at its fewest bytes peaked
+            # at 1.54 MB, which the error reported as the smallest, beside Megatron's 0.95 MB)
+            met = [(memory.peak(first)[0], first)] + [(h.peak, h.choice) for h in plans
+                                                      if h.choice is not None and h.peak is not None]
+            smallest = min(met, key=lambda pc: pc[0]) if limit is not None else None
         if limit is None:
             with self._phase("solve"):
                 sol = milp.solve(red, time_limit=self.time_limit)
