@@ -12,7 +12,11 @@ layouts (what the warm start would be, were the marks one of its hand plans); an
 auto's plan under each limit (a fraction of the free plan's modeled peak), with its
 objective, written price and peak, and every hand plan the search compared with.
 It answers, in numbers: is the marks' plan over the modeled limit, priced above auto's,
-or missing from the warm starts?
+or missing from the warm starts? On a mesh of two axes the same for the bench's tp+FSDP
+(the marks with ``shard_params=True``, ``bench/compare.py``), and for both where the
+written price goes: the moves as written, by what they move (a stored value gathered at
+its use, another value, a terminal value at the step's end), their count and seconds,
+and how much of those seconds is the profile's wait after compute (``sync_s``).
 
     python bench/auto_marks.py --cases gpt2_train_dp2xmp4 --limits 0.7,0.9
     python bench/auto_marks.py --cases gpt2_train_dp2xmp4 --cost-model bench/results/h200-2026-11-27/cpu16.json
@@ -46,16 +50,18 @@ from shardprop.passes.plan_core.context import PlanContext, RuleBook  # noqa: E4
 from shardprop.passes.plan_core.evaluate import evaluate_plan  # noqa: E402
 from shardprop.passes.plan_core.pricing import Prices  # noqa: E402
 from shardprop.passes.propagate import PropagateSharding  # noqa: E402
+from shardprop.passes.redistribute import plan_redistribution  # noqa: E402
 
 
-def marks_plan(case, mesh, cost_model, args) -> dict:
+def marks_plan(case, mesh, cost_model, args, **kw) -> dict:
     """The marks' plan as propagation writes it: per op its strategy (the marks'
     sharding constraints left out, so it maps onto the unmarked program's ops in
     order), its arguments' layouts, and its price as written, per reader and peak on
-    its own (marked) graph."""
+    its own (marked) graph. ``kw``: more ``parallelize`` keywords (``shard_params=True``:
+    the bench's tp+FSDP, whose gathers at use are sharding constraints too)."""
     zoo.annotate.mode, zoo.annotate.mesh = "shardprop", mesh
     pf = sp.parallelize(fresh(case.fn), mesh=mesh, donate_argnums=case.state_argnums, progress=False,
-                        cost_model=cost_model)
+                        cost_model=cost_model, **kw)
     cost = pf.options.cost
     g, _ = pf._trace(args, {})
     run_pipeline(g, pf.options, passes=[BindUserStrategies(),
@@ -92,8 +98,9 @@ def marks_on_the_problem(problem: Problem, marks: dict) -> dict:
     if out["same_ops"]:
         ops = dict(zip(g.ops, marks["strategies"]))
         e = problem.evaluate(ops, inputs)
-        out.update(per_reader=e["compute"] + e["communication"], written=problem.written(ops, inputs),
-                   peak=plan_peak(g, ops, inputs))
+        out.update(per_reader=e["compute"] + e["communication"], compute=e["compute"],
+                   written=problem.written(ops, inputs),
+                   peak=plan_peak(g, ops, inputs), moves=moves_by_what(problem, ops, inputs))
     allowed = {}
     for i, v in enumerate(g.inputs):
         if v not in problem.owner:
@@ -112,6 +119,45 @@ def marks_on_the_problem(problem: Problem, marks: dict) -> dict:
     return out
 
 
+def moves_by_what(problem: Problem, ops: dict, inputs: dict) -> dict:
+    """The plan's moves as written (``Problem.written``), by what they move: "stored" (an
+    argument, its cast or view: a gather at its use), "terminal" (a value nothing computes
+    on before the step's end: a gradient), "value" (the rest) -> [count, seconds, of which
+    the profile's wait after compute]. A stored value's gathers are one per use; another
+    value's move, once per layout. The wait: ``sync_s`` per collective step of the move
+    (``redistribute.plan_redistribution``), a terminal one's shared by its riders."""
+    out: dict = {}
+    prices, real = problem.prices, problem.prices.move
+    cost = problem.cost
+
+    def tallied(v, src, dst, mesh, step_end):
+        t = real(v, src, dst, mesh, step_end)
+        if t > 0:
+            terminal = v in step_end.terminal
+            what = "stored" if v in problem.ctx.stored else "terminal" if terminal else "value"
+            row = out.setdefault(what, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += t
+            try:
+                steps = sum(st.kind != "slice" for st in plan_redistribution(tuple(v.type.shape), v.type.itemsize,
+                                                                           src, dst, mesh))
+            except ValueError:
+                steps = 1
+            row[2] += steps * cost.sync_s / (step_end.riders if terminal and step_end.riders > 1 else 1)
+        return t
+    prices.move = tallied
+    try:
+        problem.written(ops, inputs)
+    finally:
+        del prices.move    # (the instance attribute shadowed the method)
+    return out
+
+
+def moves_text(moves: dict) -> str:
+    return "; ".join(f"{what} {n} moves {t * 1e3:.1f} ms (wait after compute {w * 1e3:.1f})"
+                     for what, (n, t, w) in sorted(moves.items()))
+
+
 def ms(t) -> str:
     return "-" if t is None else f"{t * 1e3:.4f}"
 
@@ -126,13 +172,17 @@ def run(case, cost_model, fracs) -> None:
     marks = marks_plan(case, mesh, cost_model, args)
     g, problem = unmarked_problem(case, mesh, cost_model, args)
     on = marks_on_the_problem(problem, marks)
+    tp_fsdp = marks_on_the_problem(problem, marks_plan(case, mesh, cost_model, args, shard_params=True)) \
+        if len(shape) > 1 else {}
     print(f"\n{case.name} on {'x'.join(map(str, shape))}, model {marks['cost'].name or 'default'}: free plan "
           f"{ms(free.cost.step_time)} ms, modeled peak {free.cost.peak_memory / 2**20:.3f} MiB")
     print(f"  marks, propagated (marked graph): {ms(marks['written'])} ms as written, {ms(marks['per_reader'])} ms "
           f"a copy per reader, modeled peak {marks['peak'] / 2**20:.3f} MiB")
-    if on["same_ops"]:
-        print(f"  marks on auto's problem (unmarked graph): {ms(on['written'])} ms as written, "
-              f"{ms(on['per_reader'])} ms a copy per reader, modeled peak {on['peak'] / 2**20:.3f} MiB")
+    for what, o in (("marks", on), ("tp+FSDP (the marks, shard_params=True)", tp_fsdp)):
+        if o.get("same_ops"):
+            print(f"  {what} on auto's problem (unmarked graph): {ms(o['written'])} ms as written, "
+                  f"{ms(o['per_reader'])} ms a copy per reader, modeled peak {o['peak'] / 2**20:.3f} MiB\n"
+                  f"    moves as written: {moves_text(o['moves'])}")
     print(f"  marks' argument layouts missing from auto's candidates: {len(on['missing'])}"
           + "".join(f"\n    input {i} {s}: {lay}" for i, s, lay in on["missing"][:10]))
     h = on["held"]
@@ -152,7 +202,10 @@ def run(case, cost_model, fracs) -> None:
               f"refined, {ms(c.written_time)} as written, peak {c.peak_memory / 2**20:.3f} MiB, "
               f"{c.bytes_moved / 1e6:.2f} MB moved; the marks {'fit' if peak <= held_to else 'do not fit'} "
               f"the model, {(on.get('written', marks['written']) / c.written_time - 1) * 100:+.1f}% against auto "
-              f"as written (on auto's problem)")
+              f"as written (on auto's problem)"
+              + (f"; tp+FSDP {'fits' if tp_fsdp['peak'] <= held_to else 'does not fit'} the model, "
+                 f"{(tp_fsdp['written'] / c.written_time - 1) * 100:+.1f}% against auto as written"
+                 if tp_fsdp.get("same_ops") else ""))
         print(f"    {c.solver.get('status', '')}")
         for hp in c.hand_plans:
             print(f"    {hp}")

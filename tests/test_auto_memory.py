@@ -621,3 +621,26 @@ def test_the_modeled_peak_is_what_xla_compiles(plan):
     m = pf.lower(*args).compile().memory_analysis()
     compiled = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     assert 0.85 <= modeled / compiled <= 1.15, (plan, modeled, compiled)
+
+
+@pytest.mark.slow
+def test_the_moves_of_a_plan_priced_on_autos_problem_add_up_to_its_written_price():
+    """``bench/auto_marks.py`` splits a plan's moves as written by what they move (stored
+    values gathered at their use, terminal values, the rest), with the part that is the
+    profile's wait after compute: the split is the written price's communication, all of
+    it, and the bench's tp+FSDP (the marks, shard_params=True) gathers its stored weights."""
+    from bench import zoo as bench_zoo
+    from bench.auto_marks import marks_on_the_problem, marks_plan, unmarked_problem
+    from shardprop.passes.cost import CostModel
+    c = next(x for x in bench_zoo.cases() if x.name == "gpt2_train_dp2xmp4")
+    problem = unmarked_problem(c, c.mesh, "cpu", c.args())[1]
+    on = marks_on_the_problem(problem, marks_plan(c, c.mesh, "cpu", c.args(), shard_params=True))
+    assert on["same_ops"] and not on["missing"]
+    moved = sum(t for _, t, _ in on["moves"].values())
+    assert set(on["moves"]) <= {"stored", "terminal", "value"} and on["moves"]["stored"][0] > 0
+    sync = CostModel.builtin("cpu").sync_s
+    for what, (n, t, wait) in on["moves"].items():
+        assert 0 < wait < t, what        # (a collective pays its wait and more)
+        if what != "terminal":
+            assert wait >= n * sync * (1 - 1e-9), what   # (each move, a collective at least, waits in full)
+    assert moved == pytest.approx(on["written"] - on["compute"], rel=1e-9), (moved, on["written"], on["compute"])
