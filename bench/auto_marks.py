@@ -98,9 +98,9 @@ def marks_on_the_problem(problem: Problem, marks: dict) -> dict:
     if out["same_ops"]:
         ops = dict(zip(g.ops, marks["strategies"]))
         e = problem.evaluate(ops, inputs)
-        out.update(per_reader=e["compute"] + e["communication"], compute=e["compute"],
-                   written=problem.written(ops, inputs),
-                   peak=plan_peak(g, ops, inputs), moves=moves_by_what(problem, ops, inputs))
+        written, moves = moves_by_what(problem, ops, inputs)
+        out.update(per_reader=e["compute"] + e["communication"], compute=e["compute"], written=written,
+                   peak=plan_peak(g, ops, inputs), moves=moves)
     allowed = {}
     for i, v in enumerate(g.inputs):
         if v not in problem.owner:
@@ -119,11 +119,11 @@ def marks_on_the_problem(problem: Problem, marks: dict) -> dict:
     return out
 
 
-def moves_by_what(problem: Problem, ops: dict, inputs: dict) -> dict:
-    """The plan's moves as written (``Problem.written``), by what they move: "stored" (an
-    argument, its cast or view: a gather at its use), "terminal" (a value nothing computes
-    on before the step's end: a gradient), "value" (the rest) -> [count, seconds, of which
-    the profile's wait after compute]. A stored value's gathers are one per use; another
+def moves_by_what(problem: Problem, ops: dict, inputs: dict) -> tuple:
+    """(the plan's price as written, ``Problem.written``; its moves as written, by what they
+    move): "stored" (an argument, its cast or view: a gather at its use), "terminal" (a
+    value nothing computes on before the step's end: a gradient), "value" (the rest) ->
+    [count, seconds, of which the profile's wait after compute]. A stored value's gathers are one per use; another
     value's move, once per layout. The wait: ``sync_s`` per collective step of the move
     (``redistribute.plan_redistribution``), a terminal one's shared by its riders."""
     out: dict = {}
@@ -147,10 +147,10 @@ def moves_by_what(problem: Problem, ops: dict, inputs: dict) -> dict:
         return t
     prices.move = tallied
     try:
-        problem.written(ops, inputs)
+        written = problem.written(ops, inputs)
     finally:
         del prices.move    # (the instance attribute shadowed the method)
-    return out
+    return written, out
 
 
 def moves_text(moves: dict) -> str:

@@ -36,8 +36,8 @@ Forced CPU devices share this machine's cores, so a pipeline's ranks do not run 
 parallel as GPUs would: a rank that idles frees a core for the others, and the measured
 pipelined step (3) is bounded by the total work over the cores as much as by the slowest
 stage. (2) is the figure that isolates the cuts, and the bench prints how many ranks' work
-the host does at once (the ranks' devices given a heavy layer each together, against
-one): near 1, as on the 2-vCPU machines this project is developed on, no cuts can show in
+the host does at once (the ranks' devices given a heavy-width layer each together,
+against one): near 1, as on the 2-vCPU machines this project is developed on, no cuts can show in
 (3). On a host with a core per rank (``bench/gpu_session.sh`` runs it on a lent machine's
 16 cores) they can.
 
@@ -58,6 +58,8 @@ if "--one-thread-per-device" in sys.argv:
     # without this, one rank's large matmul spreads over every core, and a pipeline's idle
     # ranks hide its imbalance (the step is bounded by the total work over the cores)
     os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -148,28 +150,16 @@ def stage_work(a, layers_per_stage, rows):
 
 
 def side_by_side(a, rows) -> float:
-    """How many ranks' work this host does at once: a heavy layer's forward on one
-    device, and on each of the ``pp`` ranks' devices dispatched together (as the MPMD
-    driver does), medians of ``--reps`` interleaved repetitions. Near 1, the ranks run
-    one after another, and any cuts take the stages' total work: the measured ratio
-    (3) cannot show the balance (2) decides."""
-    k = a.width * a.ratio
-    rng = np.random.default_rng(1)
-    w1 = rng.standard_normal((a.width, k)).astype(np.float32) / np.sqrt(a.width)
-    w2 = rng.standard_normal((k, a.width)).astype(np.float32) / np.sqrt(k)
-    h = rng.standard_normal((rows, a.width)).astype(np.float32)
-    layer = jax.jit(lambda h, w1, w2: [h := h + jnp.tanh(h @ w1) @ w2 for _ in range(a.steps)][-1])
-    own = [tuple(jax.device_put(v, d) for v in (h, w1, w2)) for d in jax.devices()[:a.pp]]
-    alone, together = [], []
-    jax.block_until_ready([layer(*o) for o in own])
-    for _ in range(a.reps):
-        t = time.perf_counter()
-        jax.block_until_ready(layer(*own[0]))
-        alone.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        jax.block_until_ready([layer(*o) for o in own])
-        together.append(time.perf_counter() - t)
-    return a.pp * statistics.median(alone) / statistics.median(together)
+    """How many ranks' work this host does at once: ``bench/pipeline.py``'s ``threading``
+    program (a layer of the heavy width) on one device, and on each of the ``pp`` ranks'
+    devices dispatched together (as the MPMD driver does), medians of ``--reps``
+    interleaved repetitions. Near 1, the ranks run one after another, and any cuts take
+    the stages' total work: the measured ratio (3) cannot show the balance (2) decides."""
+    from bench.pipeline import interleaved, threading
+    fns = {}
+    threading(fns, a.width * a.ratio, rows, a.pp)
+    med = interleaved(fns, a.reps)
+    return a.pp * med[("threads", 1)] / med[("threads", "separate", a.pp)]
 
 
 def cpu_model(a, rows):
@@ -280,7 +270,7 @@ def main(argv=None):
               f"them {composed[name] * 1e3:.1f} ms")
     print(f"  measured stage work, composed by the schedule: equal / auto = {composed['equal'] / composed['auto']:.2f}x")
     print(f"  this host runs the {a.pp} ranks' work at once as {side_by_side(a, rows):.2f} ranks' alone "
-          f"(a heavy layer on each rank's device, dispatched together, against one)")
+          f"(a heavy-width layer on each rank's device, dispatched together, against one)")
     cpu_model(a, rows)
     cpu_plans(a, equal_cuts)
     modeled = runs["equal"]["info"].step_time / runs["auto"]["info"].step_time

@@ -252,7 +252,6 @@ def _tie_waits(graph: Graph) -> dict:
         for v in op.inputs:
             readers.setdefault(v.id, []).append(op)
     out = {}
-    position = {id(op): t for t, op in enumerate(graph.ops)}
     previous_use = None
     for t in ties:
         tie = graph.ops[t]
@@ -273,7 +272,7 @@ def _tie_waits(graph: Graph) -> dict:
                 v = made[v.id][1].inputs[0]
             if v.id not in made or made[v.id][0] < t:
                 waits.append(v)
-        if previous_use is not None and position[id(previous_use)] < t and \
+        if previous_use is not None and previous_use.outputs and made[previous_use.outputs[0].id][0] < t and \
                 any(v in previous_use.inputs for v in waits):
             waits += [v for v in previous_use.outputs if v.literal is None][:1]
         if not waits:

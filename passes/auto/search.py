@@ -343,9 +343,11 @@ class SearchStrategies:
             # for the error: the least peak of the plans met so far (the hand plans too: on the
             # 1-D mesh of bench/zoo.py's megatron_mlp, every decision at its fewest bytes peaked
             # at 1.54 MB, which the error reported as the smallest, beside Megatron's 0.95 MB)
-            met = [(memory.peak(first)[0], first)] + [(h.peak, h.choice) for h in plans
-                                                      if h.choice is not None and h.peak is not None]
-            smallest = min(met, key=lambda pc: pc[0]) if limit is not None else None
+            smallest = None
+            if limit is not None:
+                met = [(memory.peak(first)[0], first)] + [(h.peak, h.choice) for h in plans
+                                                          if h.choice is not None and h.peak is not None]
+                smallest = min(met, key=lambda pc: pc[0])
         if limit is None:
             with self._phase("solve"):
                 sol = milp.solve(red, time_limit=self.time_limit)
