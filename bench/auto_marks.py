@@ -124,8 +124,8 @@ def moves_by_what(problem: Problem, ops: dict, inputs: dict) -> tuple:
     move): "stored" (an argument, its cast or view: a gather at its use), "terminal" (a
     value nothing computes on before the step's end: a gradient), "value" (the rest) ->
     [count, seconds, of which the profile's wait after compute]. A stored value's gathers are one per use; another
-    value's move, once per layout. The wait: ``sync_s`` per collective step of the move
-    (``redistribute.plan_redistribution``), a terminal one's shared by its riders."""
+    value's move, once per layout. The wait: its group's, once per move (``CostModel.move_time``), a
+    terminal one's shared by its riders."""
     out: dict = {}
     prices, real = problem.prices, problem.prices.move
     cost = problem.cost
@@ -138,12 +138,12 @@ def moves_by_what(problem: Problem, ops: dict, inputs: dict) -> tuple:
             row = out.setdefault(what, [0, 0.0, 0.0])
             row[0] += 1
             row[1] += t
+            model = step_end.cost_for(cost, v)
             try:
-                steps = sum(st.kind != "slice" for st in plan_redistribution(tuple(v.type.shape), v.type.itemsize,
-                                                                           src, dst, mesh))
+                steps = plan_redistribution(tuple(v.type.shape), v.type.itemsize, src, dst, mesh, True, model)
+                row[2] += model.move_time(steps, mesh) - model.back_to_back.move_time(steps, mesh)
             except ValueError:
-                steps = 1
-            row[2] += steps * cost.sync_s / (step_end.riders if terminal and step_end.riders > 1 else 1)
+                pass
         return t
     prices.move = tallied
     try:

@@ -119,17 +119,17 @@ def strategy_cost(op, st: OpStrategy, in_layouts, mesh, cost=DEFAULT_COST):
         if v.is_literal:
             continue
         need = st.operand_layout(n, v.type.rank, mesh)
-        for s in _steps(v.type.shape, v.type.itemsize, in_layouts[n], need, mesh):
-            nbytes += s.wire_bytes
-            seconds += cost.step_time(s, mesh)   # a profile prices the step's own device group
+        steps = _steps(v.type.shape, v.type.itemsize, in_layouts[n], need, mesh)
+        nbytes += sum(s.wire_bytes for s in steps)
+        seconds += cost.move_time(steps, mesh)   # a profile prices each step's own device group
     for k, v in enumerate(op.outputs):
         have = st.result_layout(k, mesh)
         if have.partial:
             probe = Value(v.type, layout=have)
             done = InsertReshards(True, cost).output_layout(probe, mesh)
-            for s in _steps(v.type.shape, v.type.itemsize, have, done, mesh):
-                nbytes += s.wire_bytes
-                seconds += cost.step_time(s, mesh)   # a profile prices the step's own device group
+            steps = _steps(v.type.shape, v.type.itemsize, have, done, mesh)
+            nbytes += sum(s.wire_bytes for s in steps)
+            seconds += cost.move_time(steps, mesh)
     degree = math.prod(mesh.axes_size(a) for a in st.factors if a)
     touched = sum(v.type.nbytes for v in itertools.chain(op.inputs, op.outputs))
     compute = cost.compute_time(st.rule.flops / degree, touched / degree)

@@ -29,7 +29,8 @@ one device's work, whatever the count). Each time is the
 median of repetitions; a
 collective's is the difference between a program that runs it 9 times in a row and
 one that runs it once, over 8 (what a program costs to start is no collective's), the
-two run in turns. The wait a collective after compute adds (``sync_s``) is timed by
+two run in turns. The wait a collective after compute adds (``waits``, per group; ``sync_s``,
+every device's) is timed by
 ``wait_clock``: where the devices outnumber the host's cores, CPU seconds over the
 cores, since a device waiting there leaves its core to a sibling's work.
 
@@ -330,9 +331,16 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
         pooled_all += [x for samples in by_kind.values() for x in samples]
     default = _fit(pooled_all) if pooled_all else Link(5e-6, 100e9)
     clock = wait_clock(devices[:n], wait)
-    sync = _sync_time(functools.partial(timed, clock=clock), names)
-    say(f"  a collective after compute waits {sync * 1e6:.1f} us more than back to back (all devices"
-        + ("" if clock is time.perf_counter else f"; CPU seconds over {host_cores()} cores: they share them") + ")")
+    waits = []   # per group: the fewer devices, the sooner their last arrives
+    for axes in axes_sets:
+        group = group_shape(axes, mesh)
+        if group and group not in dict(waits):
+            waits.append((group, _sync_time(functools.partial(timed, clock=clock), axes)))
+            say(f"  a collective over {','.join(axes):<9} group {group} after compute waits "
+                f"{waits[-1][1] * 1e6:.1f} us more than back to back")
+    sync = dict(waits).get(group_shape(names, mesh), 0.0)
+    if clock is not time.perf_counter:
+        say(f"  (the waits by CPU seconds over {host_cores()} cores: the devices share them)")
     combined = _combined_kinds(jmesh)
     say(f"  the compiler combines independent {', '.join(combined) or 'collectives of no kind'} into one launch")
 
@@ -357,7 +365,7 @@ def calibrate(mesh_shape: tuple, reps: int = 7, sizes=SIZES, kinds=COLLECTIVES, 
     kind = getattr(device, "device_kind", device.platform)
     return CostModel(latency_s=default.latency_s, link_bytes_per_s=default.bytes_per_s,
                      flops_per_s=together.flops_per_s, memory_bytes_per_s=together.memory_bytes_per_s,
-                     contraction_bytes_per_s=together.contraction_bytes_per_s, sync_s=sync,
+                     contraction_bytes_per_s=together.contraction_bytes_per_s, sync_s=sync, waits=tuple(waits),
                      alone=alone, dispatch_s=dispatch_s, transfer_s=transfer_s, at_once=at_once, cores_alone=cores,
                      combined_kinds=combined,
                      memory_capacity_bytes=_memory_capacity(device),
@@ -524,10 +532,10 @@ def _flow_body(blocks: int, axes, chain: int, collective: bool):
 
 
 def _sync_time(timed, names) -> float:
-    """What a collective that compute waits for costs beyond its back-to-back price: the
-    devices reach it at different times (on a host whose cores are shared by the devices'
-    threads, a descheduled thread holds the group up), so the group waits for its last.
-    Chains of (compute phase -> one-element all_reduce over every device) against the same
+    """What a collective over ``names`` that compute waits for costs beyond its back-to-back
+    price: the devices reach it at different times (on a host whose cores are shared by the
+    devices' threads, a descheduled thread holds the group up), so the group waits for its last.
+    Chains of (compute phase -> one-element all_reduce over the group) against the same
     phases alone, in turns, at phases of 1, 4 and 16 layer-like blocks, less the same
     all_reduce back to back (a chain of them against one, timed by the same clock); the
     median, never negative. ``timed`` measures by ``wait_clock``: where the devices share

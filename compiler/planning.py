@@ -365,7 +365,7 @@ def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: 
     - a parameter belongs to the layer of its first forward reader, an optimizer-state
       leaf to the layer of its first reader; **activations** are the forward values a
       backward op reads (what a micro-batch keeps until its backward), local sizes."""
-    from ..passes.cost import combined_collectives, terminal_values
+    from ..passes.cost import collective_models
     from ..passes.fusion import resident_values
     from ..passes.pipeline.search import LayerCosts
     graph = plan.graph
@@ -412,15 +412,9 @@ def stage_layers(plan, cost, *, param_inputs: set, optimizer_inputs: set, rows: 
         acc += diff[n]
         crossing.append(acc)
     resident = resident_values(graph, cost.kernels)
-    # priced as passes.cost.modeled_step_time prices the whole step: a collective combined into
-    # an earlier one's launch pays no latency; those whose results wait for the step's end share
-    # one wait for their group
-    riders = combined_collectives(graph, cost.combined_kinds)
-    terminal = terminal_values(graph)
-    at_end = {op for op in graph.ops if is_collective(op) and op.kind != "slice"
-              and all(v in terminal for v in op.outputs)}
-    end_model = cost.with_sync_share(len(at_end - riders))
-    seconds = {op: _op_seconds(op, end_model if op in at_end else cost, mesh, resident) for op in graph.ops}
+    # priced as passes.cost.modeled_step_time prices the whole step (``collective_models``)
+    models, riders = collective_models(graph, cost)
+    seconds = {op: _op_seconds(op, models.get(op, cost), mesh, resident) for op in graph.ops}
     for op in riders:
         t, fixed = seconds[op]
         seconds[op] = (t - fixed, 0.0)

@@ -17,10 +17,11 @@ slower. So communication and compute are both priced in seconds:
   rate: the operands are streamed (packed) apart from the arithmetic, which is why a
   skinny per-device matmul (few rows against a whole weight) runs below the square
   matmul's rate;
-- where a profile measured it (``sync_s``), a collective also costs the wait for every
-  device of its group to arrive from the compute before it: back-to-back collectives
-  (what the per-group fits time) arrive together, a collective between compute phases
-  waits for the slowest device (on devices that share cores, for the scheduler);
+- where a profile measured it (``waits`` per group, ``sync_s`` for all devices), a move
+  also costs the wait for every device of its group to arrive from the compute before it:
+  back-to-back collectives (what the per-group fits time, and a move's later steps) arrive
+  together, a collective between compute phases waits for the slowest device (on devices
+  that share cores, for the scheduler), the sooner the fewer devices it spans;
 - ``memory_capacity_bytes`` is what one device holds (None: unlimited).
 
 A calibrated profile's compute rates are per device with all its devices busy at once.
@@ -106,6 +107,14 @@ class CostModel:
     # a contraction's operand streaming, not overlapped with its flops (None: the plain roofline)
     contraction_bytes_per_s: Optional[float] = None
     sync_s: float = 0.0              # a collective's wait for its group after compute (profiles only)
+    # that wait measured per device group (calibrate): ((group, seconds), ...). Where set, a
+    # group's own replaces ``sync_s`` (a group not measured as a whole waits as its slowest
+    # measured axis): the fewer devices, the sooner the last of them arrives
+    waits: tuple = ()
+    # the part of its wait one collective pays: 1/n where n collectives follow one wait
+    # (``at_step_end``, ``with_sync_share``); 0 for a collective that follows another back to
+    # back (``back_to_back``)
+    wait_share: float = 1.0
     memory_capacity_bytes: Optional[int] = None   # per device; None: unlimited
     # per-group alpha-beta: ((group, kind, Link), ...); kind "" holds for every kind
     links: tuple = ()
@@ -152,7 +161,8 @@ class CostModel:
     @functools.cached_property
     def _hash(self) -> int:
         return hash((self.latency_s, self.link_bytes_per_s, self.flops_per_s, self.memory_bytes_per_s,
-                     self.contraction_bytes_per_s, self.sync_s, self.memory_capacity_bytes, self.links, self.device_count,
+                     self.contraction_bytes_per_s, self.sync_s, self.waits, self.wait_share, self.memory_capacity_bytes,
+                     self.links, self.device_count,
                      self.device_kind, self.name, self.combined_kinds, self.launch_share, self.alone,
                      self.dispatch_s, self.transfer_s, self.at_once, self.cores_alone, self.kernels))
 
@@ -167,7 +177,7 @@ class CostModel:
         model without links) the model's single latency and bandwidth do."""
         if self.links and axes and mesh is not None:
             link = self.link(kind or "", tuple(axes), mesh)
-            latency, bytes_per_s, wait = link.latency_s, link.bytes_per_s, self.sync_s
+            latency, bytes_per_s, wait = link.latency_s, link.bytes_per_s, self.wait(tuple(axes), mesh)
         else:
             latency, bytes_per_s, wait = self.latency_s, self.link_bytes_per_s, 0.0
         # at the step's end, a combined kind shares its launch (``at_step_end``)
@@ -186,14 +196,53 @@ class CostModel:
             return self
         cache = self.__dict__.setdefault("_at_step_end", {})
         if riders not in cache:
-            cache[riders] = replace(self, sync_s=self.sync_s / riders, launch_share=1.0 / riders)
+            cache[riders] = replace(self, wait_share=self.wait_share / riders, launch_share=1.0 / riders)
         return cache[riders]
 
     def with_sync_share(self, n: int) -> "CostModel":
         """This model with the wait for a group's last device paid 1/n times per
         collective (n collectives after one another's wait: ``modeled_step_time``'s
         collectives at the step's end)."""
-        return self if n <= 1 or not self.sync_s else replace(self, sync_s=self.sync_s / n)
+        return self if n <= 1 or not (self.sync_s or self.waits) else replace(self, wait_share=self.wait_share / n)
+
+    @functools.cached_property
+    def back_to_back(self) -> "CostModel":
+        """This model for a collective that follows another with no compute between them
+        (the second step of one move, a collective of a collective's result): its group
+        arrives together, so it pays no wait."""
+        return self if not (self.sync_s or self.waits) else replace(self, wait_share=0.0)
+
+    def wait(self, axes: tuple, mesh) -> float:
+        """Seconds a collective over ``axes`` of ``mesh`` waits, after compute, for its
+        group's last device (its share of it: ``wait_share``)."""
+        if not self.wait_share or not (self.sync_s or self.waits):
+            return 0.0
+        if not self.waits:
+            return self.wait_share * self.sync_s
+        key = ("wait", axes, mesh)
+        out = self._memo.get(key)
+        if out is None:
+            table = dict(self.waits)
+            out = table.get(group_shape(axes, mesh))
+            if out is None:   # never measured as a whole: as its slowest measured axis
+                parts = [table.get(group_shape((a,), mesh)) for a in set(axes) if mesh.axis_size(a) > 1]
+                parts = [p for p in parts if p is not None]
+                out = max(parts) if parts else self.sync_s
+            self._memo[key] = out
+        return self.wait_share * out
+
+    def move_time(self, steps, mesh=None) -> float:
+        """Seconds for the steps of one move (``redistribute.plan_redistribution``): the
+        first collective waits for its group after compute; the rest follow it back to back,
+        their devices released together by it (``modeled_step_time`` prices a planned
+        program's collectives so: ``collective_models``)."""
+        total, first = 0.0, True
+        for s in steps:
+            if s.kind == "slice":
+                continue
+            total += (self if first else self.back_to_back).step_time(s, mesh)
+            first = False
+        return total
 
     def step_time(self, step, mesh=None) -> float:
         """Seconds for one step of the redistribution planner (a local slice is free)."""
@@ -273,6 +322,8 @@ class CostModel:
             "mesh": {"shape": list(self.mesh_shape), "axes": list(self.mesh_axes)},
             "default_link": {"latency_s": self.latency_s, "bytes_per_s": self.link_bytes_per_s},
             "collective_sync_s": self.sync_s,
+            **({"collective_waits": [{"group": [list(p) for p in group], "sync_s": w} for group, w in self.waits]}
+               if self.waits else {}),
             "combined_kinds": list(self.combined_kinds),
             "compute": {"matmul_flops_per_s": self.flops_per_s, "elementwise_bytes_per_s": self.memory_bytes_per_s,
                         "contraction_bytes_per_s": self.contraction_bytes_per_s},
@@ -315,6 +366,8 @@ class CostModel:
                        memory_bytes_per_s=float(data["compute"]["elementwise_bytes_per_s"]),
                        contraction_bytes_per_s=None if streaming is None else float(streaming),
                        sync_s=float(data.get("collective_sync_s", 0.0)),   # absent in older profiles
+                       waits=tuple((tuple(tuple(int(x) for x in p) for p in e["group"]), float(e["sync_s"]))
+                                   for e in data.get("collective_waits", ())),   # likewise
                        # absent in older profiles: what XLA:CPU combines, the only kind they were measured on
                        combined_kinds=tuple(data.get("combined_kinds", ("all_reduce",))),
                        memory_capacity_bytes=None if cap is None else int(cap), links=links,
@@ -599,9 +652,10 @@ def modeled_step_time(graph, cost: CostModel) -> dict:
     already holds its body's work); each collective is priced by its kind, axes and wire
     bytes, once per iteration of a scan around it (a while loop's count is unknown: once;
     every branch of a cond); a collective the compiler combines into an earlier one's
-    launch (``combined_collectives``) pays its bytes but no latency of its own, and a collective
-    whose result nothing computes on before the step ends (``terminal_values``) pays no
-    wait for its group (``CostModel.at_step_end``). ``collectives``
+    launch (``combined_collectives``) pays its bytes but no latency of its own, a collective
+    whose result nothing computes on before the step ends (``terminal_values``) pays its
+    share of one wait for its group (``CostModel.at_step_end``), and one that takes another's
+    result (a move's second step) pays none (``CostModel.back_to_back``). ``collectives``
     counts the planned ones, ``launched`` those left after combining."""
     out = {"compute": 0.0, "communication": 0.0, "collectives": 0, "launched": 0}
     _add_step_time(graph, cost, graph.mesh, 1, True, out)
@@ -609,22 +663,43 @@ def modeled_step_time(graph, cost: CostModel) -> dict:
     return out
 
 
+def collective_models(graph, cost: CostModel) -> tuple[dict, frozenset]:
+    """(planned collective op -> the model that prices it, the riders): a collective whose
+    result nothing computes on before the step ends (``terminal_values``) shares one wait
+    for its group with the others there (``with_sync_share``); one that takes another's
+    result, a move's second step, follows it back to back (``back_to_back``); the rest wait
+    in full. The riders (``combined_collectives``) travel in an earlier launch: they pay
+    their bytes and no latency of their own."""
+    from ..ir.graph import is_collective
+    riders = combined_collectives(graph, cost.combined_kinds)
+    terminal = terminal_values(graph)
+    planned = [op for op in graph.ops if is_collective(op) and op.kind != "slice"]
+    at_end = {op for op in planned if all(v in terminal for v in op.outputs)}
+    end_model = cost.with_sync_share(len(at_end - riders))
+    made_by = graph.producers()
+
+    def after_a_collective(op) -> bool:   # (a slice between them is no compute to wait for)
+        src = made_by.get(op.inputs[0]) if op.inputs else None
+        while src is not None and src.kind == "slice" and src.prim is None:
+            src = made_by.get(src.inputs[0])
+        return src is not None and is_collective(src)
+    models = {}
+    for op in planned:
+        model = end_model if op in at_end else cost
+        models[op] = model.back_to_back if after_a_collective(op) else model
+    return models, riders
+
+
 def _add_step_time(graph, cost: CostModel, mesh, times: int, compute: bool, out: dict) -> None:
     from ..ir.graph import is_collective
     from .fusion import resident_values
     resident = resident_values(graph, cost.kernels) if compute else frozenset()
-    riders = combined_collectives(graph, cost.combined_kinds)
-    terminal = terminal_values(graph)
-    at_end = {op for op in graph.ops if is_collective(op) and op.kind != "slice"
-              and all(v in terminal for v in op.outputs)}
-    # nothing computes on a terminal result before the step ends: the group waits for its
-    # last device once for all of them (a rider's wait is its launch's), then they run back to back
-    end_model = cost.with_sync_share(len(at_end - riders))
+    models, riders = collective_models(graph, cost)
     for op in graph.ops:
         if is_collective(op):
             if op.kind != "slice":
                 axes = op.params.get("axes") or ()
-                model = end_model if op in at_end else cost
+                model = models[op]
                 seconds = model.collective_time(op.params.get("wire_bytes", 0), op.kind, axes, mesh)
                 if op in riders:   # its bytes travel in an earlier launch
                     seconds -= model.collective_time(0, op.kind, axes, mesh)

@@ -316,8 +316,10 @@ def plan_redistribution(shape: tuple, itemsize: int, src: Layout, dst: Layout, m
     name_of = {a: v for v, c in members.items() for a in c}
     vmesh = Mesh(tuple(members), tuple(mesh.axes_size(c) for c in members.values()))
     real = (mesh, tuple(members.items())) if cost.links else None   # only a profile prices groups apart
+    # (the path is the cheapest back to back: one move waits for its group once, whatever
+    # its steps, ``CostModel.move_time``)
     path = _search(tuple(shape), itemsize, _to_virtual(src, name_of, vmesh), _to_virtual(dst, name_of, vmesh),
-                   vmesh, allow_reduce_scatter, cost, real)
+                   vmesh, allow_reduce_scatter, cost.back_to_back, real)
     if path is None:
         steps = _fallback(tuple(shape), itemsize, src, dst, mesh)
     else:
@@ -328,7 +330,7 @@ def plan_redistribution(shape: tuple, itemsize: int, src: Layout, dst: Layout, m
 def redistribution_cost(shape, itemsize, src: Layout, dst: Layout, mesh: Mesh, allow_reduce_scatter=True,
                         cost: CostModel = DEFAULT_COST) -> float:
     steps = plan_redistribution(tuple(shape), itemsize, src, dst, mesh, allow_reduce_scatter, cost)
-    return sum(cost.step_time(s, mesh) for s in steps)
+    return cost.move_time(steps, mesh)
 
 
 def permute_pairs(before: Layout, after: Layout, shape, mesh: Mesh) -> tuple[tuple[int, int], ...]:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import shardprop as sp
+from jax.sharding import PartitionSpec as P
 from shardprop.ir.layout import Layout
 from shardprop.ir.mesh import Mesh
 from shardprop.passes.cost import (DEFAULT_COST, ComputeTimes, CostModel, Link, combined_collectives, group_shape,
@@ -45,6 +46,47 @@ def test_links_are_looked_up_per_group_and_kind():
     # a measured wait for the group after compute is added to every priced collective
     waits = CostModel(links=model.links, device_count=8, sync_s=3e-4)
     assert waits.collective_time(1e6, "all_reduce", ("b",), MESH_2x4) == pytest.approx(3e-4 + 1e-6 + 1e-5)
+
+
+def test_the_wait_after_compute_is_the_groups_and_paid_once_per_move():
+    # measured per group: a collective over a waits a's, over b b's; a group never measured
+    # as a whole waits as its slowest measured axis; one with no measured group, sync_s
+    links = ((((2, 4),), "", Link(1e-5, 1e9)), (((4, 1),), "", Link(1e-5, 1e9)))
+    model = CostModel(links=links, device_count=8, sync_s=9e-4, waits=((((2, 4),), 3e-4), (((4, 1),), 1e-4)))
+    assert model.collective_time(0, "all_gather", ("a",), MESH_2x4) == pytest.approx(3e-4 + 1e-5)
+    assert model.collective_time(0, "all_gather", ("b",), MESH_2x4) == pytest.approx(1e-4 + 1e-5)
+    assert model.wait(("a", "b"), MESH_2x4) == pytest.approx(3e-4)
+    assert CostModel(links=links, device_count=8, sync_s=9e-4).wait(("b",), MESH_2x4) == pytest.approx(9e-4)
+    # a collective right after another pays none; at the step's end riders share one
+    assert model.back_to_back.wait(("a",), MESH_2x4) == 0.0
+    assert model.at_step_end(4).wait(("a",), MESH_2x4) == pytest.approx(3e-4 / 4)
+    assert model.with_sync_share(3).wait(("b",), MESH_2x4) == pytest.approx(1e-4 / 3)
+    # a move of two steps (gather over a, then all_to_all over b) waits once: its first step's
+    src, dst = Layout((("a",), ("b",))), Layout((("b",), ("a",)))
+    steps = plan_redistribution((16, 16), 4, src, dst, MESH_2x4, True, model)
+    kinds = [(s.kind, s.param("axes")) for s in steps if s.kind != "slice"]
+    assert kinds == [("all_gather", ("a",)), ("all_to_all", ("b",))]
+    each = sum(model.step_time(s, MESH_2x4) for s in steps)
+    assert redistribution_cost((16, 16), 4, src, dst, MESH_2x4, True, model) == pytest.approx(each - 1e-4)
+    # the profile round-trips its waits
+    assert CostModel.from_dict(model.to_dict()).waits == model.waits
+
+
+def test_a_collective_of_a_collectives_result_pays_no_wait_in_the_modeled_step():
+    # x split over a and b, wanted split the other way round: the planned program moves it
+    # in two collectives, the second taking the first's result with no compute between
+    links = ((((2, 4),), "", Link(1e-5, 1e9)), (((4, 1),), "", Link(1e-5, 1e9)))
+    waits = CostModel(links=links, device_count=8, waits=((((2, 4),), 3e-4), (((4, 1),), 1e-4)))
+    plain = CostModel(links=links, device_count=8)
+    f = sp.shard(lambda x: x * 2.0, (P("b", "a"),))
+    plan = sp.parallelize(lambda x: f(sp.shard(lambda y: y + 1.0, (P("a", "b"),))(x)),
+                          mesh=((2, 4), ("a", "b")), cost_model=waits).plan(np.ones((16, 16), np.float32))
+    from shardprop.ir.graph import is_collective
+    chain = [op for op in plan.graph.ops if is_collective(op) and op.kind != "slice"]
+    assert len(chain) >= 2, [op.kind for op in plan.graph.ops]
+    extra = modeled_step_time(plan.graph, waits)["communication"] - modeled_step_time(plan.graph, plain)["communication"]
+    first = chain[0].params["axes"]
+    assert extra == pytest.approx(waits.wait(tuple(first), MESH_2x4)), [(op.kind, op.params["axes"]) for op in chain]
 
 
 def test_default_model_prices_as_before():
