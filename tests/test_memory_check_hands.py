@@ -18,7 +18,7 @@ ROOT = Path(__file__).parent.parent
 
 
 @pytest.mark.slow
-def test_a_cheaper_hand_plan_that_fits_once_compiled_is_kept():
+def test_a_plan_over_the_limit_once_compiled_gives_way_to_one_no_worse_than_the_hands_that_fit():
     sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT / "examples"))
     import zoo
@@ -34,7 +34,10 @@ def test_a_cheaper_hand_plan_that_fits_once_compiled_is_kept():
     assert cost.compiled_memory is not None and cost.compiled_memory.total <= limit
     under = [h.written for h in cost.hand_plans if h.written is not None and h.peak <= limit]
     assert under and cost.written_time <= min(under) * (1 + 1e-9), (cost.written_time, sorted(under))
-    assert "fits once compiled" in cost.solver["status"]
+    # (the plan kept was, with one wait for every group in the cpu profile, a hand plan that
+    # fits once compiled, ``_hand_that_fits(below=)``; with the waits per group, 2026-11-28,
+    # the search's own plan fits at this limit, or at 0.75-0.95, so this case no longer
+    # reaches that branch: what is asserted is what a user is promised either way)
     got, want = pf(*c.args()), jax.jit(c.fn)(*c.args())
     assert_trees_close(got[-1], want[-1], rtol=1e-5, atol=1e-6)                    # the loss
     # parameters and Adam's state: Adam divides by the gradient's root mean square, so a

@@ -47,6 +47,11 @@ FAMILIES = (
 )
 
 
+# seconds a hand plan's MILP may take where its LP's optimum is fractional: a hand plan is a
+# plan to beat, not the search; on the 2-layer GPT step on 4 x 2 one family's branch and
+# bound ran past 140 s on the tenth session's VM, its step within the search's own budget
+HAND_MILP_S = 10.0
+
 BATCH_NAMES = {"x", "xs", "inputs", "batch", "tokens", "targets", "y", "labels", "images", "ids"}
 
 
@@ -294,8 +299,9 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
         how = "warm LP"
         if sol is None or not sol.choice or sol.rounded:   # (no model, or a fractional optimum: the MILP)
             how = ""
-            try:
-                sol = milp.solve(milp.reduce(problem, memory_matters=False, allowed=allowed), time_limit=time_limit)
+            try:   # (within HAND_MILP_S: the best plan its branch and bound found by then)
+                sol = milp.solve(milp.reduce(problem, memory_matters=False, allowed=allowed),
+                                 time_limit=HAND_MILP_S if time_limit is None else min(time_limit, HAND_MILP_S))
             except ShardingError as e:
                 plan.note = str(e).splitlines()[0]
                 return plan
