@@ -203,19 +203,24 @@ class CostModel:
         """This model with the wait for a group's last device paid 1/n times per
         collective (n collectives after one another's wait: ``modeled_step_time``'s
         collectives at the step's end)."""
-        return self if n <= 1 or not (self.sync_s or self.waits) else replace(self, wait_share=self.wait_share / n)
+        return self if n <= 1 or not self.measures_waits else replace(self, wait_share=self.wait_share / n)
 
     @functools.cached_property
     def back_to_back(self) -> "CostModel":
         """This model for a collective that follows another with no compute between them
         (the second step of one move, a collective of a collective's result): its group
         arrives together, so it pays no wait."""
-        return self if not (self.sync_s or self.waits) else replace(self, wait_share=0.0)
+        return self if not self.measures_waits else replace(self, wait_share=0.0)
+
+    @property
+    def measures_waits(self) -> bool:
+        """Whether a wait after compute is priced at all (a profile measured one)."""
+        return bool(self.sync_s or self.waits)
 
     def wait(self, axes: tuple, mesh) -> float:
         """Seconds a collective over ``axes`` of ``mesh`` waits, after compute, for its
         group's last device (its share of it: ``wait_share``)."""
-        if not self.wait_share or not (self.sync_s or self.waits):
+        if not self.wait_share or not self.measures_waits:
             return 0.0
         if not self.waits:
             return self.wait_share * self.sync_s
