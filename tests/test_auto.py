@@ -160,7 +160,10 @@ def test_weights_that_do_not_fit_get_split():
     assert held <= 0.75 * n * 4 * 2**20
     assert plan.cost.peak_memory <= limit < free.cost.peak_memory
     assert plan.cost.compiled_memory.total <= limit           # and so does the compiled program
-    assert plan.cost.memory_limit == limit and plan.cost.solver["memory_rounds"] > 1
+    # (not how many memory rounds it took: under load the time budget ends them early, and
+    # CI's loaded run returned a plan after one; the peak under a limit the free plan is over
+    # is what shows the limit bound the search)
+    assert plan.cost.memory_limit == limit
     assert plan.cost.step_time >= free.cost.step_time       # memory is paid for in time, never the reverse
     assert_close(pstep(params, x, y), jax.jit(sgd_step)(params, x, y))
 
