@@ -253,6 +253,43 @@ def test_hand_plans_solved_once_per_problem_and_priced_again():
         assert r.time == pytest.approx(h.time, rel=1e-12) and r.peak == h.peak
 
 
+def test_a_fractional_hand_family_that_cannot_be_the_best_keeps_its_lp_rounding(monkeypatch):
+    """A family whose LP optimum is fractional goes to branch and bound only where its LP
+    bound is under the best hand plan that fits; else it keeps the LP's rounding, priced.
+    Solving it exactly (``every``, as a plan picked by name is) confirms the skip: its
+    optimum is no cheaper than the best hand plan."""
+    from shardprop.passes.auto import hand, milp, warm_lp
+    from shardprop.passes.auto.problem import Problem
+    from shardprop.passes.auto.search import _Liveness
+    from shardprop.passes.cost import CostModel
+    fn, args = adam_case(batch=1024, width=128)
+    g = traced_graph(fn, args, Mesh(("dp", "mp"), (2, 4)), tied=(0, 1))
+    problem = Problem(g, CostModel.builtin("cpu"))   # (two families have a fractional LP, both dear)
+    memory = _Liveness(g, problem)
+    fams = hand.families(problem)
+    real = milp.solve
+
+    def plans(every):
+        hand._SOLVED.clear()
+        model = warm_lp.WarmLP(milp.reduce(problem, memory_matters=True,
+                                           also=[f.allowed for f in fams if f.allowed is not None]))
+        calls = []
+        monkeypatch.setattr(milp, "solve", lambda *a, **k: calls.append(1) or real(*a, **k))
+        out = hand.hand_plans(problem, lambda c: memory.peak(c)[0], None, fams=fams, warm=model, every=every)
+        return {h.label: h for h in out}, len(calls)
+    quick, milps = plans(every=False)
+    rounded = [h for h in quick.values() if "not solved exactly" in h.note]
+    assert rounded and milps == 0
+    least = min(h.time for h in quick.values() if h.time is not None and h not in rounded)
+    exact, milps = plans(every=True)
+    assert milps == len(rounded)
+    for h in rounded:
+        assert h.time >= least and h.fits and h.choice is not None
+        e = exact[h.label]
+        assert "not solved exactly" not in e.note and e.time <= h.time * (1 + 1e-9)
+        assert e.time >= least * (1 - 1e-9)   # (what the LP bound promised)
+
+
 # -- one warm-started LP for the hand plans, the rounds and the searches again -------------
 
 def test_warm_lp_narrowed_by_bounds_equals_each_hand_plans_own_solve():

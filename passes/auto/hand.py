@@ -32,6 +32,7 @@ import numpy as np
 
 from ...ir.errors import ShardingError
 
+from ..cost import IMPOSSIBLE
 from . import milp
 from .problem import DECIDERS
 
@@ -67,6 +68,7 @@ class HandPlan:
     note: str = ""
     allowed: Optional[dict] = field(default=None, repr=False)   # its family's narrowing (the solves under a limit)
     key: Optional[tuple] = field(default=None, repr=False)       # what its solve under the limit is cached by
+    lp: Optional[object] = field(default=None, repr=False)       # a fractional LP solution, its MILP not yet run
 
     @property
     def label(self) -> str:
@@ -225,7 +227,7 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
     fits, would have none to hold to. ``every``: each family over the limit is solved
     under it, not only those that could be the best that fits (a hand plan picked by
     name, which measure=True times, must be there whatever the others cost)."""
-    out = []
+    out, fractional = [], []
     for fam in (families(problem) if fams is None else fams):
         if fam.allowed is None:
             out.append(HandPlan(fam.name, fam.axes, note=fam.note))
@@ -237,9 +239,25 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
                                                              f"{floor / 2**20:.2f} MiB per device"))
             continue
         key = tuple(sorted((t, tuple(a)) for t, a in allowed.items()))
-        plan = _solve(problem, name, axes, allowed, peak_of, limit, time_limit, (problem.fingerprint, key), warm)
+        plan = _solve(problem, name, axes, allowed, peak_of, limit, time_limit, (problem.fingerprint, key), warm,
+                      exact=False)
         plan.allowed, plan.key = allowed, (problem.fingerprint, key, limit)
+        if plan.lp is not None:
+            fractional.append(len(out))
         out.append(plan)
+    # the families whose LP optimum is fractional, least LP bound first: the MILP (branch and
+    # bound, up to HAND_MILP_S each) only where the family could be the best hand plan that
+    # fits; the others keep their LP's rounding (on the 2-layer GPT step on 2 x 4 at 0.7, three
+    # families each ran their MILP 19-27 s to plans 1.4-7.8x the best hand plan's, whose time
+    # their LP bounds were already above)
+    for i in sorted(fractional, key=lambda i: out[i].lp.bound):
+        p, least = out[i], bound(out)
+        if not every and least is not None and p.lp.bound >= least * (1 - 1e-12):
+            out[i] = _rounded(problem, p, peak_of, limit, least)
+        else:
+            out[i] = _solve(problem, p.name, p.axes, p.allowed, peak_of, limit, time_limit, p.key[:2], warm,
+                            exact=True)
+            out[i].allowed, out[i].key = p.allowed, p.key
     if fit is not None:
         out = _fit_cheapest(problem, out, fit, peak_of, limit, every)
     kept: list = []
@@ -288,7 +306,11 @@ _SOLVED: dict = {}
 _SOLVED_MAX = 64
 
 
-def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, warm=None) -> HandPlan:
+def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, warm=None,
+           exact: bool = True) -> HandPlan:
+    """The family narrowed to ``allowed``, solved for time and priced: its LP (``warm``),
+    where that is integral, else the MILP; with ``exact=False`` a fractional LP is not
+    gone on with: the plan has no time and ``lp`` holds the LP's solution."""
     plan = HandPlan(name, axes)
     t0 = time.perf_counter()
     reused = _SOLVED.get(key) if key is not None else None
@@ -297,6 +319,9 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
     else:
         sol = warm.solve(allowed, time_limit=time_limit) if warm is not None else None
         how = "warm LP"
+        if not exact and sol is not None and sol.choice and sol.rounded:
+            plan.lp, plan.note = sol, f"{time.perf_counter() - t0:.2f} s (warm LP, fractional)"
+            return plan
         if sol is None or not sol.choice or sol.rounded:   # (no model, or a fractional optimum: the MILP)
             how = ""
             try:   # (within HAND_MILP_S: the best plan its branch and bound found by then)
@@ -314,6 +339,25 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
     if key is not None and reused is None:
         _remember(key, choice)
     return plan
+
+
+def _rounded(problem, plan: HandPlan, peak_of, limit, least: float) -> HandPlan:
+    """``plan``'s family as its fractional LP's rounding, priced (not remembered: under
+    another limit the family may need its exact solve): its LP bound is at or above
+    ``least``, the best hand plan that fits, so neither could its exact plan be below it.
+    No plan where the rounding is impossible (a move the model excludes)."""
+    out = HandPlan(plan.name, plan.axes)
+    out.allowed, out.key = plan.allowed, plan.key
+    choice = {t: plan.lp.choice.get(t, 0) for t in problem.unary}
+    _price(problem, out, choice, peak_of, limit)
+    why = f"its LP's bound {plan.lp.bound * 1e3:.4f} ms is no less than the best hand plan that fits " \
+          f"({least * 1e3:.4f} ms)"
+    if out.time >= IMPOSSIBLE:
+        plan.note += f"; not solved exactly: {why}, and its LP's rounding is impossible"
+        plan.lp = None
+        return plan
+    out.note = f"{plan.note}; the LP's rounding, not solved exactly: {why}"
+    return out
 
 
 def _fitted(problem, plan: HandPlan, allowed: dict, fit, peak_of, limit, key) -> HandPlan:
