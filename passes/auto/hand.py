@@ -245,21 +245,22 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
         if plan.lp is not None:
             fractional.append(len(out))
         out.append(plan)
-    # the families whose LP optimum is fractional, least LP bound first: the MILP (branch and
-    # bound, up to HAND_MILP_S each) only where the family could be the best hand plan that
-    # fits; the others keep their LP's rounding (on the 2-layer GPT step on 2 x 4 at 0.7, three
-    # families each ran their MILP 19-27 s to plans 1.4-7.8x the best hand plan's, whose time
-    # their LP bounds were already above)
+    if fit is not None:
+        out = _fit_cheapest(problem, out, fit, peak_of, limit, every)
+    # the families whose LP optimum is fractional, least LP bound first, against the best hand
+    # plan that fits (the others made to fit included): branch and bound (up to HAND_MILP_S
+    # each) only where the family could be that plan; the others keep the LP's rounding (on
+    # the 2-layer GPT step on 2 x 4 at 0.7, three families each ran their MILP 19-27 s to plans
+    # 1.6-7.8x the best hand plan's, whose time their LP bounds were already above)
     for i in sorted(fractional, key=lambda i: out[i].lp.bound):
         p, least = out[i], bound(out)
         if not every and least is not None and p.lp.bound >= least * (1 - 1e-12):
             out[i] = _rounded(problem, p, peak_of, limit, least)
-        else:
-            out[i] = _solve(problem, p.name, p.axes, p.allowed, peak_of, limit, time_limit, p.key[:2], warm,
-                            exact=True)
-            out[i].allowed, out[i].key = p.allowed, p.key
-    if fit is not None:
-        out = _fit_cheapest(problem, out, fit, peak_of, limit, every)
+            continue
+        out[i] = _solve(problem, p.name, p.axes, p.allowed, peak_of, limit, time_limit, p.key[:2], warm)
+        out[i].allowed, out[i].key = p.allowed, p.key
+        if fit is not None:
+            out = _fit_cheapest(problem, out, fit, peak_of, limit, every, among=(i,))
     kept: list = []
     for plan in out:
         same = next((p for p in kept if p.choice is not None and p.choice == plan.choice), None)
@@ -270,14 +271,15 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
     return kept
 
 
-def _fit_cheapest(problem, plans: list, fit, peak_of, limit, every: bool = False) -> list:
+def _fit_cheapest(problem, plans: list, fit, peak_of, limit, every: bool = False, among=None) -> list:
     """The plans over the limit solved again under it (``_fitted``), cheapest first, while
     one could still be the best that fits (or all of them, ``every``): a plan solved under
     the limit costs at least its time-optimal plan, so one whose time-optimal plan is no
     cheaper than a plan that fits is left as it is (on the GPT steps most families are
     over the limit, and each solve under it is several LPs)."""
     out = list(plans)
-    order = sorted((i for i, p in enumerate(out) if p.choice is not None and not p.fits), key=lambda i: out[i].time)
+    order = sorted((i for i, p in enumerate(out) if p.choice is not None and not p.fits
+                    and (among is None or i in among)), key=lambda i: out[i].time)
     for i in order:
         p = out[i]
         least = bound(out)
@@ -326,7 +328,8 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
             how = ""
             try:   # (within HAND_MILP_S: the best plan its branch and bound found by then)
                 sol = milp.solve(milp.reduce(problem, memory_matters=False, allowed=allowed),
-                                 time_limit=HAND_MILP_S if time_limit is None else min(time_limit, HAND_MILP_S))
+                                 time_limit=HAND_MILP_S if time_limit is None else min(time_limit, HAND_MILP_S),
+                                 lp_first=None if sol is None else False)   # (the warm LP was fractional)
             except ShardingError as e:
                 plan.note = str(e).splitlines()[0]
                 return plan

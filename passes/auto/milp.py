@@ -176,7 +176,7 @@ def _undominated(t: int, unary: dict, edges: list, memory: dict, among=None) -> 
 
 def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
           time_limit: Optional[float] = None, rel_gap: float = 1e-9, exact_dp: bool = True,
-          relax: bool = False) -> Solution:
+          relax: bool = False, lp_first: Optional[bool] = None) -> Solution:
     """Solve the reduced problem; ``memory_rows``: ``MemoryRow``s, each held to ``limit``
     (a copy between two decisions gets pair variables of its own, tied like an edge's).
     ``relax``: solve the LP relaxation only (``bound``: its optimum, a lower bound on
@@ -188,7 +188,8 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
     counts is never eliminated (the row needs its variables).
     Without memory rows, ``exact_dp`` first eliminates the decisions with at most two
     neighbours (``eliminate.py``) and the LP relaxation is tried first: where its
-    optimum is integral it is the MILP's, proven (the usual case here)."""
+    optimum is integral it is the MILP's, proven (the usual case here); ``lp_first=False``
+    skips that try (the caller knows the LP is fractional)."""
     try:
         from scipy.optimize import LinearConstraint, milp  # noqa: F401
     except ImportError as e:   # pragma: no cover (tested by hiding scipy)
@@ -203,8 +204,8 @@ def solve(red: Reduced, memory_rows: list = (), limit: Optional[float] = None,
             {t for row in memory_rows for a, b, *_ in row.pairs for t in (a, b)}
         unary, edges, steps, offset = eliminate(red.unary, red.edges, Edge, keep=counted)
     if unary:
-        sol = _milp(unary, edges, red.kept, memory_rows, limit, time_limit, rel_gap, lp_first=not memory_rows,
-                    relax=relax)
+        sol = _milp(unary, edges, red.kept, memory_rows, limit, time_limit, rel_gap,
+                    lp_first=not memory_rows if lp_first is None else lp_first, relax=relax)
     else:   # the DP solved all of it
         sol = Solution({}, 0.0, 0.0, 0.0, "Optimal (solved exactly by elimination)", 0.0, 0, 0)
     if relax and getattr(sol, "fractions", None) is not None:
@@ -333,6 +334,8 @@ def _milp(unary: dict, edges: list, kept: dict, memory_rows, limit, time_limit, 
         lp = milp(c / scale, integrality=np.zeros(n), bounds=bounds, constraints=constraints, options=options)
         if lp.x is not None and np.abs(lp.x[:nx] - np.round(lp.x[:nx])).max(initial=0.0) < 1e-7:
             res, how = lp, " (the LP relaxation's optimum is integral)"
+        elif time_limit is not None:   # (the time limit is the whole solve's, the LP's seconds included)
+            options["time_limit"] = max(float(time_limit) - (time.perf_counter() - t0), 0.05)
     if res is None:
         res = milp(c / scale, integrality=integrality, bounds=bounds, constraints=constraints, options=options)
     seconds = time.perf_counter() - t0
