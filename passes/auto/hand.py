@@ -254,8 +254,13 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
     # 1.6-7.8x the best hand plan's, whose time their LP bounds were already above)
     for i in sorted(fractional, key=lambda i: out[i].lp.bound):
         p, least = out[i], bound(out)
-        if not every and least is not None and p.lp.bound >= least * (1 - 1e-12):
-            out[i] = _rounded(problem, p, peak_of, limit, least)
+        if not every and (least is None or p.lp.bound >= least * (1 - 1e-12)):
+            why = "no hand plan fits to weigh it against" if least is None else \
+                f"its LP's bound {p.lp.bound * 1e3:.4f} ms is no less than the best hand plan that fits " \
+                f"({least * 1e3:.4f} ms)"
+            out[i] = _rounded(problem, p, peak_of, limit, why)
+            if fit is not None:
+                out = _fit_cheapest(problem, out, fit, peak_of, limit, every, among=(i,))
             continue
         out[i] = _solve(problem, p.name, p.axes, p.allowed, peak_of, limit, time_limit, p.key[:2], warm)
         out[i].allowed, out[i].key = p.allowed, p.key
@@ -324,19 +329,28 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
         if not exact and sol is not None and sol.choice and sol.rounded:
             plan.lp, plan.note = sol, f"{time.perf_counter() - t0:.2f} s (warm LP, fractional)"
             return plan
+        rounding = None
         if sol is None or not sol.choice or sol.rounded:   # (no model, or a fractional optimum: the MILP)
             how = ""
+            if sol is not None and sol.choice:
+                rounding = {t: sol.choice.get(t, 0) for t in problem.unary}
             try:   # (within HAND_MILP_S: the best plan its branch and bound found by then)
                 sol = milp.solve(milp.reduce(problem, memory_matters=False, allowed=allowed),
                                  time_limit=HAND_MILP_S if time_limit is None else min(time_limit, HAND_MILP_S),
                                  lp_first=None if sol is None else False)   # (the warm LP was fractional)
-            except ShardingError as e:
-                plan.note = str(e).splitlines()[0]
-                return plan
-        if not sol.choice and problem.unary:
+            except ShardingError as e:   # (the time limit before any plan)
+                if rounding is None:
+                    plan.note = str(e).splitlines()[0]
+                    return plan
+                sol = milp.Solution({}, float("inf"), float("inf"), float("inf"), str(e), 0.0, 0, 0)
+        if not sol.choice and problem.unary and rounding is None:
             plan.note = sol.status
             return plan
-        choice = {t: sol.choice.get(t, 0) for t in problem.unary}
+        choice = {t: sol.choice.get(t, 0) for t in problem.unary} if sol.choice or not problem.unary else None
+        # (a cut-short branch and bound may hold a plan dearer than the LP's rounding: on the
+        # 2-layer GPT step on 4 x 2 its plans after 10 s were 1.4-2.6x the roundings')
+        if rounding is not None and (choice is None or problem.objective(rounding) < problem.objective(choice)):
+            choice, how = rounding, "the LP's rounding, cheaper than the MILP's plan in its time"
     _price(problem, plan, choice, peak_of, limit)
     plan.note = f"{time.perf_counter() - t0:.2f} s" + (f" ({how})" if how else "")
     if key is not None and reused is None:
@@ -344,17 +358,16 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
     return plan
 
 
-def _rounded(problem, plan: HandPlan, peak_of, limit, least: float) -> HandPlan:
+def _rounded(problem, plan: HandPlan, peak_of, limit, why: str) -> HandPlan:
     """``plan``'s family as its fractional LP's rounding, priced (not remembered: under
-    another limit the family may need its exact solve): its LP bound is at or above
-    ``least``, the best hand plan that fits, so neither could its exact plan be below it.
-    No plan where the rounding is impossible (a move the model excludes)."""
+    another limit the family may need its exact solve), for the reason ``why`` (its LP
+    bound is no less than the best hand plan that fits, so neither is its exact plan;
+    or no plan fits, and the family's plan is a start for ``repair.py``). No plan where
+    the rounding is impossible (a move the model excludes)."""
     out = HandPlan(plan.name, plan.axes)
     out.allowed, out.key = plan.allowed, plan.key
     choice = {t: plan.lp.choice.get(t, 0) for t in problem.unary}
     _price(problem, out, choice, peak_of, limit)
-    why = f"its LP's bound {plan.lp.bound * 1e3:.4f} ms is no less than the best hand plan that fits " \
-          f"({least * 1e3:.4f} ms)"
     if out.time >= IMPOSSIBLE:
         plan.note += f"; not solved exactly: {why}, and its LP's rounding is impossible"
         plan.lp = None
