@@ -121,7 +121,8 @@ class ParallelFunction:
 
     def __init__(self, fn, *, mesh, mode, in_strategy, out_strategy, dump_dir, fuse_reduce_scatter, cost_model,
                  donate_argnums, verify, batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
-                 progress=None, memory_limit=None, shard_params=False, param_argnums=(0,), measure=False):
+                 progress=None, memory_limit=None, shard_params=False, param_argnums=(0,), measure=False,
+                 search_seconds=None):
         if mode not in MODES:
             raise ShardingError(f"mode={mode!r} is not one of {MODES}")
         initialize_distributed()   # join a multi-process run (launcher, mpirun, SLURM) before looking at devices
@@ -139,7 +140,7 @@ class ParallelFunction:
         self.options = Options(mode=mode if mode in ("semi_auto", "auto") else "sharding_propagation",
                                fuse_reduce_scatter=fuse_reduce_scatter, cost=resolve_cost_model(cost_model, self.mesh_spec.ir_mesh),
                                verify=verify, memory_limit=_memory_limit(memory_limit, mode),
-                               compare_hands=bool(measure))
+                               compare_hands=bool(measure), search_seconds=_search_seconds(search_seconds))
         cluster_cap = getattr(getattr(self.options.cost, "cluster", None), "gpu", None)
         if mode == "auto" and memory_limit is None and cluster_cap is not None:   # a Cluster's GPUs hold this much
             self.options = replace(self.options, memory_limit=cluster_cap.memory_capacity_bytes)
@@ -232,7 +233,7 @@ class ParallelFunction:
         options = self.options
         fit = options.mode == "auto" and options.memory_limit is not None and not self.mesh_spec.abstract
         if fit:   # one time budget for the search and the memory check's searches again
-            options = replace(options, search_deadline=time.perf_counter() + SEARCH_TIME_BUDGET)
+            options = replace(options, search_deadline=time.perf_counter() + options.search_seconds)
         compiled = self._plan_and_lower(args, kwargs, progress, options)
         if fit:
             compiled = self._fit_compiled(compiled, args, kwargs, progress, options)
@@ -469,7 +470,8 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                 cost_model=None, donate_argnums=(), verify: bool = False,
                 batch_argnums=None, shard_optimizer_state=False, optimizer_argnums=(1,),
                 progress: Optional[bool] = None, memory_limit=None, shard_params=False,
-                param_argnums=(0,), pipeline=None, measure: bool = False) -> ParallelFunction:
+                param_argnums=(0,), pipeline=None, measure: bool = False,
+                search_seconds: Optional[float] = None) -> ParallelFunction:
     """Make ``fn`` run SPMD on ``mesh``.
 
     mesh: a device count (the first N devices), a ``jax.sharding.Mesh``, or
@@ -532,6 +534,10 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
         each compiled and run a few steps on zeros, and keep the fastest
         (``compiler/measure.py``; ``plan.cost.measured``). For hardware the cost model
         describes poorly; it adds a compile and a few steps per plan timed.
+    search_seconds: ``mode="auto"`` under a memory limit: the seconds its searches may take
+        in all (default 20; the memory check's searches again included). When they run out
+        it returns the best plan found that fits, with its proven gap (``plan.cost.solver``),
+        or the best hand plan that fits; where none was found, a ShardingError says so.
     """
     implied = pipeline is None and mode == "auto" and _has_pipeline_axis(mesh, fn)
     if implied:
@@ -546,7 +552,8 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                  "in_strategy": in_strategy is not None,
                  "out_strategy": out_strategy is not None, "fuse_reduce_scatter": not fuse_reduce_scatter,
                  "donate_argnums": bool(donate_argnums), "verify": verify,
-                 "shard_params": bool(shard_params), "measure": bool(measure)}
+                 "shard_params": bool(shard_params), "measure": bool(measure),
+                 "search_seconds": search_seconds is not None}
         unsupported = [name for name, set_ in given.items() if set_]
         if unsupported:
             what = ("mode='auto' on a mesh with a 'pp' axis pipelines the step, and a pipelined step"
@@ -565,7 +572,17 @@ def parallelize(fn: Callable, *, mesh, mode: str = "sharding_propagation", in_st
                             donate_argnums=donate_argnums, verify=verify, batch_argnums=batch_argnums,
                             shard_optimizer_state=shard_optimizer_state, optimizer_argnums=optimizer_argnums,
                             progress=progress, memory_limit=memory_limit, shard_params=shard_params,
-                            param_argnums=param_argnums, measure=measure)
+                            param_argnums=param_argnums, measure=measure, search_seconds=search_seconds)
+
+
+def _search_seconds(seconds) -> float:
+    """``parallelize``'s ``search_seconds``: a positive number of seconds (None: the default)."""
+    if seconds is None:
+        return SEARCH_TIME_BUDGET
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ShardingError(f"search_seconds={seconds!r}: give the seconds mode='auto' may search, a positive "
+                            f"number (default {SEARCH_TIME_BUDGET:g})")
+    return float(seconds)
 
 
 def _abstract_inputs(c: Compiled, args, kwargs) -> list:

@@ -13,6 +13,7 @@ from ..ir.graph import Graph
 from ..ir.printer import print_graph
 from ..ir.verifier import verify
 from ..passes.auto import SearchStrategies
+from ..passes.auto.search import TIME_BUDGET
 from ..passes.bind_strategies import BindUserStrategies
 from ..passes.cost import DEFAULT_COST, CostModel
 from ..passes.insert_reshards import InsertReshards
@@ -47,6 +48,8 @@ class Options:
     # mode="auto": when the search's time budget ends (time.perf_counter()), shared by the
     # searches of one compile (the memory check's rounds); None: each search its own budget
     search_deadline: Optional[float] = None
+    # mode="auto" under a limit: seconds the searches of one compile may take in all
+    search_seconds: float = TIME_BUDGET
     # mode="auto": write the hand plan of this label instead of searching (compiler/measure.py)
     pick_hand: Optional[str] = None
     compare_hands: bool = False   # mode="auto": the hand plans solved without a limit too (measure=True)
@@ -60,6 +63,7 @@ def default_passes(opts: Options) -> list:
     # MindSpore's form also settles op by op only (whole_round): the seed document's plan.
     # mode="auto": a solver picks every strategy (passes/auto); the passes after it are the same
     choose = SearchStrategies(opts.cost, opts.memory_limit, deadline=opts.search_deadline,
+                              time_budget=opts.search_seconds,
                               pick=opts.pick_hand, compare_hands=opts.compare_hands) if opts.mode == "auto" else \
         PropagateSharding(opts.mode, opts.cost, True, whole_round=rs)
     return [BindUserStrategies(), choose, SinkReductions(),

@@ -342,8 +342,8 @@ def _milp(unary: dict, edges: list, kept: dict, memory_rows, limit, time_limit, 
     if res.x is None:
         if res.status == 1:   # the time limit, before any plan was found
             raise ShardingError(f"the strategy search found no plan within its time limit of {time_limit} s "
-                                f"({nx} decisions' candidates, {n} variables): {res.message}; give it more time "
-                                "(SearchStrategies(time_limit=...)) or mark the big matmuls")
+                                f"({nx} decisions' candidates, {n} variables): {res.message}; mark the big matmuls "
+                                "(sp.shard) so that fewer decisions are left to search")
         return Solution({}, float("inf"), float("inf"), float("inf"), res.message, seconds, n, nx)
     x = res.x
     choice = {t: int(np.argmax(x[xoff[t]:xoff[t] + len(unary[t])])) for t in temps}

@@ -576,8 +576,8 @@ class SearchStrategies:
                 left = self._left()
                 if lag is None:
                     multipliers(self.time_limit if left is None else max(left, MULTIPLIERS_MIN_S))
-                if best.choice is None:
-                    raise error
+                if best.choice is None:   # (what was met, and the fixes: more time among them)
+                    raise self._overflow(problem, smallest, out_of_time=str(error).splitlines()[0])
         elif best.gap(self._bound) > self.relaxed_gap and (left is None or left > 0.05):
             # (a plan outside relaxed_gap: rows and a bound met cheaply by the multipliers, before
             # any dive from it: on the 2-layer GPT step on 2 x 4 at 0.5 they proved the rounding
@@ -766,9 +766,11 @@ class SearchStrategies:
                                    best[0], peak))
         return out
 
-    def _overflow(self, problem: Problem, met=None) -> ShardingError:
+    def _overflow(self, problem: Problem, met=None, out_of_time: Optional[str] = None) -> ShardingError:
         """No plan fits: the smallest peak found (each decision at its fewest bytes, or
-        ``met``: a plan the memory rounds met, (peak, choice)) and the tensors that make it."""
+        ``met``: a plan the memory rounds met, (peak, choice)) and the tensors that make it.
+        ``out_of_time``: the budget ran out before any plan that fits (the solver's words),
+        which does not prove there is none."""
         memory = _Liveness(problem.graph, problem)
         choice = {}
         for t in problem.unary:
@@ -779,11 +781,17 @@ class SearchStrategies:
         peak, at = memory.peak(choice)
         biggest = memory.largest(choice, at, 5)
         names = "; ".join(f"{name} {shape} ({nbytes / 2**20:.2f} MiB per device)" for name, shape, nbytes in biggest)
+        head = f"no plan fits memory_limit={self.memory_limit:,} bytes per device on mesh {problem.mesh}"
+        more = ""
+        if out_of_time is not None:
+            head = (f"the search found no plan under memory_limit={self.memory_limit:,} bytes per device on mesh "
+                    f"{problem.mesh} within its time budget{'' if self.time_budget is None else f' of {self.time_budget:g} s'} "
+                    f"({out_of_time})")
+            more = "give the search more time (parallelize(..., search_seconds=...)), "
         return NoPlanFits(
-            f"no plan fits memory_limit={self.memory_limit:,} bytes per device on mesh {problem.mesh}: the smallest "
-            f"modeled peak found is {peak:,.0f} bytes per device ({peak / 2**20:.2f} MiB); the largest tensors alive "
-            f"there: {names}. Fix: raise memory_limit, use more devices, or shrink the batch or the model",
-            float(peak))
+            f"{head}: the smallest modeled peak found is {peak:,.0f} bytes per device ({peak / 2**20:.2f} MiB); the "
+            f"largest tensors alive there: {names}. Fix: {more}raise memory_limit, use more devices, or shrink the "
+            f"batch or the model", float(peak))
 
 
 def _warm_model(problem: Problem, memory: "_Liveness", fams: list):
