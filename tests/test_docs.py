@@ -166,7 +166,9 @@ def test_readme_keeps_the_two_commands():
     text = (ROOT / "README.md").read_text()
     assert ("python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
             "python examples/quickstart.py") in text
-    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q tests\n" in text
+    command = "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q -n 2 --dist loadfile tests"
+    assert command + "\n" in text
+    assert command + " ||" in (ROOT / ".ci" / "run").read_text()   # (the CI runs exactly the README's command)
 
 
 # Not -q: mkdocs's quiet flag hides warnings from the strict-mode counter too, so a broken
