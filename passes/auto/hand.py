@@ -50,8 +50,8 @@ FAMILIES = (
 
 # seconds a hand plan's MILP may take where its LP's optimum is fractional (and the family
 # could be the best hand plan): a hand plan is a plan to beat, not the search. On the 2-layer
-# GPT step on 4 x 2 one family's branch and bound ran past 140 s; cut at 10 s, three families'
-# plans were 1.4-2.6x their LP's roundings, and on 2 x 4 at 0.5 the one family that needed it
+# GPT step on 4 x 2 one family's branch and bound ran past 140 s; cut at 10 s, the families'
+# plans were 1.05-4.9x their LP's roundings, and on 2 x 4 at 0.5 the one family that needed it
 # found none cheaper than its rounding in 10 s (the small steps of the tests prove theirs in
 # well under a second)
 HAND_MILP_S = 3.0
@@ -346,14 +346,16 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
                     plan.note = str(e).splitlines()[0]
                     return plan
                 sol = milp.Solution({}, float("inf"), float("inf"), float("inf"), str(e), 0.0, 0, 0)
-        if not sol.choice and problem.unary and rounding is None:
-            plan.note = sol.status
-            return plan
         choice = {t: sol.choice.get(t, 0) for t in problem.unary} if sol.choice or not problem.unary else None
         # (a cut-short branch and bound may hold a plan dearer than the LP's rounding: on the
-        # 2-layer GPT step on 4 x 2 its plans after 10 s were 1.4-2.6x the roundings')
-        if rounding is not None and (choice is None or problem.objective(rounding) < problem.objective(choice)):
+        # 2-layer GPT steps its plans after 10 s were 1.05-4.9x the roundings'; a rounding that
+        # makes a move the model excludes is no plan)
+        if rounding is not None and problem.objective(rounding) < \
+                (IMPOSSIBLE if choice is None else problem.objective(choice)):
             choice, how = rounding, "the LP's rounding, cheaper than the MILP's plan in its time"
+        if choice is None:
+            plan.note = sol.status
+            return plan
     _price(problem, plan, choice, peak_of, limit)
     plan.note = f"{time.perf_counter() - t0:.2f} s" + (f" ({how})" if how else "")
     if key is not None and reused is None:
