@@ -262,11 +262,9 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
                 f"its LP's bound {p.lp.bound * 1e3:.4f} ms is no less than the best hand plan that fits " \
                 f"({least * 1e3:.4f} ms)"
             out[i] = _rounded(problem, p, peak_of, limit, why)
-            if fit is not None:
-                out = _fit_cheapest(problem, out, fit, peak_of, limit, every, among=(i,))
-            continue
-        out[i] = _solve(problem, p.name, p.axes, p.allowed, peak_of, limit, time_limit, p.key[:2], warm)
-        out[i].allowed, out[i].key = p.allowed, p.key
+        else:   # (the LP already solved is handed on, not solved again)
+            out[i] = _solve(problem, p.name, p.axes, p.allowed, peak_of, limit, time_limit, p.key[:2], warm, lp=p.lp)
+            out[i].allowed, out[i].key = p.allowed, p.key
         if fit is not None:
             out = _fit_cheapest(problem, out, fit, peak_of, limit, every, among=(i,))
     kept: list = []
@@ -317,17 +315,18 @@ _SOLVED_MAX = 64
 
 
 def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, warm=None,
-           exact: bool = True) -> HandPlan:
-    """The family narrowed to ``allowed``, solved for time and priced: its LP (``warm``),
-    where that is integral, else the MILP; with ``exact=False`` a fractional LP is not
-    gone on with: the plan has no time and ``lp`` holds the LP's solution."""
+           exact: bool = True, lp=None) -> HandPlan:
+    """The family narrowed to ``allowed``, solved for time and priced: its LP (``warm``,
+    or ``lp`` where it was solved already), where that is integral, else the MILP; with
+    ``exact=False`` a fractional LP is not gone on with: the plan has no time and ``lp``
+    holds the LP's solution."""
     plan = HandPlan(name, axes)
     t0 = time.perf_counter()
     reused = _SOLVED.get(key) if key is not None else None
     if reused is not None:   # (the solve is reused; the plan is priced again)
         choice, how = dict(reused), "its solve reused"
     else:
-        sol = warm.solve(allowed, time_limit=time_limit) if warm is not None else None
+        sol = lp if lp is not None else warm.solve(allowed, time_limit=time_limit) if warm is not None else None
         how = "warm LP"
         if not exact and sol is not None and sol.choice and sol.rounded:
             plan.lp, plan.note = sol, f"{time.perf_counter() - t0:.2f} s (warm LP, fractional)"
@@ -336,7 +335,7 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
         if sol is None or not sol.choice or sol.rounded:   # (no model, or a fractional optimum: the MILP)
             how = ""
             if sol is not None and sol.choice:
-                rounding = {t: sol.choice.get(t, 0) for t in problem.unary}
+                rounding = _lp_rounding(problem, sol)
             try:   # (within HAND_MILP_S: the best plan its branch and bound found by then)
                 sol = milp.solve(milp.reduce(problem, memory_matters=False, allowed=allowed),
                                  time_limit=HAND_MILP_S if time_limit is None else min(time_limit, HAND_MILP_S),
@@ -348,10 +347,8 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
                 sol = milp.Solution({}, float("inf"), float("inf"), float("inf"), str(e), 0.0, 0, 0)
         choice = {t: sol.choice.get(t, 0) for t in problem.unary} if sol.choice or not problem.unary else None
         # (a cut-short branch and bound may hold a plan dearer than the LP's rounding: on the
-        # 2-layer GPT steps its plans after 10 s were 1.05-4.9x the roundings'; a rounding that
-        # makes a move the model excludes is no plan)
-        if rounding is not None and problem.objective(rounding) < \
-                (IMPOSSIBLE if choice is None else problem.objective(choice)):
+        # 2-layer GPT steps its plans after 10 s were 1.05-4.9x the roundings')
+        if rounding is not None and (choice is None or problem.objective(rounding) < problem.objective(choice)):
             choice, how = rounding, "the LP's rounding, cheaper than the MILP's plan in its time"
         if choice is None:
             plan.note = sol.status
@@ -363,20 +360,27 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
     return plan
 
 
+def _lp_rounding(problem, lp) -> Optional[dict]:
+    """The whole plan of ``lp``'s rounding (each decision at its heaviest candidate), or
+    None where it makes a move the model excludes (priced ``IMPOSSIBLE``)."""
+    choice = {t: lp.choice.get(t, 0) for t in problem.unary}
+    return choice if problem.objective(choice) < IMPOSSIBLE else None
+
+
 def _rounded(problem, plan: HandPlan, peak_of, limit, why: str) -> HandPlan:
     """``plan``'s family as its fractional LP's rounding, priced (not remembered: under
     another limit the family may need its exact solve), for the reason ``why`` (its LP
     bound is no less than the best hand plan that fits, so neither is its exact plan;
     or no plan fits, and the family's plan is a start for ``repair.py``). No plan where
     the rounding is impossible (a move the model excludes)."""
-    out = HandPlan(plan.name, plan.axes)
-    out.allowed, out.key = plan.allowed, plan.key
-    choice = {t: plan.lp.choice.get(t, 0) for t in problem.unary}
-    _price(problem, out, choice, peak_of, limit)
-    if out.time >= IMPOSSIBLE:
+    choice = _lp_rounding(problem, plan.lp)
+    if choice is None:
         plan.note += f"; not solved exactly: {why}, and its LP's rounding is impossible"
         plan.lp = None
         return plan
+    out = HandPlan(plan.name, plan.axes)
+    out.allowed, out.key = plan.allowed, plan.key
+    _price(problem, out, choice, peak_of, limit)
     out.note = f"{plan.note}; the LP's rounding, not solved exactly: {why}"
     return out
 
