@@ -290,6 +290,76 @@ def test_a_fractional_hand_family_that_cannot_be_the_best_keeps_its_lp_rounding(
         assert e.time >= least * (1 - 1e-9)   # (what the LP bound promised)
 
 
+def test_a_fractional_hand_family_within_the_margin_of_the_best_keeps_its_lp_rounding(monkeypatch):
+    """A fractional family whose LP bound is under the best hand plan that fits, but by
+    less than ``margin`` (the search's own tolerance), keeps its LP's rounding with no
+    branch and bound; with no margin it gets branch and bound. Its exact optimum then
+    confirms what the margin promised: no more than that fraction below the best."""
+    from shardprop.passes.auto import hand, milp, warm_lp
+    from shardprop.passes.auto.problem import Problem
+    from shardprop.passes.auto.search import _Liveness
+    from shardprop.passes.cost import CostModel
+    fn, args = adam_case(batch=64, width=256)
+    g = traced_graph(fn, args, Mesh(("dp", "mp"), (4, 2)), tied=(0, 1))
+    problem = Problem(g, CostModel.builtin("cpu"))   # (Megatron over both axes: fractional, 5.3% below)
+    memory = _Liveness(g, problem)
+    fams = hand.families(problem)
+    real = milp.solve
+
+    def plans(margin):
+        hand._SOLVED.clear()
+        model = warm_lp.WarmLP(milp.reduce(problem, memory_matters=True,
+                                           also=[f.allowed for f in fams if f.allowed is not None]))
+        calls = []
+        monkeypatch.setattr(milp, "solve", lambda *a, **k: calls.append(1) or real(*a, **k))
+        out = hand.hand_plans(problem, lambda c: memory.peak(c)[0], None, fams=fams, warm=model, margin=margin)
+        return {h.label: h for h in out}, len(calls)
+    within, milps = plans(margin=0.10)
+    rounded = [h for h in within.values() if "at most 10% below" in h.note]
+    assert rounded and milps == 0
+    least = min(h.time for h in within.values() if h.time is not None and h not in rounded)
+    exact, milps = plans(margin=0.0)
+    assert milps == len(rounded)
+    for h in rounded:
+        e = exact[h.label]
+        assert "not solved exactly" not in e.note and e.time <= h.time * (1 + 1e-9)
+        assert least * (1 - 0.10) <= e.time < least   # (under the best, by less than the margin)
+
+
+def test_the_warm_order_changes_only_how_fast_the_hand_plans_are_solved():
+    """The families are solved on the warm LP from the one that narrows least, each next
+    the nearest to the last; each family once, and each integral family's plan costs
+    what it costs solved in the families' own order."""
+    from shardprop.passes.auto import hand, milp, warm_lp
+    from shardprop.passes.auto.problem import Problem
+    from shardprop.passes.auto.search import _Liveness
+    from shardprop.passes.cost import CostModel
+    fn, args = adam_case(batch=1024, width=128)
+    g = traced_graph(fn, args, Mesh(("dp", "mp"), (2, 4)), tied=(0, 1))
+    problem = Problem(g, CostModel.builtin("cpu"))
+    memory = _Liveness(g, problem)
+    fams = hand.families(problem)
+    order = hand._warm_order(problem, fams)
+    assert sorted(order) == list(range(len(fams))) and fams[order[0]].name == "DP"
+    red = milp.reduce(problem, memory_matters=True, also=[f.allowed for f in fams if f.allowed is not None])
+
+    def times(warm_order):
+        hand._SOLVED.clear()
+        real = hand._warm_order
+        hand._warm_order = warm_order
+        try:
+            out = hand.hand_plans(problem, lambda c: memory.peak(c)[0], None, fams=fams, warm=warm_lp.WarmLP(red))
+        finally:
+            hand._warm_order = real
+        return {h.label: (h.time, "fractional" in h.note) for h in out}
+    mine, theirs = times(hand._warm_order), times(lambda problem, fams: list(range(len(fams))))
+    # (plans of equal cost may merge differently, "Megatron = tp+FSDP": the labels both keep)
+    integral = [label for label in mine.keys() & theirs.keys() if not mine[label][1] and not theirs[label][1]]
+    assert len(integral) >= 3
+    for label in integral:
+        assert mine[label][0] == pytest.approx(theirs[label][0], rel=1e-9), label
+
+
 # -- one warm-started LP for the hand plans, the rounds and the searches again -------------
 
 def test_warm_lp_narrowed_by_bounds_equals_each_hand_plans_own_solve():

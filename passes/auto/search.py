@@ -317,7 +317,7 @@ class SearchStrategies:
         with self._phase("hand plans"):
             plans = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, time_limit=self.time_limit,
                                     fams=fams, warm=warm, fit=fit if limit is not None else None,
-                                    every=self.pick is not None) if fams else []
+                                    every=self.pick is not None, margin=self.relaxed_gap or 0.0) if fams else []
         if self._deadline is not None:
             # (the hand plans are solved in full, each within time_limit: what they compare
             # with must be there; the budget is for the search's own rounds, which on a
