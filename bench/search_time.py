@@ -20,6 +20,8 @@ and where the search's seconds went (``plan.cost.solver["phases"]``).
                                                           # check's compiles and searches again
     python bench/search_time.py --layers 2 --meshes 4x2 --limits 0.5 --repeat 1 --lp-log
                                                           # and each warm LP solve's seconds
+    python bench/search_time.py --layers 2 --family-lps   # the hand families' LPs alone, in
+                                                          # their own order and in the warm one
 
 Without ``--compiled`` one search runs on the traced program (``SearchStrategies``
 with its own time budget), which is what the search-time goals are about; with it,
@@ -119,6 +121,35 @@ def plan_once(pf, args) -> dict:
     return out
 
 
+def family_lps(pf, args, repeat: int) -> None:
+    """The hand families' LPs alone on one warm model, solved in the families' own order
+    and in ``hand._warm_order`` (a fresh model per run, interleaved): seconds and simplex
+    iterations, summed over the families."""
+    from shardprop.passes.auto import milp, warm_lp
+    from shardprop.passes.auto.problem import Problem
+    graph = bound_graph(pf, args)
+    search = SearchStrategies(pf.options.cost)
+    graph.set_mesh(search._arrangements(graph)[0])
+    cold()
+    problem = Problem(graph, pf.options.cost)
+    fams = hand.families(problem)
+    red = milp.reduce(problem, memory_matters=True, also=[f.allowed for f in fams if f.allowed is not None])
+    orders = {"families' order": list(range(len(fams))), "warm order": hand._warm_order(problem, fams)}
+    runs = {name: [] for name in orders}
+    for _ in range(repeat):
+        for name, order in orders.items():
+            model = warm_lp.WarmLP(red)
+            t0 = time.perf_counter()
+            for k in order:
+                if fams[k].allowed is not None:
+                    model.solve(fams[k].allowed)
+            runs[name].append((time.perf_counter() - t0, sum(entry[2] for entry in model.log)))
+    for name, order in orders.items():
+        print(f"  {name:<16} {order}: {statistics.median(r[0] for r in runs[name]):6.2f} s, "
+              f"{statistics.median(r[1] for r in runs[name]):.0f} simplex iterations "
+              f"(median of {repeat})", flush=True)
+
+
 def summary(res) -> dict:
     s = res.solver
     return dict(step=res.step_time, written=res.written_time or res.step_time, peak=res.peak_memory,
@@ -137,6 +168,8 @@ def main():
     ap.add_argument("--compiled", action="store_true", help="parallelize().plan(): with the memory check's rounds")
     ap.add_argument("--lp-log", action="store_true",
                     help="each warm LP solve of the last run: wall s, process s, simplex iterations, rows, status")
+    ap.add_argument("--family-lps", action="store_true",
+                    help="only the hand families' LPs, in their own order and in the warm order")
     args = ap.parse_args()
     print(f"GPT training step (zoo: heads 8 x 16, seq 32, batch 8, Adam), no marks, cost model {args.cost_model}; "
           f"{'plan() with the memory check' if args.compiled else 'one search'}, cold; medians of {args.repeat} "
@@ -145,6 +178,10 @@ def main():
         for name in args.meshes:
             case, host = case_of(layers, name)
             free = parallelized(case, name, args.cost_model)
+            if args.family_lps:
+                print(f"{layers} layers, mesh {name}: the hand families' LPs", flush=True)
+                family_lps(free, host, args.repeat)
+                continue
             g = bound_graph(free, host)
             cold()
             SearchStrategies(free.options.cost)(g)

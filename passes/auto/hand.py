@@ -293,8 +293,8 @@ def _warm_order(problem, fams: list) -> list:
     least), each next the family whose narrowing is nearest the last one's (the fewest
     decisions' candidate sets changed, by Jaccard distance). The dual simplex goes on
     from the last family's basis, so its pivots grow with how far the bounds move: on
-    the 2-layer GPT step on 2 x 4 the eight families' LPs took 15.8 s in the families'
-    order and 8.5 s in this one, the params-split families 0.1-0.4 s each after their
+    the 2-layer GPT step on 2 x 4 the eight families' LPs took 12.9 s in the families'
+    order and 9.3 s in this one, the params-split families 0.1-0.4 s each after their
     first, against 8-10 s each from nothing."""
     todo = [k for k, f in enumerate(fams) if f.allowed is not None]
     order = [k for k, f in enumerate(fams) if f.allowed is None]
