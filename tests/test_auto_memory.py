@@ -253,30 +253,39 @@ def test_hand_plans_solved_once_per_problem_and_priced_again():
         assert r.time == pytest.approx(h.time, rel=1e-12) and r.peak == h.peak
 
 
-def test_a_fractional_hand_family_that_cannot_be_the_best_keeps_its_lp_rounding(monkeypatch):
-    """A family whose LP optimum is fractional goes to branch and bound only where its LP
-    bound is under the best hand plan that fits; else it keeps the LP's rounding, priced.
-    Solving it exactly (``every``, as a plan picked by name is) confirms the skip: its
-    optimum is no cheaper than the best hand plan."""
+def _hand_plans_counting_milps(monkeypatch, batch: int, width: int, shape: tuple):
+    """A function of ``hand_plans``'s keywords giving (the hand plans by label, how many
+    MILPs they ran) on the Adam step, the cpu profile, ``shape`` ("dp", "mp"); each call
+    cold (a fresh warm LP, no solves kept)."""
     from shardprop.passes.auto import hand, milp, warm_lp
     from shardprop.passes.auto.problem import Problem
     from shardprop.passes.auto.search import _Liveness
     from shardprop.passes.cost import CostModel
-    fn, args = adam_case(batch=1024, width=128)
-    g = traced_graph(fn, args, Mesh(("dp", "mp"), (2, 4)), tied=(0, 1))
-    problem = Problem(g, CostModel.builtin("cpu"))   # (two families have a fractional LP, both dear)
+    fn, args = adam_case(batch=batch, width=width)
+    g = traced_graph(fn, args, Mesh(("dp", "mp"), shape), tied=(0, 1))
+    problem = Problem(g, CostModel.builtin("cpu"))
     memory = _Liveness(g, problem)
     fams = hand.families(problem)
     real = milp.solve
 
-    def plans(every):
+    def plans(**kw):
         hand._SOLVED.clear()
         model = warm_lp.WarmLP(milp.reduce(problem, memory_matters=True,
                                            also=[f.allowed for f in fams if f.allowed is not None]))
         calls = []
         monkeypatch.setattr(milp, "solve", lambda *a, **k: calls.append(1) or real(*a, **k))
-        out = hand.hand_plans(problem, lambda c: memory.peak(c)[0], None, fams=fams, warm=model, every=every)
+        out = hand.hand_plans(problem, lambda c: memory.peak(c)[0], None, fams=fams, warm=model, **kw)
         return {h.label: h for h in out}, len(calls)
+    return plans
+
+
+def test_a_fractional_hand_family_that_cannot_be_the_best_keeps_its_lp_rounding(monkeypatch):
+    """A family whose LP optimum is fractional goes to branch and bound only where its LP
+    bound is under the best hand plan that fits; else it keeps the LP's rounding, priced.
+    Solving it exactly (``every``, as a plan picked by name is) confirms the skip: its
+    optimum is no cheaper than the best hand plan."""
+    # (two families have a fractional LP, both dear)
+    plans = _hand_plans_counting_milps(monkeypatch, batch=1024, width=128, shape=(2, 4))
     quick, milps = plans(every=False)
     rounded = [h for h in quick.values() if "not solved exactly" in h.note]
     assert rounded and milps == 0
@@ -295,25 +304,8 @@ def test_a_fractional_hand_family_within_the_margin_of_the_best_keeps_its_lp_rou
     less than ``margin`` (the search's own tolerance), keeps its LP's rounding with no
     branch and bound; with no margin it gets branch and bound. Its exact optimum then
     confirms what the margin promised: no more than that fraction below the best."""
-    from shardprop.passes.auto import hand, milp, warm_lp
-    from shardprop.passes.auto.problem import Problem
-    from shardprop.passes.auto.search import _Liveness
-    from shardprop.passes.cost import CostModel
-    fn, args = adam_case(batch=64, width=256)
-    g = traced_graph(fn, args, Mesh(("dp", "mp"), (4, 2)), tied=(0, 1))
-    problem = Problem(g, CostModel.builtin("cpu"))   # (Megatron over both axes: fractional, 5.3% below)
-    memory = _Liveness(g, problem)
-    fams = hand.families(problem)
-    real = milp.solve
-
-    def plans(margin):
-        hand._SOLVED.clear()
-        model = warm_lp.WarmLP(milp.reduce(problem, memory_matters=True,
-                                           also=[f.allowed for f in fams if f.allowed is not None]))
-        calls = []
-        monkeypatch.setattr(milp, "solve", lambda *a, **k: calls.append(1) or real(*a, **k))
-        out = hand.hand_plans(problem, lambda c: memory.peak(c)[0], None, fams=fams, warm=model, margin=margin)
-        return {h.label: h for h in out}, len(calls)
+    # (Megatron over both axes: fractional, its LP bound 5.3% under the best hand plan)
+    plans = _hand_plans_counting_milps(monkeypatch, batch=64, width=256, shape=(4, 2))
     within, milps = plans(margin=0.10)
     rounded = [h for h in within.values() if "at most 10% below" in h.note]
     assert rounded and milps == 0
