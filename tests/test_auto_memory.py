@@ -253,19 +253,23 @@ def test_hand_plans_solved_once_per_problem_and_priced_again():
         assert r.time == pytest.approx(h.time, rel=1e-12) and r.peak == h.peak
 
 
-def _hand_plans_counting_milps(monkeypatch, batch: int, width: int, shape: tuple):
-    """A function of ``hand_plans``'s keywords giving (the hand plans by label, how many
-    MILPs they ran) on the Adam step, the cpu profile, ``shape`` ("dp", "mp"); each call
-    cold (a fresh warm LP, no solves kept)."""
-    from shardprop.passes.auto import hand, milp, warm_lp
+def _adam_hands(batch: int, width: int, shape: tuple):
+    """(problem, liveness, hand families) of the Adam step on ``shape`` ("dp", "mp"),
+    priced by the cpu profile."""
+    from shardprop.passes.auto import hand
     from shardprop.passes.auto.problem import Problem
     from shardprop.passes.auto.search import _Liveness
     from shardprop.passes.cost import CostModel
     fn, args = adam_case(batch=batch, width=width)
     g = traced_graph(fn, args, Mesh(("dp", "mp"), shape), tied=(0, 1))
     problem = Problem(g, CostModel.builtin("cpu"))
-    memory = _Liveness(g, problem)
-    fams = hand.families(problem)
+    return problem, _Liveness(g, problem), hand.families(problem)
+
+
+def _hand_plans_counting_milps(monkeypatch, problem, memory, fams):
+    """A function of ``hand_plans``'s keywords giving (the hand plans by label, how many
+    MILPs they ran); each call cold (a fresh warm LP, no solves kept)."""
+    from shardprop.passes.auto import hand, milp, warm_lp
     real = milp.solve
 
     def plans(**kw):
@@ -285,7 +289,7 @@ def test_a_fractional_hand_family_that_cannot_be_the_best_keeps_its_lp_rounding(
     Solving it exactly (``every``, as a plan picked by name is) confirms the skip: its
     optimum is no cheaper than the best hand plan."""
     # (two families have a fractional LP, both dear)
-    plans = _hand_plans_counting_milps(monkeypatch, batch=1024, width=128, shape=(2, 4))
+    plans = _hand_plans_counting_milps(monkeypatch, *_adam_hands(batch=1024, width=128, shape=(2, 4)))
     quick, milps = plans(every=False)
     rounded = [h for h in quick.values() if "not solved exactly" in h.note]
     assert rounded and milps == 0
@@ -305,7 +309,7 @@ def test_a_fractional_hand_family_within_the_margin_of_the_best_keeps_its_lp_rou
     branch and bound; with no margin it gets branch and bound. Its exact optimum then
     confirms what the margin promised: no more than that fraction below the best."""
     # (Megatron over both axes: fractional, its LP bound 5.3% under the best hand plan)
-    plans = _hand_plans_counting_milps(monkeypatch, batch=64, width=256, shape=(4, 2))
+    plans = _hand_plans_counting_milps(monkeypatch, *_adam_hands(batch=64, width=256, shape=(4, 2)))
     within, milps = plans(margin=0.10)
     rounded = [h for h in within.values() if "at most 10% below" in h.note]
     assert rounded and milps == 0
@@ -318,33 +322,22 @@ def test_a_fractional_hand_family_within_the_margin_of_the_best_keeps_its_lp_rou
         assert least * (1 - 0.10) <= e.time < least   # (under the best, by less than the margin)
 
 
-def test_the_warm_order_changes_only_how_fast_the_hand_plans_are_solved():
+def test_the_warm_order_changes_only_how_fast_the_hand_plans_are_solved(monkeypatch):
     """The families are solved on the warm LP from the one that narrows least, each next
     the nearest to the last; each family once, and each integral family's plan costs
     what it costs solved in the families' own order."""
-    from shardprop.passes.auto import hand, milp, warm_lp
-    from shardprop.passes.auto.problem import Problem
-    from shardprop.passes.auto.search import _Liveness
-    from shardprop.passes.cost import CostModel
-    fn, args = adam_case(batch=1024, width=128)
-    g = traced_graph(fn, args, Mesh(("dp", "mp"), (2, 4)), tied=(0, 1))
-    problem = Problem(g, CostModel.builtin("cpu"))
-    memory = _Liveness(g, problem)
-    fams = hand.families(problem)
+    from shardprop.passes.auto import hand
+    problem, memory, fams = _adam_hands(batch=1024, width=128, shape=(2, 4))
     order = hand._warm_order(problem, fams)
     assert sorted(order) == list(range(len(fams))) and fams[order[0]].name == "DP"
-    red = milp.reduce(problem, memory_matters=True, also=[f.allowed for f in fams if f.allowed is not None])
+    plans = _hand_plans_counting_milps(monkeypatch, problem, memory, fams)
 
-    def times(warm_order):
-        hand._SOLVED.clear()
-        real = hand._warm_order
-        hand._warm_order = warm_order
-        try:
-            out = hand.hand_plans(problem, lambda c: memory.peak(c)[0], None, fams=fams, warm=warm_lp.WarmLP(red))
-        finally:
-            hand._warm_order = real
-        return {h.label: (h.time, "fractional" in h.note) for h in out}
-    mine, theirs = times(hand._warm_order), times(lambda problem, fams: list(range(len(fams))))
+    def times():
+        out, _ = plans()
+        return {label: (h.time, "fractional" in h.note) for label, h in out.items()}
+    mine = times()
+    monkeypatch.setattr(hand, "_warm_order", lambda problem, fams: list(range(len(fams))))
+    theirs = times()
     # (plans of equal cost may merge differently, "Megatron = tp+FSDP": the labels both keep)
     integral = [label for label in mine.keys() & theirs.keys() if not mine[label][1] and not theirs[label][1]]
     assert len(integral) >= 3

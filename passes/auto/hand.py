@@ -301,15 +301,13 @@ def _warm_order(problem, fams: list) -> list:
     if not todo:
         return order
 
-    def candidates(fam, t):
-        return set(fam.allowed[t].tolist()) if t in fam.allowed else None   # (None: all of them)
+    def candidates(fam, t) -> set:   # (a decision the family leaves alone: all of them)
+        return set(fam.allowed[t].tolist()) if t in fam.allowed else set(range(len(problem.unary[t])))
 
     def distance(a, b) -> float:
         out = 0.0
         for t in set(a.allowed) | set(b.allowed):
             ca, cb = candidates(a, t), candidates(b, t)
-            full = set(range(len(problem.unary[t])))
-            ca, cb = full if ca is None else ca, full if cb is None else cb
             out += 1.0 - len(ca & cb) / max(len(ca | cb), 1)
         return out
     last = todo.pop(0)
