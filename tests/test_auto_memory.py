@@ -512,6 +512,39 @@ def test_where_every_hand_plan_fits_the_first_row_is_where_the_cheapest_peaks(mo
     assert peak <= limit and sol.objective <= cheapest.time * (1 + 1e-9)
 
 
+
+@pytest.mark.slow
+def test_the_lp_rounds_start_from_one_row_where_the_first_hand_plan_over_the_limit_peaks(monkeypatch):
+    """Hand plans over the limit: the LP rounds are seeded with one row, where the first of
+    them (in the families' order: DP's, which narrows least) peaks, not every such plan's
+    (each row makes the LP's iterations dearer); the rounds add the rows they need, and the
+    plan fits and is no dearer than the best hand plan that fits."""
+    from shardprop.passes.auto import SearchStrategies, hand
+    from shardprop.passes.auto.memory import plan_profile
+    fn, args = adam_case(batch=64, width=256)
+    g = traced_graph(fn, args, Mesh(("dp", "mp"), (2, 4)), tied=(0, 1))
+    _, _, free_peak = SearchStrategies().search(g)
+    limit = int(0.5 * free_peak)
+    hand._SOLVED.clear()
+    seeds = []
+    inner = SearchStrategies._solve_under_limit
+
+    def spy(self, red, problem, memory, limit, smallest, start=None, seed=(), **kw):
+        seeds.append((list(seed), problem))
+        return inner(self, red, problem, memory, limit, smallest, start, seed, **kw)
+    monkeypatch.setattr(SearchStrategies, "_solve_under_limit", spy)
+    st = SearchStrategies(memory_limit=limit, exact_ops=0)
+    _, sol, peak = st.search(g)
+    hands = [h for h in st._hands if h.time is not None]
+    over = [h for h in hands if not h.fits]
+    assert len(over) >= 2 and over[0].name == "DP"   # (DP and Megatron, here)
+    (seed, problem), = seeds
+    assert seed == [int(np.argmax(plan_profile(g, *problem.op_strategies(over[0].choice))))]
+    assert peak <= limit
+    fitting = [h.time for h in hands if h.fits]
+    assert not fitting or sol.objective <= min(fitting) * (1 + 1e-9)
+
+
 # -- a copy several ops read is priced once, as written ----------------------------------------
 
 def norm_mlp_step(params, x, y):
