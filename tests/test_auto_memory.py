@@ -483,17 +483,14 @@ def test_a_hand_plan_picked_by_name_is_solved_under_the_limit_whatever_the_other
     assert solved[True].fits and solved[True].peak <= limit and "solved under it" in solved[True].note
 
 
-@pytest.mark.slow
-def test_where_every_hand_plan_fits_the_first_row_is_where_the_cheapest_peaks(monkeypatch):
-    """No hand plan over the limit: the LP rounds start from the row where the cheapest
-    hand plan peaks (every plan that fits meets it), with no exact unlimited solve to
-    find a first row; the plan fits and is no dearer than that hand plan."""
+def _search_seeding_rows(monkeypatch, g, fraction: float):
+    """One search of ``g`` under ``fraction`` of its free plan's peak, watching the rows its
+    LP rounds are seeded with: (hand plans, plan, peak, limit, the seed's rows, and where
+    ``choice`` peaks)."""
     from shardprop.passes.auto import SearchStrategies, hand
     from shardprop.passes.auto.memory import plan_profile
-    params, x, y = problem_data(256, 64, 2)
-    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
     _, _, free_peak = SearchStrategies().search(g)
-    limit = int(0.85 * free_peak)
+    limit = int(fraction * free_peak)
     hand._SOLVED.clear()
     seeds = []
     inner = SearchStrategies._solve_under_limit
@@ -504,13 +501,25 @@ def test_where_every_hand_plan_fits_the_first_row_is_where_the_cheapest_peaks(mo
     monkeypatch.setattr(SearchStrategies, "_solve_under_limit", spy)
     st = SearchStrategies(memory_limit=limit, exact_ops=0)
     _, sol, peak = st.search(g)
-    hands = [h for h in st._hands if h.time is not None]
+    (seed, problem), = seeds
+
+    def peaks_at(choice) -> int:
+        return int(np.argmax(plan_profile(g, *problem.op_strategies(choice))))
+    return [h for h in st._hands if h.time is not None], sol, peak, limit, seed, peaks_at
+
+
+@pytest.mark.slow
+def test_where_every_hand_plan_fits_the_first_row_is_where_the_cheapest_peaks(monkeypatch):
+    """No hand plan over the limit: the LP rounds start from the row where the cheapest
+    hand plan peaks (every plan that fits meets it), with no exact unlimited solve to
+    find a first row; the plan fits and is no dearer than that hand plan."""
+    params, x, y = problem_data(256, 64, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("dp", "mp"), (2, 4)), tied=(0,))
+    hands, sol, peak, limit, seed, peaks_at = _search_seeding_rows(monkeypatch, g, 0.85)
     assert hands and all(h.fits for h in hands)
     cheapest = min(hands, key=lambda h: h.time)
-    (seed, problem), = seeds
-    assert seed == [int(np.argmax(plan_profile(g, *problem.op_strategies(cheapest.choice))))]
+    assert seed == [peaks_at(cheapest.choice)]
     assert peak <= limit and sol.objective <= cheapest.time * (1 + 1e-9)
-
 
 
 @pytest.mark.slow
@@ -519,27 +528,12 @@ def test_the_lp_rounds_start_from_one_row_where_the_first_hand_plan_over_the_lim
     them (in the families' order: DP's, which narrows least) peaks, not every such plan's
     (each row makes the LP's iterations dearer); the rounds add the rows they need, and the
     plan fits and is no dearer than the best hand plan that fits."""
-    from shardprop.passes.auto import SearchStrategies, hand
-    from shardprop.passes.auto.memory import plan_profile
     fn, args = adam_case(batch=64, width=256)
     g = traced_graph(fn, args, Mesh(("dp", "mp"), (2, 4)), tied=(0, 1))
-    _, _, free_peak = SearchStrategies().search(g)
-    limit = int(0.5 * free_peak)
-    hand._SOLVED.clear()
-    seeds = []
-    inner = SearchStrategies._solve_under_limit
-
-    def spy(self, red, problem, memory, limit, smallest, start=None, seed=(), **kw):
-        seeds.append((list(seed), problem))
-        return inner(self, red, problem, memory, limit, smallest, start, seed, **kw)
-    monkeypatch.setattr(SearchStrategies, "_solve_under_limit", spy)
-    st = SearchStrategies(memory_limit=limit, exact_ops=0)
-    _, sol, peak = st.search(g)
-    hands = [h for h in st._hands if h.time is not None]
+    hands, sol, peak, limit, seed, peaks_at = _search_seeding_rows(monkeypatch, g, 0.5)
     over = [h for h in hands if not h.fits]
     assert len(over) >= 2 and over[0].name == "DP"   # (DP and Megatron, here)
-    (seed, problem), = seeds
-    assert seed == [int(np.argmax(plan_profile(g, *problem.op_strategies(over[0].choice))))]
+    assert seed == [peaks_at(over[0].choice)]
     assert peak <= limit
     fitting = [h.time for h in hands if h.fits]
     assert not fitting or sol.objective <= min(fitting) * (1 + 1e-9)
