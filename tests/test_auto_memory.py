@@ -268,16 +268,20 @@ def _adam_hands(batch: int, width: int, shape: tuple):
 
 def _hand_plans_counting_milps(monkeypatch, problem, memory, fams):
     """A function of ``hand_plans``'s keywords giving (the hand plans by label, how many
-    MILPs they ran); each call cold (a fresh warm LP, no solves kept)."""
-    from shardprop.passes.auto import hand, milp, warm_lp
+    MILPs they ran); each call cold (a fresh warm LP, no solves kept). ``dive=True``: the
+    fractional families dived on that warm LP as the search dives them."""
+    from shardprop.passes.auto import SearchStrategies, hand, milp, warm_lp
     real = milp.solve
 
-    def plans(**kw):
+    def plans(dive: bool = False, **kw):
         hand._SOLVED.clear()
         model = warm_lp.WarmLP(milp.reduce(problem, memory_matters=True,
                                            also=[f.allowed for f in fams if f.allowed is not None]))
         calls = []
         monkeypatch.setattr(milp, "solve", lambda *a, **k: calls.append(1) or real(*a, **k))
+        if dive:
+            kw["dive"] = lambda allowed, lp, rounding: SearchStrategies()._dive_hand(problem, model, allowed, lp,
+                                                                                   rounding)
         out = hand.hand_plans(problem, lambda c: memory.peak(c)[0], None, fams=fams, warm=model, **kw)
         return {h.label: h for h in out}, len(calls)
     return plans
@@ -320,6 +324,26 @@ def test_a_fractional_hand_family_within_the_margin_of_the_best_keeps_its_lp_rou
         e = exact[h.label]
         assert "not solved exactly" not in e.note and e.time <= h.time * (1 + 1e-9)
         assert least * (1 - 0.10) <= e.time < least   # (under the best, by less than the margin)
+
+
+def test_a_fractional_hand_family_is_dived_where_a_cold_lp_is_slow(monkeypatch):
+    """Where a cold LP of the problem takes ``BRANCH_ROOT_S`` or more, a fractional family
+    outside the margin is dived on the warm LP and runs no MILP: its plan is the cheaper of
+    its LP's rounding and what the dive meets, between the family's exact optimum and the
+    rounding. Where it is quicker (this small step), it gets branch and bound."""
+    from shardprop.passes.auto import hand
+    plans = _hand_plans_counting_milps(monkeypatch, *_adam_hands(batch=64, width=256, shape=(4, 2)))
+    rounded, _ = plans(margin=1.0)                 # (every fractional family kept as its rounding)
+    exact, milps = plans(margin=0.0, dive=True)    # (branch and bound: this small step's optimum)
+    fractional = [label for label, h in rounded.items() if "not solved exactly" in h.note]
+    assert fractional and milps == len(fractional)
+    monkeypatch.setattr(hand, "BRANCH_ROOT_S", 0.0)
+    dived, milps = plans(margin=0.0, dive=True)
+    assert milps == 0
+    for label in fractional:
+        d = dived[label]
+        assert "dive" in d.note and "its LP's bound" in d.note
+        assert exact[label].time * (1 - 1e-9) <= d.time <= rounded[label].time * (1 + 1e-9)
 
 
 def test_the_warm_order_changes_only_how_fast_the_hand_plans_are_solved(monkeypatch):

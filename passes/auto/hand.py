@@ -48,13 +48,21 @@ FAMILIES = (
 )
 
 
-# seconds a hand plan's MILP may take where its LP's optimum is fractional (and the family
-# could be the best hand plan): a hand plan is a plan to beat, not the search. On the 2-layer
+# seconds a hand plan's dive (with a warm model) or MILP (without one) may take where its LP's
+# optimum is fractional (and the family could be the best hand plan): a hand plan is a plan to
+# beat, not the search. On the 2-layer
 # GPT step on 4 x 2 one family's branch and bound ran past 140 s; cut at 10 s, the families'
 # plans were 1.05-4.9x their LP's roundings, and on 2 x 4 at 0.5 the one family that needed it
 # found none cheaper than its rounding in 10 s (the small steps of the tests prove theirs in
 # well under a second)
 HAND_MILP_S = 3.0
+# a fractional family gets branch and bound only where the warm model's first, cold LP solve
+# took under this: branch and bound starts with such a solve (its root) and needs room to
+# branch. Else (the GPT steps: 1-2 s) the dive on the warm LP: within HAND_MILP_S branch and
+# bound never beat the rounding on the GPT steps of 2, 12 or 48 layers, where one warm solve
+# of the dive found plans 20-22% under it (48 layers on 4 x 2 at 0.7); on small steps it
+# proves the optimum in well under a second (the dive: 16% above it on an Adam step)
+BRANCH_ROOT_S = HAND_MILP_S / 10
 
 BATCH_NAMES = {"x", "xs", "inputs", "batch", "tokens", "targets", "y", "labels", "images", "ids"}
 
@@ -215,7 +223,7 @@ def families(problem) -> list[Family]:
 
 def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[float] = 10.0,
                fams: Optional[list] = None, warm=None, fit=None, every: bool = False,
-               margin: float = 0.0) -> list[HandPlan]:
+               margin: float = 0.0, dive=None) -> list[HandPlan]:
     """Each of ``families(problem)`` (or ``fams``) solved for its storage layouts and
     priced. ``peak_of(choice)``: its modeled peak. ``warm``: a ``warm_lp.WarmLP`` of
     this problem whose reduction kept every family's candidates (``milp.reduce(...,
@@ -235,7 +243,10 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
     bound is more than this fraction below the best hand plan that fits (the search's
     own tolerance, ``relaxed_gap``: a plan it would keep may lie that far above its
     bound, so a family that could beat the best hand plan by less adds nothing it
-    would not find)."""
+    would not find). ``dive(allowed, lp, rounding)``: where a cold LP of this problem
+    is too slow for branch and bound to get anywhere in ``HAND_MILP_S`` (``BRANCH_ROOT_S``),
+    the fractional LP dived to an integral plan on the warm model (``search._dive``)
+    instead, the cheaper of its plan and the rounding kept."""
     fams = families(problem) if fams is None else fams
     solved: dict = {}   # family index -> its plan, solved in the warm LP's order
     for k in _warm_order(problem, fams):
@@ -273,6 +284,8 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
                 ("no less than" if p.lp.bound >= least * (1 - 1e-12) else f"at most {margin:.0%} below") + \
                 f" the best hand plan that fits ({least * 1e3:.4f} ms)"
             out[i] = _rounded(problem, p, peak_of, limit, why)
+        elif dive is not None and warm is not None and warm.log and warm.log[0][0] >= BRANCH_ROOT_S:
+            out[i] = _dived(problem, p, dive, peak_of, limit)
         else:   # (the LP already solved is handed on, not solved again)
             out[i] = _solve(problem, p.name, p.axes, p.allowed, peak_of, limit, time_limit, p.key[:2], warm, lp=p.lp)
             out[i].allowed, out[i].key = p.allowed, p.key
@@ -424,6 +437,32 @@ def _rounded(problem, plan: HandPlan, peak_of, limit, why: str) -> HandPlan:
     out.allowed, out.key = plan.allowed, plan.key
     _price(problem, out, choice, peak_of, limit)
     out.note = f"{plan.note}; the LP's rounding, not solved exactly: {why}"
+    return out
+
+
+def _dived(problem, plan: HandPlan, dive, peak_of, limit) -> HandPlan:
+    """``plan``'s family as the cheaper of its fractional LP's rounding and the plan
+    ``dive`` finds from that LP, priced, its LP's bound in the note (not remembered, as
+    ``_rounded``'s are not). No plan where neither is possible."""
+    t0 = time.perf_counter()
+    rounding = _lp_rounding(problem, plan.lp)
+    dived = dive(plan.allowed, plan.lp, rounding)
+    seconds = time.perf_counter() - t0
+    if dived is not None and problem.objective(dived) >= IMPOSSIBLE:
+        dived = None
+    if dived is None and rounding is None:
+        plan.note += f"; the dive from its fractional LP found no plan ({seconds:.2f} s), and its LP's rounding is " \
+                     f"impossible"
+        plan.lp = None
+        return plan
+    if dived is None or (rounding is not None and problem.objective(rounding) <= problem.objective(dived)):
+        choice, how = rounding, "the LP's rounding, no dearer than what the dive from it found"
+    else:
+        choice, how = dived, "dived from its fractional LP"
+    out = HandPlan(plan.name, plan.axes)
+    out.allowed, out.key = plan.allowed, plan.key
+    _price(problem, out, choice, peak_of, limit)
+    out.note = f"{plan.note}; {how} ({seconds:.2f} s; its LP's bound {plan.lp.bound * 1e3:.4f} ms)"
     return out
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import numpy as np
@@ -314,10 +315,14 @@ class SearchStrategies:
         def fit(allowed, choice):
             peaks.append(memory.peak(choice)[1])
             return self._fit_hand(problem, memory, limit, allowed, choice)
+
+        def dive(allowed, lp, rounding):
+            return self._dive_hand(problem, warm, allowed, lp, rounding)
         with self._phase("hand plans"):
             plans = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, time_limit=self.time_limit,
                                     fams=fams, warm=warm, fit=fit if limit is not None else None,
-                                    every=self.pick is not None, margin=self.relaxed_gap or 0.0) if fams else []
+                                    every=self.pick is not None, margin=self.relaxed_gap or 0.0,
+                                    dive=dive if warm is not None else None) if fams else []
         if self._deadline is not None:
             # (the hand plans are solved in full, each within time_limit: what they compare
             # with must be there; the budget is for the search's own rounds, which on a
@@ -427,6 +432,21 @@ class SearchStrategies:
         ``HAND_FIT_S``), or None."""
         with self._phase("hand plans under the limit"):
             return fit_by_switching(problem, memory, limit, choice, allowed, time.perf_counter() + HAND_FIT_S)
+
+    def _dive_hand(self, problem: Problem, warm, allowed: dict, lp, rounding: Optional[dict]) -> Optional[dict]:
+        """A hand family's fractional LP (solved for time: no memory rows) dived to an
+        integral plan (``_dive`` on ``warm`` narrowed to ``allowed``, from its ``rounding``,
+        within ``hand.HAND_MILP_S``): the cheapest plan it meets, or None. The warm model's
+        basis is put back after, so the next solve goes on from where the families left it."""
+        with self._phase("hand plans' dives"):
+            kept = {t: np.intersect1d(k, allowed[t]) if t in allowed else k for t, k in warm.red.kept.items()}
+            incumbent = (problem.objective(rounding), rounding) if rounding is not None else None
+            basis = warm.basis()
+            try:
+                return _dive(lp, warm, SimpleNamespace(kept=kept), [], None, time.perf_counter() + hand.HAND_MILP_S,
+                             problem, fits=lambda choice: True, incumbent=incumbent)
+            finally:
+                warm.restore(basis)
 
     def _picked(self, graph: Graph, problem: Problem, plans: list, limit):
         """(problem, the hand plan named ``self.pick`` as the plan, its peak), refined as the
@@ -928,7 +948,7 @@ def _dive(lp, warm, red, rows: list, limit: float, deadline: Optional[float], pr
         if deadline is not None and time.perf_counter() >= deadline:
             return best[1] if best is not None else None
         base = cur.complete(cur.choice)
-        over = max(sum(float(vec[base[t]]) for t, vec in row.nodes.items()) for row in rows) - limit
+        over = max(sum(float(vec[base[t]]) for t, vec in row.nodes.items()) for row in rows) - limit if rows else 0.0
         lean, sure = [], []
         for t, (cands, w) in cur.support.items():
             if t in fixed or t in skip or len(cands) < 2:

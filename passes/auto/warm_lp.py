@@ -164,6 +164,14 @@ class WarmLP:
         self.rows[key] = mr
         return mr
 
+    def basis(self):
+        """The model's current basis, for ``restore``."""
+        return self.h.getBasis()
+
+    def restore(self, basis) -> None:
+        """Go on from ``basis`` (of this model, taken before any row was added since)."""
+        self.h.setBasis(basis)
+
     def solve(self, allowed: Optional[dict] = None, rows=(), limit: Optional[float] = None,
               time_limit: Optional[float] = None) -> "milp.Solution":
         """The LP optimum with each decision's candidates narrowed to ``allowed``
