@@ -59,7 +59,7 @@ HAND_MILP_S = 3.0
 # a fractional family gets branch and bound only where the warm model's first, cold LP solve
 # took under this: branch and bound starts with such a solve (its root) and needs room to
 # branch. Else (the GPT steps: 1-2 s) the dive on the warm LP: within HAND_MILP_S branch and
-# bound never beat the rounding on the GPT steps of 2, 12 or 48 layers, where one warm solve
+# bound never beat the rounding on the 2- and 48-layer GPT steps, where one warm solve
 # of the dive found plans 20-22% under it (48 layers on 4 x 2 at 0.7); on small steps it
 # proves the optimum in well under a second (the dive: 16% above it on an Adam step)
 BRANCH_ROOT_S = HAND_MILP_S / 10
