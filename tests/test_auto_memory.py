@@ -509,8 +509,8 @@ def test_a_hand_plan_picked_by_name_is_solved_under_the_limit_whatever_the_other
 
 def _search_seeding_rows(monkeypatch, g, fraction: float):
     """One search of ``g`` under ``fraction`` of its free plan's peak, watching the rows its
-    LP rounds are seeded with: (hand plans, plan, peak, limit, the seed's rows, and where
-    ``choice`` peaks)."""
+    LP rounds are seeded with: (hand plans, plan, peak, limit, the seed's rows, and a
+    function giving the point where a choice peaks)."""
     from shardprop.passes.auto import SearchStrategies, hand
     from shardprop.passes.auto.memory import plan_profile
     _, _, free_peak = SearchStrategies().search(g)

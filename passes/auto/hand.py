@@ -284,7 +284,7 @@ def hand_plans(problem, peak_of, limit: Optional[float], time_limit: Optional[fl
                 ("no less than" if p.lp.bound >= least * (1 - 1e-12) else f"at most {margin:.0%} below") + \
                 f" the best hand plan that fits ({least * 1e3:.4f} ms)"
             out[i] = _rounded(problem, p, peak_of, limit, why)
-        elif dive is not None and warm is not None and warm.log and warm.log[0][0] >= BRANCH_ROOT_S:
+        elif dive is not None and warm is not None and (warm.cold_seconds() or 0.0) >= BRANCH_ROOT_S:
             out[i] = _dived(problem, p, dive, peak_of, limit)
         else:   # (the LP already solved is handed on, not solved again)
             out[i] = _solve(problem, p.name, p.axes, p.allowed, peak_of, limit, time_limit, p.key[:2], warm, lp=p.lp)
@@ -422,6 +422,15 @@ def _lp_rounding(problem, lp) -> Optional[dict]:
     return choice if problem.objective(choice) < IMPOSSIBLE else None
 
 
+def _of_family(problem, plan: HandPlan, choice: dict, peak_of, limit, allowed, key) -> HandPlan:
+    """A new plan of ``plan``'s family (its narrowing ``allowed``, cache ``key``) as
+    ``choice``, priced."""
+    out = HandPlan(plan.name, plan.axes)
+    out.allowed, out.key = allowed, key
+    _price(problem, out, choice, peak_of, limit)
+    return out
+
+
 def _rounded(problem, plan: HandPlan, peak_of, limit, why: str) -> HandPlan:
     """``plan``'s family as its fractional LP's rounding, priced (not remembered: under
     another limit the family may need its exact solve), for the reason ``why`` (its LP
@@ -433,9 +442,7 @@ def _rounded(problem, plan: HandPlan, peak_of, limit, why: str) -> HandPlan:
         plan.note += f"; not solved exactly: {why}, and its LP's rounding is impossible"
         plan.lp = None
         return plan
-    out = HandPlan(plan.name, plan.axes)
-    out.allowed, out.key = plan.allowed, plan.key
-    _price(problem, out, choice, peak_of, limit)
+    out = _of_family(problem, plan, choice, peak_of, limit, plan.allowed, plan.key)
     out.note = f"{plan.note}; the LP's rounding, not solved exactly: {why}"
     return out
 
@@ -459,9 +466,7 @@ def _dived(problem, plan: HandPlan, dive, peak_of, limit) -> HandPlan:
         choice, how = rounding, "the LP's rounding, no dearer than what the dive from it found"
     else:
         choice, how = dived, "dived from its fractional LP"
-    out = HandPlan(plan.name, plan.axes)
-    out.allowed, out.key = plan.allowed, plan.key
-    _price(problem, out, choice, peak_of, limit)
+    out = _of_family(problem, plan, choice, peak_of, limit, plan.allowed, plan.key)
     out.note = f"{plan.note}; {how} ({seconds:.2f} s; its LP's bound {plan.lp.bound * 1e3:.4f} ms)"
     return out
 
@@ -476,9 +481,7 @@ def _fitted(problem, plan: HandPlan, allowed: dict, fit, peak_of, limit, key) ->
     if choice is None:
         plan.note += f"; solved under the limit: none that fits found ({seconds:.2f} s)"
         return plan
-    out = HandPlan(plan.name, plan.axes)
-    out.allowed, out.key = allowed, key
-    _price(problem, out, choice, peak_of, limit)
+    out = _of_family(problem, plan, choice, peak_of, limit, allowed, key)
     if not out.fits:   # (the rows fit; the modeled peak is the judge)
         plan.note += f"; solved under the limit: over it still ({seconds:.2f} s)"
         return plan

@@ -365,8 +365,8 @@ class SearchStrategies:
             # 0.4 ms on the 2-layer GPT step on 4 x 2 at 0.7): seeded with the rows of every
             # hand plan over the limit, the 12-layer GPT step on 4 x 2 searched 20.3 s at 0.7
             # and 11.7 s at 0.9, seeded with one 12.6 and 9.3 s, to the same or cheaper plans
-            over = [memory.peak(h.choice)[1] for h in plans if h.choice is not None and not h.fits]
-            over = (over + [at for at in peaks if at not in over])[:1]
+            first = next((h for h in plans if h.choice is not None and not h.fits), None)
+            over = [memory.peak(first.choice)[1]] if first is not None else peaks[:1]
             if not over:
                 # (every hand plan fits: the first row is where the cheapest peaks, which every plan
                 # that fits meets too; finding the unlimited optimum's peak by an exact solve instead

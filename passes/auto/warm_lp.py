@@ -164,6 +164,11 @@ class WarmLP:
         self.rows[key] = mr
         return mr
 
+    def cold_seconds(self) -> Optional[float]:
+        """Wall seconds of this model's first solve, from nothing (None before it): what a
+        cold LP of the problem costs."""
+        return self.log[0][0] if self.log else None
+
     def basis(self):
         """The model's current basis, for ``restore``."""
         return self.h.getBasis()
