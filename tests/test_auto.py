@@ -448,6 +448,36 @@ def random_problem(rng, nodes, edges, cands=(2, 7)):
     return milp.Reduced(unary, out, {t: np.arange(len(u)) for t, u in unary.items()})
 
 
+def test_edges_between_the_same_two_decisions_are_one_edge_and_the_lp_cannot_pair_them_apart():
+    """Two edges between one pair of decisions, by other layout classes: apart, the LP
+    relaxation prices each at another pairing (here 0, where every plan costs 10);
+    joined into one edge classed by both (the same cost for every pair of candidates),
+    its bound is the optimum. The problem keeps one edge per pair of decisions."""
+    from shardprop.passes.auto.problem import Edge, _joined
+    same = np.array([[0.0, 10.0], [10.0, 0.0]])
+    apart = [Edge(0, 1, np.array([0, 1]), np.array([0, 1]), same),
+             Edge(0, 1, np.array([0, 1]), np.array([1, 0]), same)]
+    one = _joined(apart)
+    assert np.array_equal(one.dense(), sum(e.dense() for e in apart))
+    kept = {0: np.arange(2), 1: np.arange(2)}
+    unary = {0: np.zeros(2), 1: np.zeros(2)}
+    loose = milp.solve(milp.Reduced(unary, apart, kept), relax=True, exact_dp=False)
+    tight = milp.solve(milp.Reduced(unary, [one], kept), relax=True, exact_dp=False)
+    assert loose.bound == pytest.approx(0.0, abs=1e-12) and loose.rounded
+    assert tight.bound == pytest.approx(10.0) and evaluate_reduced(milp.Reduced(unary, apart, kept), tight.choice) == 10.0
+    rng = np.random.default_rng(0)
+    for _ in range(20):   # (random classes: the joined edge prices every pair as the sum)
+        k_a, k_b = rng.integers(2, 9, 2)
+        edges = [Edge(0, 1, rng.integers(0, 3, k_a), rng.integers(0, 4, k_b), rng.random((3, 4))) for _ in range(3)]
+        j = _joined(edges)
+        assert np.allclose(j.dense(), sum(e.dense() for e in edges))
+        assert j.cost.shape[0] <= k_a and j.cost.shape[1] <= k_b
+    params, x, y = problem_data(256, 64, 2)
+    problem = Problem(traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (2, 4)), tied=(0,)), DEFAULT_COST)
+    pairs = [(e.a, e.b) for e in problem.edges]
+    assert len(pairs) == len(set(pairs))
+
+
 def test_exact_dp_solves_a_chain_without_the_milp():
     """A chain folds up entirely by elimination; the plan's cost is the MILP's optimum."""
     rng = np.random.default_rng(0)

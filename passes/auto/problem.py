@@ -511,7 +511,10 @@ class Problem:
                 merged[key].cost = merged[key].cost + small * count
             else:
                 merged[key] = Edge(tp, tc, rows, cols, small * count)
-        self.edges = list(merged.values())
+        by_pair: dict = {}
+        for e in merged.values():
+            by_pair.setdefault((e.a, e.b), []).append(e)
+        self.edges = [es[0] if len(es) == 1 else _joined(es) for es in by_pair.values()]
 
     def _classes_made(self, v: Value, node: Node) -> "_Classes":
         """The layouts ``v`` is made in by ``node``'s candidates, as classes (shared by
@@ -690,6 +693,20 @@ def _repeat_map(tokens: list) -> dict:
 
     walk(find_repeats(seq), 0, out)
     return out
+
+
+def _joined(edges: list) -> Edge:
+    """Edges between the same two decisions as one (exact: the same cost for every pair
+    of candidates), classed by the tuple of their classes. Apart, the LP relaxation
+    may pair each edge's classes differently (two readers of one value, each priced at
+    another candidate of its maker): a cycle of two, where one edge is a tree's."""
+    a, b = edges[0].a, edges[0].b
+    rows_u, rows = np.unique(np.stack([e.rows for e in edges], axis=1), axis=0, return_inverse=True)
+    cols_u, cols = np.unique(np.stack([e.cols for e in edges], axis=1), axis=0, return_inverse=True)
+    cost = np.zeros((len(rows_u), len(cols_u)))
+    for i, e in enumerate(edges):
+        cost += e.cost[np.ix_(rows_u[:, i], cols_u[:, i])]
+    return Edge(a, b, rows.reshape(-1), cols.reshape(-1), cost)
 
 
 def _numel(v: Value) -> int:
