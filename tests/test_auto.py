@@ -837,3 +837,36 @@ def test_a_short_stack_of_large_blocks_is_one_set_of_decisions_and_of_small_bloc
     assert decisions(2, net) == decisions(3, net) == decisions(5, net)
     small_net = lambda ws, x: sum((x @ w).sum() for w in ws)   # noqa: E731 (a few ops per layer)
     assert decisions(2, small_net) < decisions(3, small_net)
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_the_searchs_peak_by_layout_classes_is_the_program_walks(monkeypatch, marked):
+    """``_Liveness.profile`` sums each value's and each copy's bytes by the choice's layout
+    classes instead of walking the program (``memory.plan_profile``): on random plans of
+    a GPT step (attention's views and fused reads, layer norms, the tied head, Adam), every
+    point's bytes are the walk's. With a mark whose request gathers a stored value (each
+    reader gathers it at its own use, which the terms do not hold) it walks."""
+    import types
+    from pathlib import Path
+    from shardprop.passes.auto.memory import plan_profile
+    from shardprop.passes.auto.search import _Liveness
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import gpt_megatron as M
+    import optax
+    if not marked:
+        monkeypatch.setattr(M, "sp", types.SimpleNamespace(shard=lambda fn, *a, **k: fn))
+    cfg = M.Config(layers=2, heads=4, head_dim=8, batch=8, seq=16, vocab=64)
+    par = M.Parallelism.data_and_tensor() if marked else M.Parallelism(heads=None, columns=None)
+    step, opt = M.make_train_step(par, cfg)
+    params = M.init_params(cfg)
+    tokens, targets = M.make_batch(cfg)
+    mesh = Mesh(("dp", "mp"), (2, 4))
+    g = traced_graph(step, (params, opt.init(params), tokens, targets), mesh, tied=(0, 1))
+    problem = Problem(g, DEFAULT_COST)
+    live = _Liveness(g, problem)
+    assert (live._held_terms is None) == marked
+    rng = np.random.default_rng(0)
+    for trial in range(12):
+        choice = {t: int(rng.integers(len(u))) if trial else 0 for t, u in problem.unary.items()}
+        walked = plan_profile(g, *problem.op_strategies(choice), live.facts)
+        np.testing.assert_allclose(live.profile(choice), walked, rtol=1e-12, atol=0)
