@@ -788,3 +788,31 @@ def test_the_moves_of_a_plan_priced_on_autos_problem_add_up_to_its_written_price
         if what != "terminal":
             assert wait >= n * least * (1 - 1e-9), what   # (each move waits once, in full, for its group)
     assert moved == pytest.approx(on["written"] - on["compute"], rel=1e-9), (moved, on["written"], on["compute"])
+
+
+def test_a_hand_plan_is_made_to_fit_by_the_copies_at_its_peak_too():
+    """A weight stored split and gathered at its use holds the gather's bytes at the
+    matmul: a copy between two decisions (a memory row's pair), which FSDP's peak is
+    made of. The repair (``repair.py``) weighs what every switch saves at the peak:
+    its values' bytes and every copy it is an end of, each as the bytes at that point
+    with the switch made (checked against the row summed again, on random rows)."""
+    from shardprop.passes.auto.milp import MemoryRow
+    from shardprop.passes.auto.repair import _deciders, _saved_at
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        sizes = {t: int(rng.integers(2, 6)) for t in range(4)}
+        nodes = {t: rng.random(sizes[t]) for t in (0, 1)}
+        pairs = []
+        for a, b in ((1, 2), (2, 3), (0, 3)):
+            ra, cb = rng.integers(0, 3, sizes[a]), rng.integers(0, 2, sizes[b])
+            pairs.append((a, b, ra, cb, rng.random((3, 2))))
+        row = MemoryRow(nodes, pairs)
+        choice = {t: int(rng.integers(k)) for t, k in sizes.items()}
+
+        def held(c):
+            return sum(v[c[t]] for t, v in nodes.items()) + sum(m[ra[c[a]], cb[c[b]]] for a, b, ra, cb, m in pairs)
+        assert sorted(_deciders(row)) == [0, 1, 2, 3]     # (2 and 3 hold only copies' bytes)
+        for t in sizes:
+            cands = np.arange(sizes[t])
+            expect = [held(choice) - held({**choice, t: int(k)}) for k in cands]
+            np.testing.assert_allclose(_saved_at(row, choice, t, cands), expect, rtol=0, atol=1e-12)

@@ -8,7 +8,8 @@ such plans too, but a family's took 2-20 s on that step, where this takes a frac
 of a second: what the plan holds at its peak is a sum over decisions, and a plan's
 modeled peak costs ~5 ms to evaluate.
 
-How: at the point where the plan peaks, every decision alive there offers the candidate
+How: at the point where the plan peaks, every decision that holds bytes there (a value's,
+or either end of a copy: a gathered weight) offers the candidate
 (within its narrowing) that saves bytes at that point most cheaply, by what the switch
 adds to the plan's time (``Problem.switch_deltas``) per byte saved; the cheapest per
 byte are switched, as many as cover the excess, and the peak is found again, until the
@@ -28,6 +29,10 @@ import numpy as np
 from ..cost import IMPOSSIBLE
 
 MAX_ROUNDS = 400
+# rounds without a lower peak than the least so far after which the plan is given up: its
+# switches only move the peak between points (on the GPT steps at half the free plan's
+# peak, the families that never fit ran all their 2 s, where those that fit did within 0.6 s)
+STALL_ROUNDS = 30
 
 
 def fit_by_switching(problem, memory, limit: float, choice: dict, allowed: Optional[dict] = None,
@@ -35,23 +40,28 @@ def fit_by_switching(problem, memory, limit: float, choice: dict, allowed: Optio
     """``choice`` (template -> candidate) changed until its modeled peak (``memory``: a
     ``search._Liveness``) is at most ``limit``, each decision within ``allowed`` (template
     -> candidate indices; the rest: any); None where no switch saves bytes at the peak,
-    or ``deadline`` (``time.perf_counter()``) passes first."""
+    the peak has not come down for ``STALL_ROUNDS`` rounds, or ``deadline``
+    (``time.perf_counter()``) passes first."""
     allowed = allowed or {}
     start, choice = dict(choice), dict(choice)
     rows: dict = {}
+    least, stalled = float("inf"), 0
     for _ in range(MAX_ROUNDS):
         peak, at = memory.peak(choice)
         if peak <= limit:
             break
         if deadline is not None and time.perf_counter() >= deadline:
             return None
+        least, stalled = (peak, 0) if peak < least else (least, stalled + 1)
+        if stalled >= STALL_ROUNDS:
+            return None
         row = rows.get(at)
         if row is None:
             row = rows[at] = memory.row(at)
         moves = []
-        for t, vec in row.nodes.items():
-            cands = np.asarray(allowed[t]) if t in allowed else np.arange(len(vec))
-            saved = vec[choice[t]] - vec[cands]
+        for t in _deciders(row):
+            cands = np.asarray(allowed[t]) if t in allowed else np.arange(len(problem.unary[t]))
+            saved = _saved_at(row, choice, t, cands)
             delta = problem.switch_deltas(choice, t)[cands]
             ok = (saved > 0) & (delta < IMPOSSIBLE)
             if not ok.any():
@@ -77,6 +87,34 @@ def fit_by_switching(problem, memory, limit: float, choice: dict, allowed: Optio
         if memory.peak(trial)[0] <= limit:
             choice = trial
     return improve(problem, memory, limit, choice, allowed, deadline)
+
+
+def _deciders(row) -> list:
+    """The decisions whose candidate changes what one point holds: those of the values
+    alive there, and both ends of each copy there (a weight stored split and gathered at
+    its use holds the gather's bytes: the copy is what FSDP's peak is made of)."""
+    out = dict.fromkeys(row.nodes)
+    for a, b, *_ in row.pairs:
+        out.setdefault(a)
+        out.setdefault(b)
+    return list(out)
+
+
+def _saved_at(row, choice: dict, t: int, cands: np.ndarray) -> np.ndarray:
+    """Bytes the point of ``row`` holds less with ``t`` at each of ``cands`` (the other
+    decisions as ``choice`` has them): its values' and every copy it is an end of."""
+    saved = np.zeros(len(cands))
+    vec = row.nodes.get(t)
+    if vec is not None:
+        saved += vec[choice[t]] - vec[cands]
+    for a, b, rows_a, cols_b, nbytes in row.pairs:
+        if a == t:
+            col = nbytes[:, cols_b[choice[b]]]
+            saved += col[rows_a[choice[a]]] - col[rows_a[cands]]
+        elif b == t:
+            line = nbytes[rows_a[choice[a]]]
+            saved += line[cols_b[choice[b]]] - line[cols_b[cands]]
+    return saved
 
 
 def improve(problem, memory, limit: float, choice: dict, allowed: Optional[dict] = None,
