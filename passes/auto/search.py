@@ -40,7 +40,7 @@ from .memory import (copy_bytes, fused_bytes, largest_at_peak, plan_peak, plan_p
                      view_bytes)
 from .refine import refine
 from .repair import fit_by_switching
-from .problem import DECIDERS, Problem, _unique
+from .problem import DECIDERS, Problem
 
 MAX_MEMORY_ROUNDS = 25
 # a graph of at most this many ops is also searched without coarsening (every op its own
@@ -1088,24 +1088,27 @@ class _Liveness:
         stored = self.facts[3]
         if any(op.kind == CONSTRAINT and op.inputs and op.inputs[0] in stored for op in self.graph.ops):
             return None
-        p, ops = self.problem, self.graph.ops
+        ops = self.graph.ops
+        out = [(at, at) + r + (copy_bytes,) for at, op in enumerate(ops, start=1) for r in self._reads(op)]
+        out += [(b + 1, d + 1) + r + (view_bytes,) for q, (b, d) in self.shadows.items() for r in self._reads(ops[q])]
+        out += [(q + 1, r + 1) + x + (fused_bytes,) for r, m, q in self.fused for x in self._reads(ops[r], only=m)]
+        return out
 
-        def terms(op, held=copy_bytes, only=None):
-            if op not in p.node_of_op:
-                return []
-            ci, pc = p.node_of_op[op]
-            cnode = p.nodes[ci]
-            out = []
-            for m, v in enumerate(op.inputs):
-                if v.literal is not None or v not in p.owner or (only is not None and m != only):
-                    continue
-                pnode = p.nodes[p.owner[v][0]]
-                out.append((pnode.template, cnode.template, p._classes_made(v, pnode),
-                            p._classes_needed(v, cnode, pc, m), v, held))
-            return out
-        out = [(at, at) + term for at, op in enumerate(ops, start=1) for term in terms(op)]
-        out += [(b + 1, d + 1) + term for q, (b, d) in self.shadows.items() for term in terms(ops[q], view_bytes)]
-        out += [(q + 1, r + 1) + term for r, m, q in self.fused for term in terms(ops[r], fused_bytes, only=m)]
+    def _reads(self, op, only=None) -> list:
+        """(producer's template, consumer's template, layout classes made, classes needed,
+        value) of each operand of ``op`` a decision makes (``only``: that operand alone)."""
+        p = self.problem
+        if op not in p.node_of_op:
+            return []
+        ci, pc = p.node_of_op[op]
+        cnode = p.nodes[ci]
+        out = []
+        for m, v in enumerate(op.inputs):
+            if v.literal is not None or v not in p.owner or (only is not None and m != only):
+                continue
+            pnode = p.nodes[p.owner[v][0]]
+            out.append((pnode.template, cnode.template, p._classes_made(v, pnode),
+                        p._classes_needed(v, cnode, pc, m), v))
         return out
 
     def row(self, at: int) -> milp.MemoryRow:
@@ -1137,32 +1140,18 @@ class _Liveness:
         holds, from the operand, its layout and the one needed): (template, bytes per
         candidate) where one decision fixes both layouts, else (producer's template,
         consumer's template, classes, classes, bytes by class pair)."""
-        p = self.problem
-        if op not in p.node_of_op:
-            return []
-        ci, pc = p.node_of_op[op]
-        cnode = p.nodes[ci]
-        mesh = p.mesh
+        mesh = self.problem.mesh
         out = []
-        for m, v in enumerate(op.inputs):
-            if v.literal is not None or v not in p.owner or (only is not None and m != only):
-                continue
-            pi, pp, k_out = p.owner[v]
-            pnode = p.nodes[pi]
-            key = (pnode.template, pp, k_out, cnode.template, pc, m, pi == ci, v.type, held)
+        for pt, ct, src, dst, v in self._reads(op, only):
+            key = (pt, ct, src.ident, dst.ident, src.index.tobytes(), dst.index.tobytes(), v.type, held)
             term = self._copies.get(key)
             if term is None:
-                src = [p.layout_of(v, pnode, i) for i in range(len(pnode.candidates))]
-                dst = [row[pc].operand_layout(m, v.type.rank, mesh) for row in cnode.strategies]
-
-                def copy(a, b):
-                    return held(v, a, b, mesh)
-                if pi == ci or pnode.template == cnode.template:
-                    term = (cnode.template, np.array([copy(a, b) for a, b in zip(src, dst)]))
+                if pt == ct:
+                    term = (ct, np.array([held(v, src.layouts[a], dst.layouts[b], mesh)
+                                          for a, b in zip(src.index, dst.index)]))
                 else:
-                    us, si = _unique(src)
-                    ud, di = _unique(dst)
-                    term = (pnode.template, cnode.template, si, di, np.array([[copy(a, b) for b in ud] for a in us]))
+                    term = (pt, ct, src.index, dst.index,
+                            np.array([[held(v, a, b, mesh) for b in dst.layouts] for a in src.layouts]))
                 self._copies[key] = term
             out.append(term)
         return out
