@@ -37,7 +37,7 @@ import gpt_megatron as M  # noqa: E402
 from shardprop.compiler.pipeline import Options, gc_paused, run_pipeline  # noqa: E402
 from shardprop.compiler.state import state_ties  # noqa: E402
 from shardprop.compiler.trace import import_jaxpr, input_names  # noqa: E402
-from shardprop.passes.redistribute import plan_redistribution  # noqa: E402
+from shardprop.passes.redistribute import clear_caches as clear_redistribution_caches  # noqa: E402
 from shardprop.runtime.mesh import resolve_mesh  # noqa: E402
 
 REAL_SP = M.sp
@@ -58,7 +58,7 @@ def traced(layers: int, heads: int, head_dim: int, batch: int, seq: int):
 
 
 def plan_once(step, args, closed, out_shape, mesh) -> dict:
-    plan_redistribution.cache_clear()   # every run pays for its redistribution costs (no warm cache)
+    clear_redistribution_caches()   # every run pays for its redistribution costs (no warm cache)
     with gc_paused():
         graph = unmarked_graph(step, args, closed, out_shape, mesh)
         t0 = time.perf_counter()
@@ -93,7 +93,7 @@ def under_limits(t, mesh, fractions, methods, repeat, budget=True) -> None:
         found = {}
         for _ in range(repeat):
             for m in methods:
-                plan_redistribution.cache_clear()
+                clear_redistribution_caches()
                 t0 = time.perf_counter()
                 # "rounded": the default (the rows' LP rounded first, then exact rows);
                 # "exact": exact rows only; "lagrange": multipliers first

@@ -51,14 +51,14 @@ from shardprop.compiler.pipeline import gc_paused, run_pipeline  # noqa: E402
 from shardprop.passes.auto import hand, search as search_mod  # noqa: E402
 from shardprop.passes.auto.search import SearchStrategies  # noqa: E402
 from shardprop.passes.bind_strategies import BindUserStrategies  # noqa: E402
-from shardprop.passes.redistribute import plan_redistribution  # noqa: E402
+from shardprop.passes.redistribute import clear_caches as clear_redistribution_caches  # noqa: E402
 
 MESHES = {"8": 8, "2x4": ((2, 4), ("dp", "mp")), "4x2": ((4, 2), ("dp", "mp"))}
 
 
 def cold() -> None:
     """Forget what an earlier search left: prices, hand plans' solves, warm LP models."""
-    plan_redistribution.cache_clear()
+    clear_redistribution_caches()
     hand._SOLVED.clear()
     getattr(search_mod, "_WARM", {}).clear()
 

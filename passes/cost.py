@@ -236,26 +236,28 @@ class CostModel:
             self._memo[key] = out
         return self.wait_share * out
 
-    def move_time(self, steps, mesh=None) -> float:
+    def move_time(self, steps, mesh=None, axes_of=None) -> float:
         """Seconds for the steps of one move (``redistribute.plan_redistribution``): the
         first collective waits for its group after compute; the rest follow it back to back,
         their devices released together by it (``modeled_step_time`` prices a planned
-        program's collectives so: ``collective_models``)."""
+        program's collectives so: ``collective_models``). ``axes_of(step)``: the mesh
+        axes a step runs over, where its own are another mesh's (a virtual mesh's bundles)."""
         total, first = 0.0, True
         for s in steps:
             if s.kind == "slice":
                 continue
-            total += (self if first else self.back_to_back).step_time(s, mesh)
+            total += (self if first else self.back_to_back).step_time(s, mesh, axes_of)
             first = False
         return total
 
-    def step_time(self, step, mesh=None) -> float:
+    def step_time(self, step, mesh=None, axes_of=None) -> float:
         """Seconds for one step of the redistribution planner (a local slice is free)."""
         if step.kind == "slice":
             return 0.0
         if (not self.links or mesh is None) and self.launch_share == 1.0:   # propagation's hot path
             return self.latency_s + step.wire_bytes / self.link_bytes_per_s
-        return self.collective_time(step.wire_bytes, step.kind, step.param("axes"), mesh)
+        axes = step.param("axes") if axes_of is None else axes_of(step)
+        return self.collective_time(step.wire_bytes, step.kind, axes, mesh)
 
     def compute_time(self, flops: float, touched_bytes: float, contraction: bool = False, unit=None) -> float:
         """Seconds for an op's work on one device: the roofline, or for a contraction in a

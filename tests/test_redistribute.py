@@ -142,3 +142,63 @@ def test_many_axis_mesh_plans_quickly():
     dst = Layout((names, ()))
     steps = plan_redistribution((1024, 1024), 4, src, dst, mesh)
     assert [s.kind for s in steps] == ["all_to_all"]
+
+
+@pytest.mark.parametrize("mesh,shape", [(Mesh(("a", "b"), (2, 4)), (8, 4, 2)),
+                                        pytest.param(Mesh(("a", "b", "c"), (2, 2, 2)), (4, 8), marks=pytest.mark.slow)],
+                         ids=str)
+def test_a_moves_price_is_its_planned_steps_price(mesh, shape):
+    # redistribution_cost prices the path on the virtual mesh, with each step's bundles
+    # read back as the real axes they stand for; it must be what the expanded steps cost,
+    # under a model without links, a profile's per-group links and waits, and a terminal
+    # value's shared launch (launch_share < 1)
+    from shardprop.passes.cost import CostModel, DEFAULT_COST, Link
+    from shardprop.passes.redistribute import redistribution_cost
+    links = ((((2, 4),), "", Link(1e-5, 1e9)), (((4, 1),), "all_gather", Link(3e-5, 4e8)),
+             (((2, 1),), "", Link(2e-6, 5e9)), (((8, 1),), "", Link(4e-5, 2e8)))
+    profile = CostModel(links=links, device_count=8, sync_s=9e-4, waits=((((2, 4),), 3e-4), (((4, 1),), 1e-4)))
+    models = [DEFAULT_COST, profile, profile.at_step_end(3), DEFAULT_COST.at_step_end(4)]
+    sources = [l for l in all_layouts(len(shape), mesh, True) if not l.problems(shape, mesh)]
+    targets = [l for l in all_layouts(len(shape), mesh, True) if not l.problems(shape, mesh)]
+    priced = 0
+    for model in models:
+        for src in sources:
+            for dst in targets:
+                try:
+                    want = model.move_time(plan_redistribution(shape, 4, src, dst, mesh, True, model), mesh)
+                except ValueError:   # (a move that would create a partial)
+                    with pytest.raises(ValueError):
+                        redistribution_cost(shape, 4, src, dst, mesh, True, model)
+                    continue
+                assert redistribution_cost(shape, 4, src, dst, mesh, True, model) == want, (model.name, src, dst)
+                priced += 1
+    assert priced > 1000
+
+
+def test_tensors_alike_to_the_planner_share_one_price_and_it_is_each_ones_own():
+    # Prices keys a move by the tensor's bytes and which axis products divide each dim
+    # (gcd with the device count), not its shape: (24, 4, 2), (8, 4, 6) and (8, 12, 2) are
+    # one search; (4, 8, 6), the same bytes, is not (8 does not divide its first dim). Each
+    # price must still be what that tensor's own planned steps cost.
+    from shardprop.passes.cost import CostModel, Link
+    from shardprop.passes.plan_core.pricing import Prices
+    mesh = Mesh(("a", "b"), (2, 4))
+    links = ((((2, 4),), "", Link(1e-5, 1e9)), (((4, 1),), "all_gather", Link(3e-5, 4e8)),
+             (((8, 1),), "", Link(4e-5, 2e8)))
+    profile = CostModel(links=links, device_count=8, sync_s=9e-4, waits=((((2, 4),), 3e-4), (((4, 1),), 1e-4)))
+    prices = Prices(profile)
+    priced = {}
+    for shape in [(24, 4, 2), (8, 4, 6), (4, 8, 6), (8, 12, 2)]:
+        layouts = [l for l in all_layouts(3, mesh, True) if not l.problems(shape, mesh)]
+        for src in layouts:
+            for dst in layouts:
+                if src == dst or not set(dst.partial) <= set(src.partial):
+                    continue
+                for riders in (None, 3):
+                    model = profile if riders is None else profile.at_step_end(riders)
+                    want = model.move_time(plan_redistribution(shape, 4, src, dst, mesh, True, model), mesh)
+                    assert prices(shape, 4, src, dst, mesh, riders) == want, (shape, src, dst, riders)
+                    priced[shape] = priced.get(shape, 0) + 1
+    alike = priced[(24, 4, 2)]
+    assert priced[(8, 4, 6)] == priced[(8, 12, 2)] == alike
+    assert len(prices._by_virtual) == alike + priced[(4, 8, 6)]   # (one search for the three alike)

@@ -11,9 +11,9 @@ does not fit the tensor, is ``cost.IMPOSSIBLE``; a move that only slices is free
 Memoized as a layer around that pure function, keyed by what it reads. The
 redistribution planner solves each move on a *virtual* mesh: the axes that sit
 together in both layouts are bundled into one (``redistribute._bundles``), and its
-answer depends on nothing else than that virtual problem (tensor shape, virtual
-layouts, bundle sizes) and, with a calibrated profile, the rank geometry of each
-bundle (a profile prices device groups by the ranks they span:
+answer depends on nothing else than that virtual problem (the tensor's bytes and
+which products of mesh axes divide each of its dims, virtual layouts, bundle sizes)
+and, with a calibrated profile, the rank geometry of each bundle (a profile prices device groups by the ranks they span:
 ``cost.group_shape``). Two moves with the same virtual problem and geometry cost the
 same, so they are priced once: within a mesh (moves that differ only in which axes
 they name), and across the arrangements of a device-count mesh the search tries.
@@ -28,7 +28,7 @@ from ...ir.mesh import Mesh
 
 from ..cost import IMPOSSIBLE, CostModel, StepEnd
 from ..insert_reshards import cheapest_completion
-from ..redistribute import _bundles, _to_virtual, plan_redistribution, redistribution_cost
+from ..redistribute import plan_redistribution, virtual_move_cost, virtual_problem
 
 
 class Prices:
@@ -109,20 +109,23 @@ class Prices:
                  riders: Optional[int] = None) -> float:
         """Seconds of a redistribution of a tensor; ``riders``: for a terminal value, how
         many reductions share its launch (``CostModel.at_step_end``); None for any other."""
-        chains = _bundles(src, dst, mesh)
-        name_of = {a: f"v{i}" for i, c in enumerate(chains) for a in c}
-        sizes = tuple(mesh.axes_size(c) for c in chains)
-        vmesh = Mesh(tuple(f"v{i}" for i in range(len(chains))), sizes)
+        virtual = virtual_problem(src, dst, mesh)   # (a ValueError where it would create a partial)
+        members, vsrc, vdst, vmesh = virtual
         geometry = None
         if self.cost.links:   # a profile prices a group by the ranks it spans
             strides = self._axis_strides(mesh)
-            geometry = tuple(tuple((mesh.axis_size(a), strides[a]) for a in c) for c in chains)
-        key = (shape, itemsize, _to_virtual(src, name_of, vmesh), _to_virtual(dst, name_of, vmesh), sizes, geometry,
-               riders)
+            geometry = tuple(tuple((mesh.axis_size(a), strides[a]) for a in c) for c in members.values())
+        # the tensor as the planner reads it: its bytes, and which mesh-axis products divide
+        # each dim (``gcd(dim, devices)``: every product of distinct axes divides the device
+        # count). Tensors alike in both are the same search, step for step: on the 2-layer
+        # GPT step 10,037 moves of 22 shapes are 7,236 such searches
+        tensor = (tuple(math.gcd(n, mesh.size) for n in shape), math.prod(shape), itemsize)
+        key = (tensor, vsrc, vdst, vmesh.axis_sizes, geometry, riders)
         t = self._by_virtual.get(key)
         if t is None:
             cost = self.cost if riders is None else self.cost.at_step_end(riders)
-            t = self._by_virtual[key] = redistribution_cost(shape, itemsize, src, dst, mesh, self.allow_rs, cost)
+            t = self._by_virtual[key] = virtual_move_cost(shape, itemsize, src, dst, mesh, virtual, self.allow_rs,
+                                                          cost)
         return t
 
     def _axis_strides(self, mesh: Mesh) -> dict:
