@@ -346,6 +346,40 @@ def test_a_fractional_hand_family_is_dived_where_a_cold_lp_is_slow(monkeypatch):
         assert exact[label].time * (1 - 1e-9) <= d.time <= rounded[label].time * (1 + 1e-9)
 
 
+def test_under_a_limit_a_family_whose_lp_passes_the_best_that_fits_is_given_up(monkeypatch):
+    """Under a limit, once a hand plan fits, a later family's warm LP stops where its
+    bound passes the best written price so far over ``WRITTEN_SHARE``: that family is
+    listed with no plan. Solved to its optimum, its LP's bound is indeed above the best
+    hand plan that fits over that share, and the other families' plans are as they are
+    when nothing is given up."""
+    from shardprop.passes.auto import hand, milp, warm_lp
+    problem, memory, fams = _adam_hands(batch=64, width=256, shape=(4, 2))
+    peak = lambda c: memory.peak(c)[0]   # noqa: E731
+    limit = 0.9 * max(h.peak for h in hand.hand_plans(problem, peak, None, fams=fams) if h.peak)
+
+    def model():
+        return warm_lp.WarmLP(milp.reduce(problem, memory_matters=True,
+                                          also=[f.allowed for f in fams if f.allowed is not None]))
+
+    def plans():
+        hand._SOLVED.clear()
+        return {h.label: h for h in hand.hand_plans(problem, peak, limit, fams=fams, warm=model())}
+    cut = plans()
+    given_up = {label for label, h in cut.items() if "not solved to its optimum" in h.note}
+    assert given_up and all(cut[label].time is None and cut[label].choice is None for label in given_up)
+    best = min(h.written for h in cut.values() if h.fits and h.written is not None)
+    lp = model()
+    for f in fams:
+        if f"{f.name} {f.axes}" in given_up:
+            assert lp.solve(f.allowed).bound > best / hand.WRITTEN_SHARE
+    monkeypatch.setattr(hand, "WRITTEN_SHARE", 1e-12)   # (a cutoff no LP reaches)
+    whole = plans()
+    assert not any("not solved to its optimum" in h.note for h in whole.values())
+    for label, h in cut.items():
+        if label not in given_up:
+            assert h.time == pytest.approx(whole[label].time, rel=1e-9), label
+
+
 def test_the_warm_order_changes_only_how_fast_the_hand_plans_are_solved(monkeypatch):
     """The families are solved on the warm LP from the one that narrows least, each next
     the nearest to the last; each family once, and each integral family's plan costs

@@ -178,14 +178,16 @@ class WarmLP:
         self.h.setBasis(basis)
 
     def solve(self, allowed: Optional[dict] = None, rows=(), limit: Optional[float] = None,
-              time_limit: Optional[float] = None) -> "milp.Solution":
+              time_limit: Optional[float] = None, cutoff: Optional[float] = None) -> "milp.Solution":
         """The LP optimum with each decision's candidates narrowed to ``allowed``
         (template -> indices in the problem's numbering; the rest as reduced) and the
         memory ``rows`` held to ``limit``; the other rows of earlier solves are lifted.
         A ``milp.Solution`` as ``milp.solve(..., relax=True)`` gives it: ``choice`` each
         decision's heaviest candidate, ``bound`` the LP's optimum less the tie-break,
         ``rounded`` whether it was fractional, ``support`` and ``complete``. No choice
-        where the LP is infeasible or out of time."""
+        where the LP is infeasible or out of time. ``cutoff`` (seconds): the dual simplex
+        stops once its bound passes it (its objective only rises), with no choice and
+        ``above`` set to it."""
         t0 = time.perf_counter()
         red = self.red
         upper = self.base_upper[:self.nx].copy()
@@ -206,6 +208,7 @@ class WarmLP:
         # (HiGHS holds time_limit against the instance's run clock, which goes on across runs)
         self.h.setOptionValue("time_limit", self.h.getRunTime() + float(time_limit) if time_limit is not None
                               else np.inf)
+        self.h.setOptionValue("objective_bound", (cutoff + red.tie) / self.scale if cutoff is not None else np.inf)
         c0 = time.process_time()
         self.h.run()
         self.solves += 1
@@ -213,6 +216,11 @@ class WarmLP:
         seconds = time.perf_counter() - t0
         self.log.append((seconds, time.process_time() - c0, int(self.h.getInfo().simplex_iteration_count),
                          len(active), self.h.modelStatusToString(status)))
+        if status == self.core.HighsModelStatus.kObjectiveBound:
+            out = milp.Solution({}, float("inf"), cutoff, float("inf"),
+                                f"LP: its bound passed {cutoff * 1e3:.4f} ms", seconds, self.ncol, self.nx)
+            out.above = cutoff
+            return out
         if status != self.core.HighsModelStatus.kOptimal:
             out = milp.Solution({}, float("inf"), float("inf"), float("inf"),
                                 f"LP: {self.h.modelStatusToString(status)}", seconds, self.ncol, self.nx)
