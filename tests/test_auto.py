@@ -844,8 +844,10 @@ def test_the_searchs_peak_by_layout_classes_is_the_program_walks(monkeypatch, ma
     """``_Liveness.profile`` sums each value's and each copy's bytes by the choice's layout
     classes instead of walking the program (``memory.plan_profile``): on random plans of
     a GPT step (attention's views and fused reads, layer norms, the tied head, Adam), every
-    point's bytes are the walk's. With a mark whose request gathers a stored value (each
-    reader gathers it at its own use, which the terms do not hold) it walks."""
+    point's bytes are the walk's, and a plan with one decision switched (``switched``)
+    is summed from the last profile to the same bytes. With a mark whose request gathers
+    a stored value (each reader gathers it at its own use, which the terms do not hold)
+    it walks."""
     import types
     from pathlib import Path
     from shardprop.passes.auto.memory import plan_profile
@@ -870,3 +872,9 @@ def test_the_searchs_peak_by_layout_classes_is_the_program_walks(monkeypatch, ma
         choice = {t: int(rng.integers(len(u))) if trial else 0 for t, u in problem.unary.items()}
         walked = plan_profile(g, *problem.op_strategies(choice), live.facts)
         np.testing.assert_allclose(live.profile(choice), walked, rtol=1e-12, atol=0)
+        # one decision switched, from this profile (repair.py's trials): only the terms of
+        # that decision are summed again, and the result is the whole profile's, exactly
+        prof = live.profile(choice)
+        for t in rng.choice(list(choice), size=6, replace=False):
+            k = int(rng.integers(len(problem.unary[t])))
+            np.testing.assert_array_equal(live.switched(choice, prof, t, k), live.profile({**choice, t: k}))

@@ -79,13 +79,13 @@ def fit_by_switching(problem, memory, limit: float, choice: dict, allowed: Optio
         return None
     # (a batch covers the excess at one point; a later point's may make earlier switches needless)
     undo = [(-float(problem.switch_deltas(choice, t)[start[t]]), t) for t in choice if choice[t] != start[t]]
+    prof = memory.profile(choice)
     for gain, t in sorted(undo, reverse=True):
         if gain <= 0:
             break
-        trial = dict(choice)
-        trial[t] = start[t]
-        if memory.peak(trial)[0] <= limit:
-            choice = trial
+        after = memory.switched(choice, prof, t, start[t])
+        if after.max() <= limit:
+            choice, prof = {**choice, t: start[t]}, after
     return improve(problem, memory, limit, choice, allowed, deadline)
 
 
@@ -123,6 +123,7 @@ def improve(problem, memory, limit: float, choice: dict, allowed: Optional[dict]
     it under the limit, the largest gain first, until none is left or ``deadline``."""
     allowed = allowed or {}
     choice = dict(choice)
+    prof = memory.profile(choice)
     while deadline is None or time.perf_counter() < deadline:
         gains = []
         for t in problem.unary:
@@ -137,10 +138,9 @@ def improve(problem, memory, limit: float, choice: dict, allowed: Optional[dict]
                 break
             if problem.switch_deltas(choice, t)[k] >= -1e-15:   # (a switch before it took this gain)
                 continue
-            trial = dict(choice)
-            trial[t] = k
-            if memory.peak(trial)[0] <= limit:
-                choice, better = trial, True
+            after = memory.switched(choice, prof, t, k)
+            if after.max() <= limit:
+                choice, prof, better = {**choice, t: k}, after, True
         if not better:
             break
     return choice
