@@ -5,8 +5,10 @@ can hold far more than the plan an engineer writes under that name (tp+FSDP on t
 2-layer GPT step on 4 x 2 modeled 4.38 MiB against a 2.42 MiB limit, where the leanest
 plan of its layouts holds 2.26 MiB). The search's own LP rounds under memory rows find
 such plans too, but a family's took 2-20 s on that step, where this takes a fraction
-of a second: what the plan holds at its peak is a sum over decisions, and a plan's
-modeled peak costs ~5 ms to evaluate.
+of a second: what the plan holds at its peak is a sum over decisions, and a switch's
+new profile is the last one with that decision's terms summed again
+(``search._Liveness.switched``: under a millisecond, a whole profile 22-44 ms at 12
+layers).
 
 How: at the point where the plan peaks, every decision that holds bytes there (a value's,
 or either end of a copy: a gathered weight) offers the candidate
@@ -46,8 +48,10 @@ def fit_by_switching(problem, memory, limit: float, choice: dict, allowed: Optio
     start, choice = dict(choice), dict(choice)
     rows: dict = {}
     least, stalled = float("inf"), 0
+    prof = memory.profile(choice)   # (each switch then sums only its own terms again: ``switched``)
     for _ in range(MAX_ROUNDS):
-        peak, at = memory.peak(choice)
+        at = int(np.argmax(prof))
+        peak = float(prof[at])
         if peak <= limit:
             break
         if deadline is not None and time.perf_counter() >= deadline:
@@ -74,12 +78,12 @@ def fit_by_switching(problem, memory, limit: float, choice: dict, allowed: Optio
         moves.sort()
         cover = int(np.searchsorted(np.cumsum([m[3] for m in moves]), peak - limit)) + 1
         for _, t, k, _ in moves[:cover]:
+            prof = memory.switched(choice, prof, t, k)
             choice[t] = k
     else:
         return None
     # (a batch covers the excess at one point; a later point's may make earlier switches needless)
     undo = [(-float(problem.switch_deltas(choice, t)[start[t]]), t) for t in choice if choice[t] != start[t]]
-    prof = memory.profile(choice)
     for gain, t in sorted(undo, reverse=True):
         if gain <= 0:
             break
