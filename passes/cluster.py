@@ -307,6 +307,7 @@ class ClusterCost(CostModel):
     (``compute_time``)."""
     cluster: Cluster = None
     prices_units = True   # the callers pass ``cost.compute_unit`` of each op
+    prices_groups = True  # a collective's price depends on the nodes its group spans
 
     def __hash__(self):
         return hash((CostModel.__hash__(self), self.cluster))
@@ -359,10 +360,11 @@ class ClusterCost(CostModel):
         share = self.launch_share if kind in self.combined_kinds else 1.0
         return share * latency + seconds
 
-    def step_time(self, step, mesh=None) -> float:
+    def step_time(self, step, mesh=None, axes_of=None) -> float:
         if step.kind == "slice":
             return 0.0
-        return self.collective_time(step.wire_bytes, step.kind, step.param("axes"), mesh)
+        axes = step.param("axes") if axes_of is None else axes_of(step)
+        return self.collective_time(step.wire_bytes, step.kind, axes, mesh)
 
     def compute_time(self, flops: float, touched_bytes: float, contraction: bool = False, unit=None) -> float:
         """An op's seconds on one GPU: its arithmetic on the unit that does it

@@ -213,6 +213,13 @@ class CostModel:
         return self if not self.measures_waits else replace(self, wait_share=0.0)
 
     @property
+    def prices_groups(self) -> bool:
+        """Whether a collective's price depends on which devices its group spans (a
+        profile's per-group links), not only on its kind and bytes: the memo of moves
+        (``plan_core.pricing.Prices``) then keys them by the ranks their axes span."""
+        return bool(self.links)
+
+    @property
     def measures_waits(self) -> bool:
         """Whether a wait after compute is priced at all (a profile measured one)."""
         return bool(self.sync_s or self.waits)

@@ -245,12 +245,19 @@ def _from_virtual(layout: Layout, members: dict[str, tuple[str, ...]], mesh: Mes
     return Layout(tuple(expand(d) for d in layout.dims), mesh.sort_axes(expand(layout.partial)), layout.partial_op)
 
 
+def _real_axes(s: Step, members, mesh: Mesh) -> Optional[tuple]:
+    """The real mesh axes a step on the virtual mesh runs over (None: it names none)."""
+    axes = s.param("axes")
+    if axes is None:
+        return None
+    axes = tuple(a for v in axes for a in members[v])
+    return mesh.sort_axes(axes) if s.kind == "all_reduce" else axes
+
+
 def _expand_step(s: Step, members, mesh: Mesh) -> Step:
-    params = {}
-    for k, v in s.params:
-        params[k] = tuple(a for x in v for a in members[x]) if k == "axes" else v
-    if s.kind == "all_reduce":
-        params["axes"] = mesh.sort_axes(params["axes"])
+    params = dict(s.params)
+    if "axes" in params:
+        params["axes"] = _real_axes(s, members, mesh)
     return Step(s.kind, tuple(sorted(params.items())), _from_virtual(s.before, members, mesh),
                 _from_virtual(s.after, members, mesh), s.wire_bytes, s.group_size)
 
@@ -362,14 +369,7 @@ def virtual_move_cost(shape: tuple, itemsize: int, src: Layout, dst: Layout, mes
     if path is None:   # (no path within the search's bound: the fallback's steps, on the real mesh)
         return cost.move_time(plan_redistribution(tuple(shape), itemsize, src, dst, mesh, allow_reduce_scatter, cost),
                               mesh)
-
-    def real_axes(step):   # (as _expand_step names them)
-        axes = step.param("axes")
-        if axes is None:
-            return None
-        axes = tuple(a for v in axes for a in members[v])
-        return mesh.sort_axes(axes) if step.kind == "all_reduce" else axes
-    return cost.move_time(path, mesh, real_axes)
+    return cost.move_time(path, mesh, lambda step: _real_axes(step, members, mesh))
 
 
 def clear_caches() -> None:

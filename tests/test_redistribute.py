@@ -202,3 +202,22 @@ def test_tensors_alike_to_the_planner_share_one_price_and_it_is_each_ones_own():
     alike = priced[(24, 4, 2)]
     assert priced[(8, 4, 6)] == priced[(8, 12, 2)] == alike
     assert len(prices._by_virtual) == alike + priced[(4, 8, 6)]   # (one search for the three alike)
+
+
+def test_a_cluster_prices_the_same_move_over_nodes_and_inside_one_apart():
+    # a cluster's model prices a group by the nodes it spans (no per-group links of a
+    # profile): gathering over the axis across nodes and over the one inside them, of the
+    # same size, are the same virtual problem and must still be priced apart, each as
+    # its own planned steps are (the memo once shared them: a 4 x 4 mesh's plan moved)
+    import shardprop as sp
+    from shardprop.passes.plan_core.pricing import Prices
+    cost = sp.Cluster(4, 4).cost_model()
+    mesh = Mesh(("dp", "mp"), (4, 4))
+    prices = Prices(cost)
+    shape = (64, 64)
+    across = prices(shape, 4, Layout((("dp",), ())), Layout(((), ())), mesh)
+    inside = prices(shape, 4, Layout((("mp",), ())), Layout(((), ())), mesh)
+    assert across > 2 * inside
+    for src in (Layout((("dp",), ())), Layout((("mp",), ()))):
+        want = cost.move_time(plan_redistribution(shape, 4, src, Layout(((), ())), mesh, True, cost), mesh)
+        assert prices(shape, 4, src, Layout(((), ())), mesh) == want

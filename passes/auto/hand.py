@@ -68,8 +68,8 @@ BRANCH_ROOT_S = HAND_MILP_S / 10
 # over this: no plan of the family is then within reach of that plan. The objective prices
 # a copy once per reader, the program makes it once, so a plan is cheaper as written than
 # its objective: the hand plans of the 2-layer GPT step on 4 x 2 are 0.87-0.99 of theirs.
-# At 0.9 of its free peak, four of its seven families' LPs passed this (ZeRO-1's 20.45 ms
-# over 0.85) in 0.64 s, where their optima (21-25% above it) took 2.85 s
+# In its search at 0.9 of the free peak, four of its seven families' LPs passed this
+# (ZeRO-1's 20.45 ms over 0.85) in 1.39 s in all, where their optima had taken 3.30 s
 WRITTEN_SHARE = 0.85
 
 BATCH_NAMES = {"x", "xs", "inputs", "batch", "tokens", "targets", "y", "labels", "images", "ids"}

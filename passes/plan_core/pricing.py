@@ -13,8 +13,8 @@ redistribution planner solves each move on a *virtual* mesh: the axes that sit
 together in both layouts are bundled into one (``redistribute._bundles``), and its
 answer depends on nothing else than that virtual problem (the tensor's bytes and
 which products of mesh axes divide each of its dims, virtual layouts, bundle sizes)
-and, with a calibrated profile, the rank geometry of each bundle (a profile prices device groups by the ranks they span:
-``cost.group_shape``). Two moves with the same virtual problem and geometry cost the
+and, with a calibrated profile, the rank geometry of each bundle (a profile prices
+device groups by the ranks they span: ``cost.group_shape``). Two moves with the same virtual problem and geometry cost the
 same, so they are priced once: within a mesh (moves that differ only in which axes
 they name), and across the arrangements of a device-count mesh the search tries.
 """
@@ -112,7 +112,7 @@ class Prices:
         virtual = virtual_problem(src, dst, mesh)   # (a ValueError where it would create a partial)
         members, vsrc, vdst, vmesh = virtual
         geometry = None
-        if self.cost.links:   # a profile prices a group by the ranks it spans
+        if self.cost.prices_groups:   # a profile (a cluster) prices a group by the ranks it spans
             strides = self._axis_strides(mesh)
             geometry = tuple(tuple((mesh.axis_size(a), strides[a]) for a in c) for c in members.values())
         # the tensor as the planner reads it: its bytes, and which mesh-axis products divide
