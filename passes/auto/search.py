@@ -17,6 +17,7 @@ one or two axes is searched and the cheapest plan kept.
 """
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -1080,9 +1081,11 @@ class _Liveness:
         (``choice``'s own): only the values ``t`` makes and the copies it is an end of
         change (``repair.py`` tries single switches by the hundred: 44 ms a whole profile
         at 12 layers). Bytes are whole numbers, so the sum is the whole profile's exactly."""
-        if self._held_terms is None or choice[t] == k:
-            return self.profile({**choice, t: k}) if choice[t] != k else prof
-        vals, terms = self._of_template().get(t, ((), ()))
+        if choice[t] == k:
+            return prof
+        if self._held_terms is None:   # (the walk: ``profile``)
+            return self.profile({**choice, t: k})
+        vals, terms = self._by_template.get(t, ((), ()))
         n = len(self.graph.ops)
         diff = np.zeros(n + 3)
         was = choice[t]
@@ -1098,20 +1101,18 @@ class _Liveness:
             diff[term[1] + 1] -= d
         return prof + np.cumsum(diff)[:n + 2]
 
-    def _of_template(self) -> dict:
+    @functools.cached_property
+    def _by_template(self) -> dict:
         """template -> (indices of the values it makes, of the copy terms it is an end of)."""
-        out = self.__dict__.get("_by_template")
-        if out is None:
-            vals: dict = {}
-            terms: dict = {}
-            for i, t in enumerate(self.temp):
-                vals.setdefault(t, []).append(i)
-            for j, (_, _, ta, tb, *_) in enumerate(self._held_terms):
-                terms.setdefault(ta, []).append(j)
-                if tb != ta:
-                    terms.setdefault(tb, []).append(j)
-            out = self._by_template = {t: (vals.get(t, ()), terms.get(t, ())) for t in set(vals) | set(terms)}
-        return out
+        vals: dict = {}
+        terms: dict = {}
+        for i, t in enumerate(self.temp):
+            vals.setdefault(t, []).append(i)
+        for j, (_, _, ta, tb, *_) in enumerate(self._held_terms):
+            terms.setdefault(ta, []).append(j)
+            if tb != ta:
+                terms.setdefault(tb, []).append(j)
+        return {t: (vals.get(t, ()), terms.get(t, ())) for t in set(vals) | set(terms)}
 
     def _term_bytes(self, term: tuple, choice: dict) -> float:
         """Bytes a copy term (``_copy_terms``) holds under ``choice``, memoized by its
