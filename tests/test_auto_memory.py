@@ -850,3 +850,80 @@ def test_a_hand_plan_is_made_to_fit_by_the_copies_at_its_peak_too():
             cands = np.arange(sizes[t])
             expect = [held(choice) - held({**choice, t: int(k)}) for k in cands]
             np.testing.assert_allclose(_saved_at(row, choice, t, cands), expect, rtol=0, atol=1e-12)
+
+
+class _ToyProblem:
+    """Decisions with a price per candidate and no edges (what ``fit_by_switching`` reads)."""
+
+    def __init__(self, unary):
+        self.unary = {t: np.asarray(u, float) for t, u in unary.items()}
+
+    def switch_deltas(self, choice, t):
+        return self.unary[t] - self.unary[t][choice[t]]
+
+
+class _ToyMemory:
+    """Bytes per decision, candidate and program point: a profile is their sum."""
+
+    def __init__(self, held):
+        self.held = {t: np.asarray(h, float) for t, h in held.items()}   # t -> [candidate, point]
+
+    def profile(self, choice):
+        return sum(self.held[t][k] for t, k in choice.items())
+
+    def switched(self, choice, prof, t, k):
+        return prof - self.held[t][choice[t]] + self.held[t][k]
+
+    def row(self, at):
+        from shardprop.passes.auto.milp import MemoryRow
+        return MemoryRow({t: h[:, at] for t, h in self.held.items()}, [], at)
+
+
+def test_a_plan_is_made_to_fit_by_switches_that_push_no_other_point_over_the_limit():
+    """At the peak, the cheapest switch per byte saved can hold more at another point than
+    the limit: taken, the peak only moves there, the switch back is then the cheapest, and
+    the repair went round until it gave up (a rounding of the search's LP under half the
+    free peak of the 2-layer GPT step on 4 x 2 stalled so in 5 of 8 rounds). A switch that
+    saves bytes at the peak without pushing another point over the limit goes first."""
+    from shardprop.passes.auto.repair import fit_by_switching
+    # point 0 holds 12 bytes over a limit of 10; decision 0's lean candidate (1 s dearer)
+    # saves 6 there and puts 7 more on point 1 (4 -> 11); decision 1's (10 s dearer) saves 3
+    problem = _ToyProblem({0: [0.0, 1.0], 1: [0.0, 10.0], 2: [0.0]})
+    memory = _ToyMemory({0: [[8, 2], [2, 9]], 1: [[4, 2], [1, 2]], 2: [[0, 0]]})
+    fitted = fit_by_switching(problem, memory, 10.0, {0: 0, 1: 0, 2: 0})
+    assert fitted == {0: 0, 1: 1, 2: 0}
+    assert memory.profile(fitted).max() <= 10.0
+
+
+def test_a_rounding_over_the_limit_where_the_lp_has_every_row_is_repaired_to_a_plan(monkeypatch):
+    """Where no rounding of the rows' LP fits and each overflows only where the LP already
+    has a row (a new row would not move the LP), the heaviest rounding is made to fit by
+    switching (``repair.py``) and offered as the LP rounds' plan, before any dive: on the
+    2-layer GPT step on 4 x 2 at half the free peak the search had found no plan of its own
+    in its budget. Here (an SGD step on 4 x 2 at half the free peak) the repaired plans fit,
+    are priced at least at the LP's bound, and the search returns none dearer."""
+    from shardprop.passes.auto import SearchStrategies, search
+    params, x, y = problem_data(512, 256, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (4, 2)), tied=(0,))
+    _, free, free_peak = SearchStrategies().search(g)
+    limit = int(0.5 * free_peak)
+    repaired, offered = [], []
+    fit = search.fit_by_switching
+
+    def spy(problem, memory, lim, choice, allowed=None, deadline=None):
+        out = fit(problem, memory, lim, choice, allowed, deadline)
+        if allowed is not None and out is not None and lim == limit:
+            repaired.append((problem.objective(out), memory.peak(out)[0]))
+        return out
+    monkeypatch.setattr(search, "fit_by_switching", spy)
+    offer = search._Best.offer
+    monkeypatch.setattr(search._Best, "offer", lambda self, c, part, how: offered.append(
+        (part, self.problem.objective(c))) or offer(self, c, part, how))
+    searcher = SearchStrategies(memory_limit=limit)
+    _, sol, peak = searcher.search(g, hands=False)   # (no hand plans: every repair is a rounding's)
+    assert repaired, "no rounding was repaired"
+    assert all(p <= limit for _, p in repaired)
+    lp_offers = [t for part, t in offered if part == "the LP rounds"]
+    assert any(t == pytest.approx(r, rel=1e-12) for r, _ in repaired for t in lp_offers)
+    assert all(t >= searcher._bound * (1 - 1e-9) for t, _ in repaired)
+    assert peak <= limit and sol.objective <= min(t for t, _ in repaired) * (1 + 1e-9)

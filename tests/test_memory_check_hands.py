@@ -43,10 +43,21 @@ def test_a_plan_over_the_limit_once_compiled_gives_way_to_one_no_worse_than_the_
     # the search's own plan fits at this limit, or at 0.75-0.95, so this case no longer
     # reaches that branch: what is asserted is what a user is promised either way)
     got, want = pf(*c.args()), jax.jit(c.fn)(*c.args())
-    assert_trees_close(got[-1], want[-1], rtol=1e-5, atol=1e-6)                    # the loss
-    # parameters and Adam's state: Adam divides by the gradient's root mean square, so a
-    # weight whose gradient is near zero moves by up to its learning rate (1e-3) on rounding
-    assert_trees_close(got[:-1], want[:-1], rtol=1e-4, atol=1e-4)
+    assert_equal_to_one_device(got, want)
+
+
+def assert_equal_to_one_device(got, want):
+    """(params, Adam's state, loss) of one step against one device's: the loss to rounding,
+    Adam's moments (the gradients, squared) to rounding, the parameters to one learning rate
+    (1e-3): Adam divides a gradient by its root mean square, so a weight whose gradient is
+    at rounding's size (1e-8, beside eps) moves by a part of the learning rate set by the
+    rounding (the 2-layer GPT step's w1 at 0.9 of the free peak: 1.2e-4, its gradient
+    1.5e-8 against 0.9e-8 on one device)."""
+    params, state, loss = got
+    params0, state0, loss0 = want
+    assert_trees_close(loss, loss0, rtol=1e-5, atol=1e-6)
+    assert_trees_close(state, state0, rtol=1e-4, atol=1e-7)
+    assert_trees_close(params, params0, rtol=0, atol=1e-3)
 
 
 @pytest.mark.slow
@@ -77,6 +88,4 @@ def test_a_hand_plan_cheaper_than_the_plan_of_a_lowered_limit_is_kept_where_it_f
     assert len(plan.cost.memory_checks) > 1
     monkeypatch.setattr(api, "_compiled_memory", real)
     assert compiled_bytes(pf, *args) <= limit
-    got, want = pf(*args), jax.jit(fn)(*args)
-    assert_trees_close(got[-1], want[-1], rtol=1e-5, atol=1e-6)
-    assert_trees_close(got[:-1], want[:-1], rtol=1e-4, atol=1e-4)
+    assert_equal_to_one_device(pf(*args), jax.jit(fn)(*args))

@@ -76,10 +76,7 @@ def fit_by_switching(problem, memory, limit: float, choice: dict, allowed: Optio
         if not moves:
             return None
         moves.sort()
-        cover = int(np.searchsorted(np.cumsum([m[3] for m in moves]), peak - limit)) + 1
-        for _, t, k, _ in moves[:cover]:
-            prof = memory.switched(choice, prof, t, k)
-            choice[t] = k
+        choice, prof = _take(memory, choice, prof, moves, at, peak, limit)
     else:
         return None
     # (a batch covers the excess at one point; a later point's may make earlier switches needless)
@@ -91,6 +88,32 @@ def fit_by_switching(problem, memory, limit: float, choice: dict, allowed: Optio
         if after.max() <= limit:
             choice, prof = {**choice, t: start[t]}, after
     return improve(problem, memory, limit, choice, allowed, deadline)
+
+
+def _take(memory, choice: dict, prof: np.ndarray, moves: list, at: int, peak: float, limit: float):
+    """(choice, profile) with ``moves`` (per byte, template, candidate, bytes saved at
+    ``at``; cheapest first) taken until they cover the excess at ``at``. A switch that
+    saves bytes there by holding more where that passes the limit only moves the peak (the
+    switch back is then the cheapest there, and the rounds go round until they stall): the
+    switches that push no point over the limit are taken first; where none does, those
+    that keep every point under the peak; where none does either, the cheapest that cover it."""
+    for keeps in (lambda after: not (after > np.maximum(prof, limit)).any(), lambda after: after.max() <= peak):
+        need, taken, out, now = peak - limit, False, dict(choice), prof
+        for _, t, k, _ in moves:
+            if need <= 0:
+                break
+            after = memory.switched(out, now, t, k)
+            if keeps(after):
+                need -= now[at] - after[at]
+                out[t], now, taken = k, after, True
+        if taken:
+            return out, now
+    cover = int(np.searchsorted(np.cumsum([m[3] for m in moves]), peak - limit)) + 1
+    out = dict(choice)
+    for _, t, k, _ in moves[:cover]:
+        prof = memory.switched(out, prof, t, k)
+        out[t] = k
+    return out, prof
 
 
 def _deciders(row) -> list:

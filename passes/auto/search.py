@@ -654,6 +654,15 @@ class SearchStrategies:
                 elif at not in points and at not in new_points:
                     new_points.append(at)
         consider(plans)
+        if best is None and not new_points and getattr(self, "_repair_roundings", True):
+            with self._phase("roundings repaired"):
+                fitted, until = None, time.perf_counter() + HAND_FIT_S
+                for cand in sorted(plans, key=lambda c: memory.peak(c)[0]):
+                    fitted = fit_by_switching(problem, memory, limit, cand, red.kept, until)
+                    if fitted is not None:
+                        break
+            if fitted is not None:
+                consider([fitted])
         if best is None and new_points:
             # (no rounding fits, and they overflow where the LP has no row: a dive on this LP
             # would end at plans overflowing there too; on the 2-layer GPT step on 4 x 2 at 0.7
