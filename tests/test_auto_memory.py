@@ -861,6 +861,9 @@ class _ToyProblem:
     def switch_deltas(self, choice, t):
         return self.unary[t] - self.unary[t][choice[t]]
 
+    def objective(self, choice):
+        return sum(float(self.unary[t][k]) for t, k in choice.items())
+
 
 class _ToyMemory:
     """Bytes per decision, candidate and program point: a profile is their sum."""
