@@ -147,6 +147,36 @@ def test_each_failure_class_is_reported(monkeypatch, cls, fake):
     assert run_program(_tanh_program()).cls == cls
 
 
+def test_auto_under_a_memory_limit_is_drawn_and_an_error_that_nothing_fits_is_over_limit(monkeypatch):
+    """Half the mode="auto" programs are searched under a memory limit, a share of their free
+    plan's modeled peak (issue 27's 0.5, 0.7, 0.9). Its result is held to one device's like
+    any other; a ShardingError that no plan fits the limit is ``over_limit`` (a limit that
+    is a share of a tiny program's peak can be under what XLA compiles any plan to), where
+    the same error without a limit is a refusal."""
+    drawn = [generate(5, i) for i in range(400)]
+    limited = [p for p in drawn if p.memory_share is not None]
+    assert {p.memory_share for p in limited} == {0.5, 0.7, 0.9} and all(p.mode == "auto" for p in limited)
+    assert all("memory_limit=max(1, int(" in render(p).source for p in limited)
+    assert not any("memory_limit" in render(p).source for p in drawn if p.memory_share is None)
+    assert run_program(_tanh_program(mode="auto", memory_share=0.9)).cls in ("right", "over_limit")
+
+    class Free:
+        def __init__(self, step, **kw):
+            self.kw = kw
+
+        def plan(self, *args):
+            return type("Plan", (), {"cost": type("Cost", (), {"peak_memory": 1000})})()
+
+        def __call__(self, *args):
+            if "memory_limit" in self.kw:
+                raise sp.ShardingError(f"no plan fits memory_limit={self.kw['memory_limit']:,} bytes per device once "
+                                       f"compiled")
+            raise sp.ShardingError("no plan fits memory_limit=700 bytes per device once compiled")
+    monkeypatch.setattr(sp, "parallelize", Free)
+    assert run_program(_tanh_program(mode="auto", memory_share=0.7)).cls == "over_limit"
+    assert run_program(_tanh_program(mode="auto")).cls == "refused"
+
+
 def test_an_error_that_scales_with_the_precision_is_rounding_not_wrong(monkeypatch):
     """Past the float32 slack, both sides run again in float64: an error proportional to the
     machine epsilon (rounding amplified by cancellation) vanishes there, a wrong plan does not."""
@@ -168,7 +198,8 @@ def test_invalid_strategies_accepted_or_badly_explained_are_reported(monkeypatch
         sp.ShardingError("shard(tanh) at fuzz_0_0.py:16: bad split")))
     o = run_program(p)
     assert o.cls == "bad_error" and "lacks shapes, strategy, fix" in o.detail
-    assert set(CLASSES) == {"right", "rejected", "wrong", "crash", "refused", "accepted_invalid", "bad_error"}
+    assert set(CLASSES) == {"right", "rejected", "wrong", "crash", "refused", "accepted_invalid", "bad_error",
+                            "over_limit"}
 
 
 def test_compare_is_float32_rounding_and_exact_for_integers():

@@ -15,10 +15,14 @@ SIZE_WEIGHTS = (0.07, 0.2, 0.09, 0.2, 0.06, 0.06, 0.22, 0.1)
 MESHES = {8: 8, 4: 4, "dp_mp": ((2, 4), ("dp", "mp")), "abc": ((2, 2, 2), ("a", "b", "c"))}
 MODES = ("sharding_propagation", "semi_auto", "data_parallel", "auto")
 AUTO_SHARE = 0.25   # of the programs drawn in sharding_propagation or semi_auto mode
+# of the mode="auto" programs, those searched under a memory limit: a share of the free
+# plan's modeled peak (issue 27's limits), drawn apart like the mode
+MEMORY_SHARE = 0.5
+MEMORY_LIMITS = (0.5, 0.7, 0.9)
 
 # Features: the op families' names, plus these switches of the generator.
 SWITCHES = ("broadcast", "size1", "scan_float", "marks", "mark_out", "in_out", "named_mesh", "mesh4",
-            "semi_auto", "data_parallel", "auto", "grad", "train", "invalid", "unused")
+            "semi_auto", "data_parallel", "auto", "memory", "grad", "train", "invalid", "unused")
 FEATURES = tuple(sorted({f.feature for f in FAMILIES.values()} | set(SWITCHES)))
 MAX_ELEMS = 256
 
@@ -150,6 +154,9 @@ def generate(seed: int, index: int, features=FEATURES) -> Program:
         # are the ones it drew before this mode)
         mode = "auto"
     program = _finish(g, rng, seed, index, mode)
+    drawn = np.random.default_rng([seed, index, 2])
+    if mode == "auto" and "memory" in f and drawn.random() < MEMORY_SHARE:
+        program.memory_share = float(drawn.choice(MEMORY_LIMITS))
     if "invalid" in f and rng.random() < 0.1:
         _plant(g, rng, program, fams)
     return program

@@ -8,6 +8,7 @@ Outcome classes:
   refused          a ShardingError on a valid program
   accepted_invalid an invalid strategy ran without error
   bad_error        a ShardingError for an invalid strategy whose message misses a part
+  over_limit       (mode="auto" under a memory limit) a ShardingError that no plan fits the limit
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from .program import Inconsistent, Program
 from .render import Rendered, check, render
 from .strategies import INVALID, MAY_REJECT, expect
 
-CLASSES = ("right", "rejected", "wrong", "crash", "refused", "accepted_invalid", "bad_error")
+CLASSES = ("right", "rejected", "wrong", "crash", "refused", "accepted_invalid", "bad_error", "over_limit")
 FAILURES = ("wrong", "crash", "refused", "accepted_invalid", "bad_error")
 
 # Tolerance: float32 rounding. eps = 1.2e-7; a reduction of up to a few hundred terms
@@ -198,6 +199,8 @@ def _classify(program: Program, rendered: Rendered, exp) -> Outcome:
     except sp.ShardingError as e:
         msg = str(e)
         first = msg.splitlines()[0] if msg else ""
+        if program.memory_share is not None and exp.status != INVALID and _over_limit(first):
+            return Outcome("over_limit", msg, "ShardingError", first)
         if exp.status == "valid" or _refuses_program(msg) or not _about(msg, rendered, exp):
             return Outcome("refused", msg, "ShardingError", first, _innermost_own_frame(e))
         about_marks = not (exp.at_parallelize and "parallelize" in first)
@@ -254,6 +257,12 @@ def _agree_in_float64(rendered: Rendered) -> bool:
         if (np.abs(g[fin] - w[fin]) > 1e-9 * np.abs(w[fin]) + 1e-9 * scale).any():
             return False
     return True
+
+
+def _over_limit(first: str) -> bool:
+    """Whether an error says that no plan fits the memory limit (a limit drawn as a share of
+    the free plan's modeled peak can be under what any plan holds, or compiles to)."""
+    return bool(re.search(r"memory_limit=[\d,]+ bytes per device", first))
 
 
 def _refuses_program(msg: str) -> bool:

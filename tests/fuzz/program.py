@@ -75,6 +75,7 @@ class Program:
     planted: Optional[str] = None       # what was made invalid on purpose (for the report only)
     bad_in_structure: bool = False      # parallelize in_strategy with one entry too many
     bad_out_structure: bool = False     # parallelize out_strategy with the wrong structure
+    memory_share: Optional[float] = None  # mode="auto" under memory_limit = this share of its free plan's peak
 
     def copy(self) -> "Program":
         return dataclasses.replace(

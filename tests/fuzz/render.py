@@ -158,7 +158,20 @@ def render(program: Program, filename: str = None) -> Rendered:
         kw.append(f"out_strategy={strategies_text(entries)}")
     if w in ("sgd", "adam"):
         kw.append("donate_argnums=(0, 1)")
-    add(f"parallel = sp.parallelize(step, {', '.join(kw)})")
+    if program.memory_share is None:
+        add(f"parallel = sp.parallelize(step, {', '.join(kw)})")
+    else:
+        add(f"free = sp.parallelize(step, {', '.join(kw)})")
+        add("limited = []")
+        add("")
+        add("")
+        add("def parallel(*args):")
+        add(f'    """mode="auto" under memory_limit = {program.memory_share:g} of the free plan\'s modeled peak"""')
+        add("    if not limited:")
+        add("        peak = free.plan(*make_inputs()).cost.peak_memory")
+        add(f"        limited.append(sp.parallelize(step, {', '.join(kw)}, "
+            f"memory_limit=max(1, int({program.memory_share:g} * peak))))")
+        add("    return limited[0](*args)")
     add("")
     add("")
     add("def make_inputs():")
