@@ -18,7 +18,7 @@ from tests.fuzz.oracle import CLASSES, compare, message_problems, run_program
 from tests.fuzz.program import Instr, Mark, Program, TType
 from tests.fuzz.render import render
 from tests.fuzz.runner import run_many
-from tests.fuzz.shrink import shrink
+from tests.fuzz.shrink import candidates, shrink, size_of
 from tests.fuzz.strategies import INVALID, MAY_REJECT, VALID, expect
 
 # Every test here is marked fuzz (and so slow): the budget runs programs end to end, and the
@@ -175,6 +175,12 @@ def test_auto_under_a_memory_limit_is_drawn_and_an_error_that_nothing_fits_is_ov
     monkeypatch.setattr(sp, "parallelize", Free)
     assert run_program(_tanh_program(mode="auto", memory_share=0.7)).cls == "over_limit"
     assert run_program(_tanh_program(mode="auto")).cls == "refused"
+    # shrinking drops the limit alone, or with the mode (a limit is mode="auto"'s): never a
+    # limit on another mode
+    proposed = list(candidates(_tanh_program(mode="auto", memory_share=0.7)))
+    assert any(q.mode == "auto" and q.memory_share is None for q in proposed)
+    assert not any(q.mode != "auto" and q.memory_share is not None for q in proposed)
+    assert size_of(_tanh_program(mode="auto")) < size_of(_tanh_program(mode="auto", memory_share=0.7))
 
 
 def test_an_error_that_scales_with_the_precision_is_rounding_not_wrong(monkeypatch):

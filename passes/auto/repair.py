@@ -46,21 +46,20 @@ def fit_by_switching(problem, memory, limit: float, choice: dict, allowed: Optio
     the 2-layer step's LP roundings under half its free peak where the plain one stalled;
     the plain one fit FSDP on the 4-layer step at 46.7 ms as written, the careful at 57.6);
     None where neither fits."""
-    fits = [f for f in (_fit(problem, memory, limit, choice, allowed, deadline, careful)
+    first = memory.profile(choice)   # (each switch then sums only its own terms again: ``switched``)
+    rows: dict = {}                   # point -> its memory row, for both greedies
+    fits = [f for f in (_fit(problem, memory, limit, choice, first, rows, allowed or {}, deadline, careful)
                         for careful in (True, False)) if f is not None]
     return min(fits, key=problem.objective, default=None)
 
 
-def _fit(problem, memory, limit: float, choice: dict, allowed: Optional[dict], deadline: Optional[float],
-         careful: bool) -> Optional[dict]:
-    """One greedy of ``fit_by_switching``: None where no switch saves bytes at the peak, the
-    peak has not come down for ``STALL_ROUNDS`` rounds, or ``deadline``
-    (``time.perf_counter()``) passes first."""
-    allowed = allowed or {}
+def _fit(problem, memory, limit: float, choice: dict, prof: np.ndarray, rows: dict, allowed: dict,
+         deadline: Optional[float], careful: bool) -> Optional[dict]:
+    """One greedy of ``fit_by_switching``, from ``choice`` and its profile ``prof``: None where
+    no switch saves bytes at the peak, the peak has not come down for ``STALL_ROUNDS``
+    rounds, or ``deadline`` (``time.perf_counter()``) passes first."""
     start, choice = dict(choice), dict(choice)
-    rows: dict = {}
     least, stalled = float("inf"), 0
-    prof = memory.profile(choice)   # (each switch then sums only its own terms again: ``switched``)
     for _ in range(MAX_ROUNDS):
         at = int(np.argmax(prof))
         peak = float(prof[at])
@@ -111,7 +110,8 @@ def _take(memory, choice: dict, prof: np.ndarray, moves: list, at: int, peak: fl
     rounds go round until they stall), so the switches that push no point over the limit
     are taken first; where none does, those that keep every point under the peak; where
     none does either, the cheapest that cover it."""
-    careful_ways = (lambda after: not (after > np.maximum(prof, limit)).any(), lambda after: after.max() <= peak)
+    ceiling = np.maximum(prof, limit)
+    careful_ways = (lambda after: not (after > ceiling).any(), lambda after: after.max() <= peak)
     for keeps in careful_ways if careful else ():
         need, taken, out, now = peak - limit, False, dict(choice), prof
         for _, t, k, _ in moves:

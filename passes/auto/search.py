@@ -638,7 +638,7 @@ class SearchStrategies:
             return None, "exact", lp.seconds
         if np.isfinite(lp.bound):   # (a relaxation of the problem under the limit)
             self._bound = max(self._bound, lp.bound)
-        best, new_points = None, []
+        best, new_points, over = None, [], []   # (over: (peak, choice) of the plans over the limit)
         with self._phase("roundings"):
             plans = _roundings(lp, rows, memory, limit, problem=problem)
         seconds = lp.seconds
@@ -651,18 +651,19 @@ class SearchStrategies:
                     t = problem.objective(choice)
                     if best is None or t < best[0]:
                         best = (t, choice)
-                elif at not in points and at not in new_points:
+                    continue
+                over.append((peak, choice))
+                if at not in points and at not in new_points:
                     new_points.append(at)
         consider(plans)
-        if best is None and not new_points and getattr(self, "_repair_roundings", True):
+        if best is None and not new_points:
             with self._phase("roundings repaired"):
-                fitted, until = None, time.perf_counter() + HAND_FIT_S
-                for cand in sorted(plans, key=lambda c: memory.peak(c)[0]):
-                    fitted = fit_by_switching(problem, memory, limit, cand, red.kept, until)
+                until = time.perf_counter() + HAND_FIT_S
+                for _, rounding in sorted(over, key=lambda pc: pc[0]):
+                    fitted = fit_by_switching(problem, memory, limit, rounding, red.kept, until)
                     if fitted is not None:
+                        consider([fitted])
                         break
-            if fitted is not None:
-                consider([fitted])
         if best is None and new_points:
             # (no rounding fits, and they overflow where the LP has no row: a dive on this LP
             # would end at plans overflowing there too; on the 2-layer GPT step on 4 x 2 at 0.7

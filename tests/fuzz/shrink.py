@@ -86,9 +86,13 @@ def candidates(p: Program) -> Iterator[Program]:
         if q.wrapper == "grad":
             q.params = ()
         yield q
+    if p.memory_share is not None:
+        q = p.copy()
+        q.memory_share = None
+        yield q
     if p.mode != "sharding_propagation":
         q = p.copy()
-        q.mode = "sharding_propagation"
+        q.mode, q.memory_share = "sharding_propagation", None   # (a memory limit is mode="auto"'s)
         yield q
     if p.out_strategy is not None:
         q = p.copy()
@@ -165,7 +169,8 @@ def size_of(p: Program) -> tuple:
     marks = sum(i.mark is not None for i in p.instrs)
     elems = sum(t.size for t in p.inputs.values())
     return (len(p.instrs), marks, len(p.in_strategy) + (p.out_strategy is not None), p.wrapper != "fwd",
-            p.mode != "sharding_propagation", len(p.outputs), len(p.inputs), p.n_devices, elems)
+            p.mode != "sharding_propagation", p.memory_share is not None, len(p.outputs), len(p.inputs),
+            p.n_devices, elems)
 
 
 def shrink(p: Program, fails: Callable[[Program], bool], budget_s: float = 120.0, max_tries: int = 300) -> Program:
