@@ -48,7 +48,7 @@ from bench import zoo  # noqa: E402
 from bench.compare import fresh  # noqa: E402
 import shardprop as sp  # noqa: E402
 from shardprop.compiler.pipeline import gc_paused, run_pipeline  # noqa: E402
-from shardprop.passes.auto import hand, search as search_mod  # noqa: E402
+from shardprop.passes.auto import hand, memo  # noqa: E402
 from shardprop.passes.auto.search import SearchStrategies  # noqa: E402
 from shardprop.passes.bind_strategies import BindUserStrategies  # noqa: E402
 from shardprop.passes.redistribute import clear_caches as clear_redistribution_caches  # noqa: E402
@@ -59,8 +59,7 @@ MESHES = {"8": 8, "2x4": ((2, 4), ("dp", "mp")), "4x2": ((4, 2), ("dp", "mp"))}
 def cold() -> None:
     """Forget what an earlier search left: prices, hand plans' solves, warm LP models."""
     clear_redistribution_caches()
-    hand._SOLVED.clear()
-    getattr(search_mod, "_WARM", {}).clear()
+    memo.forget()
 
 
 def case_of(layers: int, mesh_name: str):
@@ -92,7 +91,7 @@ def search_once(pf, args, limit) -> dict:
         except sp.ShardingError as e:
             return dict(wall=time.perf_counter() - t0, cpu=time.process_time() - c0, error=str(e).splitlines()[0])
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    lp = [entry for model in getattr(search_mod, "_WARM", {}).values() for entry in getattr(model, "log", [])]
+    lp = [entry for model in memo.WARM_MODELS.values() for entry in getattr(model, "log", [])]
     return dict(wall=wall, cpu=cpu, lp=lp, **summary(graph.auto))
 
 

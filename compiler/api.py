@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..ir.errors import ShardingError, sharding_error
+from ..passes.auto import memo as search_memo
 from ..passes.auto.search import TIME_BUDGET as SEARCH_TIME_BUDGET
 from ..passes.cost import resolve_cost_model
 from ..runtime.lower import lower, partition_spec
@@ -230,6 +231,12 @@ class ParallelFunction:
         return CompileProgress(self.__name__, show=progress_enabled(self.progress))
 
     def _build(self, key, args, kwargs, progress: CompileProgress) -> Compiled:
+        # (the searches of this compile share warm LP models and hand solves, and see none
+        # of an earlier compile's: a plan does not depend on what was compiled before)
+        with search_memo.one_compile():
+            return self._build_once(key, args, kwargs, progress)
+
+    def _build_once(self, key, args, kwargs, progress: CompileProgress) -> Compiled:
         options = self.options
         fit = options.mode == "auto" and options.memory_limit is not None and not self.mesh_spec.abstract
         if fit:   # one time budget for the search and the memory check's searches again

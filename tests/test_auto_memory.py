@@ -10,6 +10,7 @@ import pytest
 
 import shardprop as sp
 from shardprop.ir.mesh import Mesh
+from shardprop.passes.auto import hand, memo
 from shardprop.passes.auto.candidates import factor_assignments, tensor_layouts
 from shardprop.passes.plan_core.context import PlanContext, RuleBook
 
@@ -232,6 +233,26 @@ def test_under_a_limit_the_cheapest_plan_any_part_met_is_kept(monkeypatch):
         assert sol.bound <= best.objective * (1 + 1e-9) and sol.gap == pytest.approx(1 - sol.bound / sol.objective)
 
 
+def test_a_compile_shares_warm_models_and_hand_solves_among_its_searches_and_leaves_none(monkeypatch):
+    """A plan must not depend on what the process compiled before: what a compile's
+    searches keep for each other (``memo.py``) is dropped when it starts and ends."""
+    remembered = []
+    real = memo.remember
+    monkeypatch.setattr(memo, "remember", lambda store, key, value, most: (remembered.append(key),
+                                                                           real(store, key, value, most)))
+    memo.HAND_SOLVES[("left", "by an earlier search")] = {}
+    seen_at_start = []
+    real_families = hand.families
+    monkeypatch.setattr(hand, "families", lambda problem: (seen_at_start.append(
+        ("left", "by an earlier search") in memo.HAND_SOLVES), real_families(problem))[1])
+    params, x, y = problem_data(256, 128, 2)
+    plan, limit = limited_plan(sgd_step, (params, x, y), ((2, 4), ("dp", "mp")), 0.7)
+    assert plan.cost.peak_memory <= limit
+    assert remembered, "the compile's searches kept nothing for each other"
+    assert seen_at_start and not any(seen_at_start), "a search saw what came before its compile"
+    assert memo.WARM_MODELS == {} and memo.HAND_SOLVES == {}
+
+
 @pytest.mark.slow
 def test_hand_plans_solved_once_per_problem_and_priced_again():
     """The searches one compile runs again (memory_check) build the same problem: the
@@ -240,7 +261,7 @@ def test_hand_plans_solved_once_per_problem_and_priced_again():
     fn, args = adam_case()
     g = traced_graph(fn, args, Mesh(("dp", "mp"), (2, 4)), tied=(0, 1))
     _, free, free_peak = SearchStrategies().search(g)
-    hand._SOLVED.clear()   # (other tests may have solved this problem's hand plans)
+    memo.forget()   # (other tests may have solved this problem's hand plans)
     first, again = (SearchStrategies(memory_limit=int(0.7 * free_peak)) for _ in range(2))
     first.search(g)
     again.search(g)
@@ -274,7 +295,7 @@ def _hand_plans_counting_milps(monkeypatch, problem, memory, fams):
     real = milp.solve
 
     def plans(dive: bool = False, **kw):
-        hand._SOLVED.clear()
+        memo.forget()
         model = warm_lp.WarmLP(milp.reduce(problem, memory_matters=True,
                                            also=[f.allowed for f in fams if f.allowed is not None]))
         calls = []
@@ -362,7 +383,7 @@ def test_under_a_limit_a_family_whose_lp_passes_the_best_that_fits_is_given_up(m
                                           also=[f.allowed for f in fams if f.allowed is not None]))
 
     def plans():
-        hand._SOLVED.clear()
+        memo.forget()
         return {h.label: h for h in hand.hand_plans(problem, peak, limit, fams=fams, warm=model())}
     cut = plans()
     given_up = {label for label, h in cut.items() if "not solved to its optimum" in h.note}
@@ -499,7 +520,7 @@ def test_a_hand_family_over_the_limit_for_time_alone_is_solved_under_it():
     over = next(h for h in free if h.name.startswith("Megatron") and h.axes == fam.axes)
     limit = 0.9 * over.peak
     st = SearchStrategies(memory_limit=limit)
-    hand._SOLVED.clear()
+    memo.forget()
     warm = _warm_model(problem, memory, [fam])
     fitted = hand.hand_plans(problem, lambda c: memory.peak(c)[0], limit, fams=[fam], warm=warm,
                              fit=lambda allowed, c: st._fit_hand(problem, memory, limit, allowed, c))
@@ -533,7 +554,7 @@ def test_a_hand_plan_picked_by_name_is_solved_under_the_limit_whatever_the_other
     label = next(f"{f.name} {f.axes}" for f in fams if f.name == "Megatron" and "dp over" not in f.axes)
     solved = {}
     for every in (False, True):
-        hand._SOLVED.clear()
+        memo.forget()
         out = hand.hand_plans(problem, peak, limit, fams=fams, warm=_warm_model(problem, memory, fams),
                               fit=lambda allowed, c: st._fit_hand(problem, memory, limit, allowed, c), every=every)
         solved[every] = next(h for h in out if h.label == label)
@@ -549,7 +570,7 @@ def _search_seeding_rows(monkeypatch, g, fraction: float):
     from shardprop.passes.auto.memory import plan_profile
     _, _, free_peak = SearchStrategies().search(g)
     limit = int(fraction * free_peak)
-    hand._SOLVED.clear()
+    memo.forget()
     seeds = []
     inner = SearchStrategies._solve_under_limit
 

@@ -33,7 +33,7 @@ import numpy as np
 from ...ir.errors import ShardingError
 
 from ..cost import IMPOSSIBLE
-from . import milp
+from . import memo, milp
 from .problem import DECIDERS
 
 # what each role is split over, per family: "dp" the data-parallel axes, "mp" the model
@@ -381,11 +381,6 @@ def _arguments_floor(problem, allowed: dict) -> float:
     return total
 
 
-# solved hand plans by (problem fingerprint, storage layouts): the searches one compile runs
-# again under lower modeled limits (compiler/memory_check.py) build the same problem, and a
-# hand plan does not depend on the limit (only whether it fits does)
-_SOLVED: dict = {}
-_SOLVED_MAX = 64
 
 
 def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, warm=None,
@@ -397,7 +392,7 @@ def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, w
     bound passes it, and the plan has no time (its note says so)."""
     plan = HandPlan(name, axes)
     t0 = time.perf_counter()
-    reused = _SOLVED.get(key) if key is not None else None
+    reused = memo.HAND_SOLVES.get(key) if key is not None else None
     if reused is not None:   # (the solve is reused; the plan is priced again)
         choice, how = dict(reused), "its solve reused"
     else:
@@ -501,7 +496,7 @@ def _fitted(problem, plan: HandPlan, allowed: dict, fit, peak_of, limit, key) ->
     """``plan`` (over the limit) solved again under it by ``fit``, priced; ``plan``
     itself, its note saying so, where ``fit`` finds none that fits."""
     t0 = time.perf_counter()
-    reused = _SOLVED.get(key)
+    reused = memo.HAND_SOLVES.get(key)
     choice = dict(reused) if reused is not None else fit(allowed, plan.choice)
     seconds = time.perf_counter() - t0
     if choice is None:
@@ -531,9 +526,7 @@ def _price(problem, plan: HandPlan, choice: dict, peak_of, limit) -> None:
 
 
 def _remember(key, choice: dict) -> None:
-    if len(_SOLVED) >= _SOLVED_MAX:
-        _SOLVED.pop(next(iter(_SOLVED)))
-    _SOLVED[key] = dict(choice)
+    memo.remember(memo.HAND_SOLVES, key, dict(choice), memo.HAND_SOLVES_MAX)
 
 
 def best(plans: list) -> Optional[HandPlan]:

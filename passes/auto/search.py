@@ -36,7 +36,7 @@ from ..plan_core.pricing import Prices
 from ..plan_core.write import SEARCHED, USER, follows, follows_input, user_fixed, write_plan
 from ..propagate import PropagateSharding
 from ..rules import FIXED
-from . import hand, lagrange, milp, warm_lp
+from . import hand, lagrange, memo, milp, warm_lp
 from .memory import (copy_bytes, fused_bytes, largest_at_peak, plan_peak, plan_profile, program_facts,
                      view_bytes)
 from .refine import refine
@@ -84,10 +84,6 @@ DIVE_POLISH_S = 1.5
 # seconds a hand family whose time-optimal plan is over the limit gets to be made to fit it
 # (``repair.py``; 0.06-0.23 s per family on the 2-layer GPT step on 4 x 2 at half the free peak)
 HAND_FIT_S = 2.0
-# warm LP models (warm_lp.py) by problem: the searches memory_check runs again in one
-# compile build the same problem and go on from the last one's basis and rows
-_WARM: dict = {}
-_WARM_MAX = 2
 
 
 @dataclass
@@ -835,18 +831,16 @@ class SearchStrategies:
 
 def _warm_model(problem: Problem, memory: "_Liveness", fams: list):
     """The problem's LP as one warm-started model (``warm_lp.py``), built once per problem
-    (kept across the searches of one compile), its reduction keeping each hand family's
+    (kept across the searches of one compile: ``memo.py``), its reduction keeping each hand family's
     candidates; None without HiGHS's bindings."""
     if not warm_lp.available():
         return None
     key = (problem.fingerprint, memory.signature())
-    model = _WARM.get(key)
+    model = memo.WARM_MODELS.get(key)
     if model is None:
         red = milp.reduce(problem, memory_matters=True, also=[f.allowed for f in fams if f.allowed is not None])
         model = warm_lp.WarmLP(red)
-        while len(_WARM) >= _WARM_MAX:
-            _WARM.pop(next(iter(_WARM)))
-        _WARM[key] = model
+        memo.remember(memo.WARM_MODELS, key, model, memo.WARM_MODELS_MAX)
     return model
 
 
