@@ -953,6 +953,32 @@ def test_a_rounding_over_the_limit_where_the_lp_has_every_row_is_repaired_to_a_p
     assert peak <= limit and sol.objective <= min(t for t, _ in repaired) * (1 + 1e-9)
 
 
+def test_a_dive_from_a_plan_outside_the_gap_is_brief(monkeypatch):
+    """A dive from a plan that fits but is outside the search's gap (``dive_far``) gets at
+    most ``DIVE_FAR_S``, not the rest of the budget: on the GPT steps on 4 x 2 at 0.5 such
+    dives ran to the budget's end (5.5-14.3 s) and found nothing cheaper."""
+    import time
+    from shardprop.passes.auto import SearchStrategies, search
+    params, x, y = problem_data(512, 256, 2)
+    g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (4, 2)), tied=(0,))
+    _, free, free_peak = SearchStrategies().search(g)
+    dives = []
+    real = search._dive
+
+    def spy(lp, warm, red, rows, limit, deadline, problem, **kw):
+        incumbent, enough = kw.get("incumbent"), kw.get("enough")
+        far = incumbent is not None and (enough is None or incumbent[0] > enough)
+        dives.append((far, np.inf if deadline is None else deadline - time.perf_counter()))
+        return real(lp, warm, red, rows, limit, deadline, problem, **kw)
+    monkeypatch.setattr(search, "_dive", spy)
+    limit = int(0.5 * free_peak)
+    _, sol, peak = SearchStrategies(memory_limit=limit).search(g)
+    far = [left for is_far, left in dives if is_far]
+    assert far, "no dive from a plan outside the gap"
+    assert all(left <= search.DIVE_FAR_S + 1e-6 for left in far)
+    assert sol is not None and peak <= limit
+
+
 def test_a_refinement_dearer_as_written_is_not_kept(monkeypatch):
     """Refinement lowers the objective (a copy priced once per reader), not always the plan
     as the program is written (a copy several ops read made once), which is what the search

@@ -81,6 +81,10 @@ DIVE_STOP = 0.005
 # 2 x 4 at 0.9 it found one 0.6% above in 1.1 s; from one 4.5% above on 4 x 2 at 0.7 it ran 11 s
 # and found none cheaper)
 DIVE_POLISH_S = 1.5
+# ... and from a plan that fits outside RELAXED_GAP (``dive_far``) for at most this long: on the
+# GPT steps on 4 x 2 at 0.5 such dives ran 5.5 s (2 layers), 7.8 s (4) and 14.3 s (12) to the
+# budget's end and found none cheaper, where every dive that improved a plan did so within 1.3 s
+DIVE_FAR_S = 2.0
 # seconds a hand family whose time-optimal plan is over the limit gets to be made to fit it
 # (``repair.py``; 0.06-0.23 s per family on the 2-layer GPT step on 4 x 2 at half the free peak)
 HAND_FIT_S = 2.0
@@ -675,9 +679,12 @@ class SearchStrategies:
         enough = None if self.relaxed_gap is None else self._bound / (1 - self.relaxed_gap)
         if warm is not None and lp.rounded and (best is None or dive_far or (enough is not None and best[0] <= enough)):
             t0 = time.perf_counter()
+            deadline = self._deadline
+            if best is not None and (enough is None or best[0] > enough):   # (a far dive: brief)
+                deadline = min(deadline or np.inf, t0 + DIVE_FAR_S)
             with self._phase("dive"):
                 # (from the best rounding that fits: the dive stops once it cannot beat that)
-                dived = _dive(lp, warm, red, rows, limit, self._deadline, problem,
+                dived = _dive(lp, warm, red, rows, limit, deadline, problem,
                               fits=lambda c: memory.peak(c)[0] <= limit, incumbent=best, enough=enough,
                               polish=DIVE_POLISH_S)
             seconds += time.perf_counter() - t0
