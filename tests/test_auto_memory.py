@@ -956,9 +956,10 @@ def test_a_rounding_over_the_limit_where_the_lp_has_every_row_is_repaired_to_a_p
 def test_a_dive_from_a_plan_outside_the_gap_is_brief(monkeypatch):
     """A dive from a plan that fits but is outside the search's gap (``dive_far``) gets at
     most ``DIVE_FAR_S``, not the rest of the budget: on the GPT steps on 4 x 2 at 0.5 such
-    dives ran to the budget's end (5.5-14.3 s) and found nothing cheaper."""
+    dives ran to the budget's end (5.5-14.3 s) and found nothing cheaper. The first, before
+    the multipliers, gets at most ``DIVE_FAR_FIRST_S``."""
     import time
-    from shardprop.passes.auto import SearchStrategies, search
+    from shardprop.passes.auto import SearchStrategies, lagrange, search
     params, x, y = problem_data(512, 256, 2)
     g = traced_graph(sgd_step, (params, x, y), Mesh(("a", "b"), (4, 2)), tied=(0,))
     _, free, free_peak = SearchStrategies().search(g)
@@ -971,11 +972,16 @@ def test_a_dive_from_a_plan_outside_the_gap_is_brief(monkeypatch):
         dives.append((far, np.inf if deadline is None else deadline - time.perf_counter()))
         return real(lp, warm, red, rows, limit, deadline, problem, **kw)
     monkeypatch.setattr(search, "_dive", spy)
+    multipliers = lagrange.search
+    monkeypatch.setattr(lagrange, "search", lambda *a, **k: dives.append(("multipliers", None)) or multipliers(*a, **k))
     limit = int(0.5 * free_peak)
     _, sol, peak = SearchStrategies(memory_limit=limit).search(g)
-    far = [left for is_far, left in dives if is_far]
+    far = [left for is_far, left in dives if is_far is True]
     assert far, "no dive from a plan outside the gap"
     assert all(left <= search.DIVE_FAR_S + 1e-6 for left in far)
+    first = [d[0] for d in dives].index("multipliers")
+    assert first > 0 and dives[first - 1][0] is True, "no dive from the plan before the multipliers"
+    assert dives[first - 1][1] <= search.DIVE_FAR_FIRST_S + 1e-6
     assert sol is not None and peak <= limit
 
 

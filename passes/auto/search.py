@@ -85,6 +85,11 @@ DIVE_POLISH_S = 1.5
 # GPT steps on 4 x 2 at 0.5 such dives ran 5.5 s (2 layers), 7.8 s (4) and 14.3 s (12) to the
 # budget's end and found none cheaper, where every dive that improved a plan did so within 1.3 s
 DIVE_FAR_S = 2.0
+# ... and at most this long for the first such dive, before the multipliers: on the GPT steps on
+# 2 x 4 at 0.9 it met, in 0.08-0.15 s, the plan the multipliers' rows had led to (2, 4 and 12
+# layers: 4.3 -> 2.7 s, 6.8 -> 4.0 s, 4.4 -> 3.2 s); on 4 x 2 at 0.5, where it meets nothing, it
+# moved the rows the later rounds add (the searches took 0.8-2.7 s longer, to the same plans)
+DIVE_FAR_FIRST_S = 0.5
 # seconds a hand family whose time-optimal plan is over the limit gets to be made to fit it
 # (``repair.py``; 0.06-0.23 s per family on the 2-layer GPT step on 4 x 2 at half the free peak)
 HAND_FIT_S = 2.0
@@ -482,7 +487,8 @@ class SearchStrategies:
         3. The exact rows: solve, add the row where the plan peaks over the limit, solve
            again. With no plan yet they get what is left of the budget, and where a solve
            runs out of time before any plan (and no hand plan fits) the multipliers are
-           the last resort. With a plan outside ``relaxed_gap``, first the multipliers
+           the last resort. With a plan outside ``relaxed_gap``, first one LP round dived
+           from it for at most ``DIVE_FAR_FIRST_S``, then the multipliers
            from the rows so far, for at most ``MULTIPLIERS_BRIEF_S`` (they meet rows in
            unlimited solves, which are fast where the DP solves most of the problem, and
            their bound may prove the plan), the LP rounds again from the rows they met,
@@ -561,11 +567,11 @@ class SearchStrategies:
                              ("the time budget" if seconds is None else f"{seconds:.0f} s"))
             return None
 
-        def lp_rounds(dive_far: bool):
+        def lp_rounds(dive_far: bool, most: int = MAX_MEMORY_ROUNDS, far_s: float = DIVE_FAR_S):
             """The rows' LP, rounded and dived, a row added where its plans overflow, until
-            a plan is within ``relaxed_gap`` or no new row (``dive_far``: dive from a rounding
-            that fits outside ``relaxed_gap`` too)."""
-            for _ in range(MAX_MEMORY_ROUNDS):
+            a plan is within ``relaxed_gap``, no new row or ``most`` rounds (``dive_far``: dive
+            from a rounding that fits outside ``relaxed_gap`` too)."""
+            for _ in range(most):
                 left = self._left()
                 if best.choice is not None and best.gap(self._bound) <= self.relaxed_gap:
                     break   # (an integral LP's plan that fits is proven too: its gap is nil)
@@ -573,7 +579,7 @@ class SearchStrategies:
                     break
                 with self._phase("LP rounds"):
                     plan, what, _ = self._relaxed_round(red, problem, memory, rows, points, limit, left, warm,
-                                                        dive_far=dive_far)
+                                                        dive_far=dive_far, far_s=far_s)
                 best.rounds += 1
                 if plan is not None:
                     best.offer(plan[1].choice, "the LP rounds", plan[1].status)
@@ -604,11 +610,13 @@ class SearchStrategies:
                 if best.choice is None:   # (what was met, and the fixes: more time among them)
                     raise self._overflow(problem, smallest, out_of_time=str(error).splitlines()[0])
         elif best.gap(self._bound) > self.relaxed_gap and (left is None or left > 0.05):
-            # (a plan outside relaxed_gap: rows and a bound met cheaply by the multipliers, before
-            # any dive from it: on the 2-layer GPT step on 2 x 4 at 0.5 they proved the rounding
-            # optimal in 3 s, where the dive from it had spent 9 s and found none cheaper; then the
-            # LP again from their rows, warm, dived; then the exact rows from all of them, briefly)
-            if lag is None:
+            # (a plan outside relaxed_gap: a brief dive from it first, then rows and a bound met
+            # cheaply by the multipliers: on the 2-layer GPT step on 2 x 4 at 0.5 they proved the
+            # rounding optimal in 3 s, where the dive from it had spent 9 s and found none cheaper;
+            # then the LP again from their rows, warm, dived; then the exact rows from all of
+            # them, briefly)
+            lp_rounds(dive_far=True, most=1, far_s=DIVE_FAR_FIRST_S)
+            if lag is None and best.gap(self._bound) > self.relaxed_gap:
                 multipliers(MULTIPLIERS_BRIEF_S if left is None else min(left, MULTIPLIERS_BRIEF_S))
             if best.gap(self._bound) > self.relaxed_gap:
                 lp_rounds(dive_far=True)
@@ -619,7 +627,7 @@ class SearchStrategies:
         return best.solution(self._bound, notes, time.perf_counter() - t0), smallest
 
     def _relaxed_round(self, red, problem: Problem, memory: "_Liveness", rows: list, points: set, limit: float,
-                       left: Optional[float], warm=None, dive_far: bool = True) -> tuple:
+                       left: Optional[float], warm=None, dive_far: bool = True, far_s: float = DIVE_FAR_S) -> tuple:
         """One LP round under the memory rows: the LP relaxation (its optimum is a lower
         bound on every plan that fits), rounded (``_roundings``: each decision to its
         heaviest candidate, then more and more fractional ones to the candidate holding
@@ -681,7 +689,7 @@ class SearchStrategies:
             t0 = time.perf_counter()
             deadline = self._deadline
             if best is not None and (enough is None or best[0] > enough):   # (a far dive: brief)
-                deadline = min(deadline or np.inf, t0 + DIVE_FAR_S)
+                deadline = min(deadline or np.inf, t0 + far_s)
             with self._phase("dive"):
                 # (from the best rounding that fits: the dive stops once it cannot beat that)
                 dived = _dive(lp, warm, red, rows, limit, deadline, problem,
