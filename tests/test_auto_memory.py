@@ -953,6 +953,7 @@ def test_a_rounding_over_the_limit_where_the_lp_has_every_row_is_repaired_to_a_p
     assert peak <= limit and sol.objective <= min(t for t, _ in repaired) * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_a_dive_from_a_plan_outside_the_gap_is_brief(monkeypatch):
     """A dive from a plan that fits but is outside the search's gap (``dive_far``) gets at
     most ``DIVE_FAR_S``, not the rest of the budget: on the GPT steps on 4 x 2 at 0.5 such
