@@ -381,8 +381,6 @@ def _arguments_floor(problem, allowed: dict) -> float:
     return total
 
 
-
-
 def _solve(problem, name, axes, allowed, peak_of, limit, time_limit, key=None, warm=None,
            exact: bool = True, lp=None, cutoff: Optional[float] = None) -> HandPlan:
     """The family narrowed to ``allowed``, solved for time and priced: its LP (``warm``,
