@@ -356,3 +356,25 @@ def test_candidate_filter_keeps_one_of_every_chain_of_near_ties():
     feats = np.stack([unary[0]], axis=1)
     for j in range(3):
         assert any(np.all(feats[i] <= feats[j] + tol) for i in kept)
+
+
+def test_a_plan_made_to_fit_by_switching_never_makes_a_move_the_model_excludes():
+    """Fuzz seed 20261230, program 1527: under a memory limit, a hand family over it was
+    made to fit by switching (``repair.fit_by_switching``), a batch of switches each priced
+    against the plan before it; together they asked a partial sum over one axis to become
+    one over another, and pricing that plan raised a ValueError. Such a plan is no plan:
+    the limit, 0.7 of this tiny step's free peak, is then an error that names it."""
+    rng = np.random.default_rng([20261230, 1527])
+    x0 = np.asarray(rng.standard_normal((3, 4, 2)), np.float32)
+    x1 = np.asarray(rng.standard_normal((3, 2, 7)), np.float32)
+    x2 = np.asarray(rng.standard_normal((2,)), np.float32)
+
+    def loss(x0, x1, x2):
+        v1 = jax.lax.reduce_window(jnp.matmul(x0, x1), -jnp.inf, jax.lax.max, (2, 1, 3), (2, 1, 3), "VALID")
+        v2 = jnp.einsum("ijk,p->pijk", x1, x2)
+        return jnp.mean(jnp.square(v1)) + jnp.mean(jnp.square(v2))
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    peak = sp.parallelize(step, mesh=8, mode="auto", progress=False).plan(x0, x1, x2).cost.peak_memory
+    limited = sp.parallelize(step, mesh=8, mode="auto", memory_limit=int(0.7 * peak), progress=False)
+    with pytest.raises(sp.ShardingError, match=r"no plan fits memory_limit=[\d,]+ bytes per device"):
+        limited(x0, x1, x2)

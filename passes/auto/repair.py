@@ -50,7 +50,9 @@ def fit_by_switching(problem, memory, limit: float, choice: dict, allowed: Optio
     rows: dict = {}                   # point -> its memory row, for both greedies
     fits = [f for f in (_fit(problem, memory, limit, choice, first, rows, allowed or {}, deadline, careful)
                         for careful in (True, False)) if f is not None]
-    return min(fits, key=problem.objective, default=None)
+    # (each switch is priced against the plan before its batch: two taken together, or one
+    # undone beside another's switch, can make a move the model excludes, which is no plan)
+    return min((f for f in fits if problem.objective(f) < IMPOSSIBLE), key=problem.objective, default=None)
 
 
 def _fit(problem, memory, limit: float, choice: dict, prof: np.ndarray, rows: dict, allowed: dict,
