@@ -4,7 +4,8 @@ The pieces without Ray: row ranges, staleness bound, the rows a push touches
 updated like optax on the whole table, the message when the ``ps`` extra is
 missing. With Ray (one session, tests/ps_scripts/ps_job.py, shared by the tests
 below): one sync step equals the single-device step; a 3x slower worker holds
-the others back in sync, not in async; async AUC is within 2% of sync's (sync at
+the others back in sync (lockstep, at its pace), not in async (they take more steps;
+the throughput this costs is bench/ps.py's figure, not a timed test); async AUC is within 2% of sync's (sync at
 the learning rate scaled by the worker count); a killed worker is reported and the
 job goes on; a killed server stops the job with a clear error; no process is left
 behind. The launcher: one run with a killed worker, then a killed server."""
@@ -206,14 +207,20 @@ def _fast(run):
 
 @needs_ray
 def test_slow_worker_holds_back_sync_not_async(session):
+    """Worker 1 sleeps twice its own compute time each step. Sync runs in lockstep, so
+    every worker takes as many steps as it does and the others run at its pace; async lets
+    the others go on, so they take more steps than it does. Both are compared within one
+    run (rates as ratios of workers that ran side by side): the machine's load slows every
+    worker alike. How much throughput the slow worker costs, async against sync, is a
+    figure of bench/ps.py (--part slow), not a test."""
     r = _results(session)
-    async_ratio = _fast(r["async_slow"]) / _fast(r["async_even"])
-    sync_ratio = _fast(r["sync_slow"]) / _fast(r["sync_even"])
-    assert async_ratio > 0.9, (async_ratio, r["async_slow"], r["async_even"])     # < 10% drop
-    assert sync_ratio < 0.75, (sync_ratio, r["sync_slow"], r["sync_even"])        # everyone waits for it
-    slow = r["async_slow"]["per_worker"]
-    assert slow["1"] < 0.6 * _fast(r["async_slow"])       # the slow worker really was slow
-    assert r["async_slow"]["staleness"]["max"] <= 16 and r["async_slow"]["staleness"]["applied"] > 0
+    sync, asyn = r["sync_slow"], r["async_slow"]
+    assert len(set(sync["steps"].values())) == 1, sync["steps"]                   # lockstep
+    assert _fast(sync) < 1.25 * sync["per_worker"]["1"], sync["per_worker"]      # held to its pace
+    fast_steps = min(v for w, v in asyn["steps"].items() if w != "1")
+    assert asyn["steps"]["1"] < 0.6 * fast_steps, asyn["steps"]                   # not held back
+    assert asyn["per_worker"]["1"] < 0.6 * _fast(asyn), asyn["per_worker"]      # it really was slow
+    assert asyn["staleness"]["max"] <= 16 and asyn["staleness"]["applied"] > 0
 
 
 @needs_ray

@@ -358,6 +358,7 @@ def test_candidate_filter_keeps_one_of_every_chain_of_near_ties():
         assert any(np.all(feats[i] <= feats[j] + tol) for i in kept)
 
 
+@pytest.mark.slow
 def test_a_plan_made_to_fit_by_switching_never_makes_a_move_the_model_excludes():
     """Fuzz seed 20261230, program 1527: under a memory limit, a hand family over it was
     made to fit by switching (``repair.fit_by_switching``), a batch of switches each priced

@@ -64,6 +64,7 @@ def main(out_dir, budget, batch):
                 r = job.train(budget)
                 results[f"{mode}_{'slow' if slow else 'even'}"] = {
                     "per_worker": {w["worker"]: w["samples_per_s"] for w in r.workers},
+                    "steps": {w["worker"]: w["steps"] for w in r.workers},
                     "auc": wd.evaluate(job.params(), log)[1], "staleness": r.staleness,
                     "bytes_per_sample": r.bytes_per_sample()}
         job.reset("async", {}, optax.sgd(0.5))
