@@ -1,6 +1,7 @@
 """The search's shortcuts under a memory limit keep its promises: LP diving stops at a
 plan it cannot beat by more than ``DIVE_STOP`` and returns the cheapest plan that fits
-it met; an arrangement that runs out of time leaves the others' plans standing."""
+it met; an arrangement that runs out of time leaves the others' plans standing, and one whose
+LP bound cannot beat a plan found is not searched."""
 import sys
 from pathlib import Path
 
@@ -174,3 +175,42 @@ def test_warm_lp_logs_each_solve():
     assert it0 > 0 and it1 > 0 and min(w0, c0, w1, c1) >= 0
     model.solve(red.kept, rows, 1.0)   # (a limit no plan meets: the row alone is infeasible)
     assert len(model.log) == 3 and model.log[-1][3] == 1 and model.log[-1][4] != "Optimal"
+
+
+def test_an_arrangement_whose_bound_cannot_beat_the_plan_found_is_not_searched():
+    """On a device-count mesh the arrangements are searched least LP bound first, and one
+    whose bound (its LP without memory rows: below every plan it has) is no cheaper than a
+    plan found already is not searched at all; the status says so. The plan is the
+    cheapest of the arrangements each searched alone, and the one left out has none under
+    its bound. (With the cpu profile, which prices a group by the ranks it spans, 4 x 2
+    is the cheaper here, and comes second in the arrangements' own order.)"""
+    from shardprop.passes.auto import search as S
+    from shardprop.passes.cost import CostModel
+    from test_auto import problem_data, sgd_step, traced_graph
+    cpu = CostModel.builtin("cpu")
+    args = problem_data(64, 1024, 3)
+    searched, bounds = [], {}
+
+    class Recording(S.SearchStrategies):
+        def search(self, graph, *a, **k):
+            searched.append(graph.mesh.axis_sizes)
+            return super().search(graph, *a, **k)
+
+        def _by_bound(self, graph, meshes, prices):
+            out = super()._by_bound(graph, meshes, prices)
+            bounds.update((m.axis_sizes, b) for m, _, b in out)
+            return out
+
+    g = traced_graph(sgd_step, args, Mesh(("d0", "d1"), (2, 4)), tied=(0,))
+    g.count_mesh = True
+    out = Recording(cpu, exact_ops=0)(g)   # (exact_ops=0: no un-coarsened search, whose plans the bound does not bound)
+    status = out.auto.solver["status"]
+    assert searched == [(4, 2)] and out.mesh.axis_sizes == (4, 2)
+    assert "arrangements not searched, bound above the plan: d0=2 d1=4" in status, status
+    alone = {sizes: S.SearchStrategies(cpu, exact_ops=0)(traced_graph(sgd_step, args, Mesh(("d0", "d1"), sizes),
+                                                                      tied=(0,))).auto
+             for sizes in ((2, 4), (4, 2))}
+    assert alone[(4, 2)].step_time < alone[(2, 4)].step_time
+    assert out.auto.step_time == pytest.approx(alone[(4, 2)].step_time, rel=1e-9)
+    assert bounds[(4, 2)] <= alone[(4, 2)].solver["objective"] * (1 + 1e-9)
+    assert out.auto.solver["objective"] <= bounds[(2, 4)] <= alone[(2, 4)].solver["objective"] * (1 + 1e-9)
