@@ -250,7 +250,7 @@ def test_a_compile_shares_warm_models_and_hand_solves_among_its_searches_and_lea
     assert plan.cost.peak_memory <= limit
     assert remembered, "the compile's searches kept nothing for each other"
     assert seen_at_start and not any(seen_at_start), "a search saw what came before its compile"
-    assert memo.WARM_MODELS == {} and memo.HAND_SOLVES == {}
+    assert memo.WARM_MODELS == {} and memo.HAND_SOLVES == {} and memo.LP_BOUNDS == {}
 
 
 @pytest.mark.slow

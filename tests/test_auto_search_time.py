@@ -214,3 +214,22 @@ def test_an_arrangement_whose_bound_cannot_beat_the_plan_found_is_not_searched()
     assert out.auto.step_time == pytest.approx(alone[(4, 2)].step_time, rel=1e-9)
     assert bounds[(4, 2)] <= alone[(4, 2)].solver["objective"] * (1 + 1e-9)
     assert out.auto.solver["objective"] <= bounds[(2, 4)] <= alone[(2, 4)].solver["objective"] * (1 + 1e-9)
+
+
+def test_the_searches_of_one_compile_solve_an_arrangements_bound_once(monkeypatch):
+    """The memory check's searches again build the same arrangements: their LP bounds are
+    kept within the compile (``memo.LP_BOUNDS``), solved once each."""
+    from shardprop.passes.auto import memo, milp
+    from shardprop.passes.auto import search as S
+    from shardprop.passes.cost import CostModel
+    from test_auto import problem_data, sgd_step, traced_graph
+    solves = []
+    real = milp.solve
+    monkeypatch.setattr(milp, "solve", lambda *a, **k: (solves.append(k.get("relax")), real(*a, **k))[1])
+    g = traced_graph(sgd_step, problem_data(64, 1024, 3), Mesh(("d0", "d1"), (2, 4)), tied=(0,))
+    g.count_mesh = True
+    with memo.one_compile():
+        for _ in range(2):
+            S.SearchStrategies(CostModel.builtin("cpu"), exact_ops=0)(g)
+        assert len(memo.LP_BOUNDS) == 2
+    assert solves.count(True) == 2 and memo.LP_BOUNDS == {}

@@ -2,8 +2,8 @@
 
 The memory check (``compiler/memory_check.py``) searches the same program again under
 lower modeled limits; those searches build the same problem, so the LP model of the
-last one (``warm_lp.WarmLP``: its basis and memory rows) and the hand families' solves
-are kept for the next. Kept past the compile, they made a search's plan depend on
+last one (``warm_lp.WarmLP``: its basis and memory rows), the hand families' solves
+and the arrangements' LP bounds are kept for the next. Kept past the compile, they made a search's plan depend on
 what the process had searched before: the 12-layer GPT step on 4 x 2 at 0.7 of its
 free peak searched 5.3 s to a plan of 95.05 ms cold, and 30.8 s to one of 97.49 ms
 after a search of the same step at 0.5 (whose rows and basis it went on from).
@@ -20,6 +20,10 @@ WARM_MODELS_MAX = 2
 # storage layouts[, limit]): a hand plan does not depend on the limit, only whether it fits
 HAND_SOLVES: dict = {}
 HAND_SOLVES_MAX = 64
+# an arrangement's LP bound without memory rows by problem fingerprint (``search._by_bound``):
+# the memory check's searches again have the same arrangements
+LP_BOUNDS: dict = {}
+LP_BOUNDS_MAX = 16
 
 _depth = 0
 
@@ -28,6 +32,7 @@ def forget() -> None:
     """Drop every warm model and hand solve: the next search starts cold."""
     WARM_MODELS.clear()
     HAND_SOLVES.clear()
+    LP_BOUNDS.clear()
 
 
 def remember(store: dict, key, value, most: int) -> None:

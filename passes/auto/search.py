@@ -290,13 +290,17 @@ class SearchStrategies:
             graph.set_mesh(mesh)
             problem = Problem(graph, self.cost, allow_reduce_scatter=self.allow_rs, prices=prices, like=like)
             like = problem
-            left = self._left()
-            try:
-                lp = milp.solve(milp.reduce(problem, memory_matters=False), relax=True,
-                                time_limit=None if left is None else max(left, 0.5))
-                bound = lp.bound if lp.choice and np.isfinite(lp.bound) else None
-            except ShardingError:   # (out of time: searched last, with no bound)
-                bound = None
+            bound = memo.LP_BOUNDS.get(problem.fingerprint)
+            if bound is None:
+                left = self._left()
+                try:
+                    lp = milp.solve(milp.reduce(problem, memory_matters=False), relax=True,
+                                    time_limit=None if left is None else max(left, 0.5))
+                    bound = lp.bound if lp.choice and np.isfinite(lp.bound) else None
+                except ShardingError:   # (out of time: searched last, with no bound)
+                    bound = None
+                if bound is not None:
+                    memo.remember(memo.LP_BOUNDS, problem.fingerprint, bound, memo.LP_BOUNDS_MAX)
             out.append((mesh, problem, bound))
         return sorted(out, key=lambda mpb: np.inf if mpb[2] is None else mpb[2])
 
