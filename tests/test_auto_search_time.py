@@ -233,3 +233,27 @@ def test_the_searches_of_one_compile_solve_an_arrangements_bound_once(monkeypatc
             S.SearchStrategies(CostModel.builtin("cpu"), exact_ops=0)(g)
         assert len(memo.LP_BOUNDS) == 2
     assert solves.count(True) == 2 and memo.LP_BOUNDS == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cold_seconds, tried", [(0.0, True), (10.0, False)])
+def test_brief_exact_rows_only_where_the_cold_lp_leaves_branch_and_bound_room(monkeypatch, cold_seconds, tried):
+    """Where the rounds end with a plan outside the gap, the exact rows get ``brief``
+    seconds, but only where the warm model's cold LP took under ``EXACT_ROOT_SHARE`` of
+    them: branch and bound starts from such a solve (on the GPT steps on 4 x 2 at half the
+    free peak they ran their 3 s out with no plan every time). Else the status says why
+    they were not tried."""
+    from shardprop.passes.auto import milp
+    from shardprop.passes.auto import search as S
+    problem, memory, red, model, rows, limit, lp, at = row_lp()
+    monkeypatch.setattr(model, "cold_seconds", lambda: cold_seconds)
+    exact = []
+    real = milp.solve
+    monkeypatch.setattr(milp, "solve", lambda red, *a, **k: (exact.append(bool(a and a[0])), real(red, *a, **k))[1])
+    search = S.SearchStrategies(memory_limit=int(limit), relaxed_gap=1e-9)   # (every plan is outside the gap)
+    search._bound, search._deadline = 0.0, None
+    sol, _ = search._solve_under_limit(red, problem, memory, limit, (float("inf"), None), seed=[at], warm=model,
+                                       brief=3.0)
+    assert sol is not None and memory.peak(sol.choice)[0] <= limit
+    assert any(exact) == tried
+    assert ("the exact rows not tried" in sol.status) == (not tried), sol.status

@@ -65,6 +65,12 @@ MULTIPLIERS_MIN_S = 10.0
 # to prove that gap or find a cheaper plan (on the GPT steps of bench/auto.py at 12
 # layers they ran the whole 20 s budget to the same plan, 4.8-6.9% from the bound)
 EXACT_AFTER_ROUNDED_S = 3.0
+# ... but only where the warm model's first, cold LP took under this share of that time:
+# branch and bound starts from such a solve (with the rows, from scratch) and needs room to
+# branch (``hand.BRANCH_ROOT_S``, the same rule for the hand families). On the GPT steps on
+# 4 x 2 at 0.5 of the free peak (2, 4 and 12 layers: cold LPs of 0.4 s and more) the brief
+# exact rows ran their 3 s out with no plan every time
+EXACT_ROOT_SHARE = 0.1
 # ... and first the Lagrange multipliers get at most this long, from the rows met so far:
 # their solves are unlimited problems, which meet rows where plans overflow in a fraction
 # of an exact solve with rows (on the 2-layer SGD MLP step of tests/test_auto.py at 0.7 of
@@ -539,7 +545,8 @@ class SearchStrategies:
            their bound may prove the plan), the LP rounds again from the rows they met,
            dived (the first LP rounds dive only where no rounding fits), then the exact rows from every
            row met, for at most ``brief`` seconds (None: the budget, solved to optimality;
-           the un-coarsened search of a small graph, which is there to be exact).
+           the un-coarsened search of a small graph, which is there to be exact), where the
+           warm model's cold LP took under ``EXACT_ROOT_SHARE`` of them.
 
         ``start``: the best hand plan that fits (``hand.py``); where the budget runs out
         with no plan the search returns None and falls back to it. ``warm``: the problem's
@@ -666,7 +673,12 @@ class SearchStrategies:
             if best.gap(self._bound) > self.relaxed_gap:
                 lp_rounds(dive_far=True)
             if best.gap(self._bound) > self.relaxed_gap:
-                exact_rows(brief)
+                cold = warm.cold_seconds() if warm is not None else None
+                if brief is not None and cold is not None and cold >= EXACT_ROOT_SHARE * brief:
+                    notes.append(f"the exact rows not tried: the LP's cold solve took {cold:.1f} s, too long for "
+                                 f"branch and bound to get past its root in {brief:g} s")
+                else:
+                    exact_rows(brief)
         if best.choice is None:
             return None, smallest
         return best.solution(self._bound, notes, time.perf_counter() - t0), smallest
