@@ -214,6 +214,12 @@ def test_an_arrangement_whose_bound_cannot_beat_the_plan_found_is_not_searched()
     assert out.auto.step_time == pytest.approx(alone[(4, 2)].step_time, rel=1e-9)
     assert bounds[(4, 2)] <= alone[(4, 2)].solver["objective"] * (1 + 1e-9)
     assert out.auto.solver["objective"] <= bounds[(2, 4)] <= alone[(2, 4)].solver["objective"] * (1 + 1e-9)
+    # measure=True (compare_hands) times hand plans the model may misrank: every arrangement's
+    searched.clear()
+    again = traced_graph(sgd_step, args, Mesh(("d0", "d1"), (2, 4)), tied=(0,))
+    again.count_mesh = True
+    Recording(cpu, exact_ops=0, compare_hands=True)(again)
+    assert searched == [(4, 2), (2, 4)]
 
 
 def test_the_searches_of_one_compile_solve_an_arrangements_bound_once(monkeypatch):
