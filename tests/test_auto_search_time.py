@@ -263,3 +263,33 @@ def test_brief_exact_rows_only_where_the_cold_lp_leaves_branch_and_bound_room(mo
     assert sol is not None and memory.peak(sol.choice)[0] <= limit
     assert any(exact) == tried
     assert ("the exact rows not tried" in sol.status) == (not tried), sol.status
+
+
+@pytest.mark.slow
+def test_a_search_stops_once_its_bound_reaches_the_plan_another_arrangement_found(monkeypatch):
+    """Given ``beat`` (the objective of another arrangement's plan), the memory rounds stop
+    once the bound they prove reaches it: no plan here can beat that one. Without it the
+    same search goes on to the multipliers and the exact rows (on the 2-layer GPT step on
+    8 devices at 0.5, 2 x 4's rounds passed 4 x 2's plan 2.4 s before its search ended)."""
+    from shardprop.passes.auto import lagrange, milp
+    from shardprop.passes.auto import search as S
+    problem, memory, red, model, rows, limit, lp, at = row_lp()
+    monkeypatch.setattr(model, "cold_seconds", lambda: 0.0)   # (the exact rows are tried)
+    calls = []
+    real_lagrange, real_solve = lagrange.search, milp.solve
+    monkeypatch.setattr(lagrange, "search", lambda *a, **k: (calls.append("multipliers"), real_lagrange(*a, **k))[1])
+    monkeypatch.setattr(milp, "solve", lambda red, *a, **k: (calls.append("exact rows") if a and a[0] else None,
+                                                             real_solve(red, *a, **k))[1])
+
+    def run(beat):
+        calls.clear()
+        search = S.SearchStrategies(memory_limit=int(limit), relaxed_gap=1e-9)   # (every plan outside the gap)
+        search._bound, search._deadline = 0.0, None
+        sol, _ = search._solve_under_limit(red, problem, memory, limit, (float("inf"), None), seed=[at], warm=model,
+                                           brief=3.0, beat=beat)
+        return sol, search._bound, list(calls)
+    sol, bound, parts = run(None)
+    assert "multipliers" in parts and "exact rows" in parts and "stopped:" not in sol.status
+    sol, bound, parts = run(lp.bound * 0.5)   # (a plan the first LP round's bound already passes)
+    assert parts == [] and bound >= lp.bound * 0.5
+    assert sol is None or "stopped: the bound" in sol.status
