@@ -3,10 +3,11 @@
 The memory check (``compiler/memory_check.py``) searches the same program again under
 lower modeled limits; those searches build the same problem, so the LP model of the
 last one (``warm_lp.WarmLP``: its basis and memory rows), the hand families' solves
-and the arrangements' LP bounds are kept for the next. Kept past the compile, they made a search's plan depend on
-what the process had searched before: the 12-layer GPT step on 4 x 2 at 0.7 of its
-free peak searched 5.3 s to a plan of 95.05 ms cold, and 30.8 s to one of 97.49 ms
-after a search of the same step at 0.5 (whose rows and basis it went on from).
+and the arrangements' LP bounds are kept for the next. Kept past the compile, they made
+a search's plan depend on what the process had searched before: the 12-layer GPT step
+on 4 x 2 at 0.7 of its free peak searched 5.3 s to a plan of 95.05 ms cold, and 30.8 s
+to one of 97.49 ms after a search of the same step at 0.5 (whose rows and basis it went
+on from).
 ``one_compile`` scopes them: forgotten when the outermost compile starts and ends.
 """
 from __future__ import annotations

@@ -232,8 +232,7 @@ class SearchStrategies:
             order = self._by_bound(graph, meshes, prices)
         for i, (mesh, built, bound) in enumerate(order):
             # (measure=True times hand plans the model may misrank: every arrangement's are wanted)
-            if bound is not None and best_objective is not None and bound >= best_objective * (1 - 1e-9) \
-                    and not self.compare_hands:
+            if _cannot_beat(bound, best_objective) and not self.compare_hands:
                 self._beaten.append(f"{mesh} (no plan there is under {bound * 1e3:.6g} ms, its LP bound; "
                                     f"the plan found is {best_objective * 1e3:.6g} ms)")
                 continue
@@ -565,13 +564,13 @@ class SearchStrategies:
         search ended)."""
         t0 = time.perf_counter()
         best = _Best(problem)
-        self._bound, self._beat = 0.0, beat
+        self._bound = 0.0
         rows, points = [], set()
         notes = []   # what the parts whose plan is not kept found
         lag = None
 
         def beaten() -> bool:
-            if beat is None or self._bound < beat * (1 - 1e-9):
+            if not _cannot_beat(self._bound, beat):
                 return False
             if not any(n.startswith("stopped:") for n in notes):
                 notes.append(f"stopped: the bound {self._bound * 1e3:.4f} ms reached the plan to beat "
@@ -655,7 +654,7 @@ class SearchStrategies:
                     break
                 with self._phase("LP rounds"):
                     plan, what, _ = self._relaxed_round(red, problem, memory, rows, points, limit, left, warm,
-                                                        dive_far=dive_far, far_s=far_s)
+                                                        dive_far=dive_far, far_s=far_s, beat=beat)
                 best.rounds += 1
                 if plan is not None:
                     best.offer(plan[1].choice, "the LP rounds", plan[1].status)
@@ -708,7 +707,8 @@ class SearchStrategies:
         return best.solution(self._bound, notes, time.perf_counter() - t0), smallest
 
     def _relaxed_round(self, red, problem: Problem, memory: "_Liveness", rows: list, points: set, limit: float,
-                       left: Optional[float], warm=None, dive_far: bool = True, far_s: float = DIVE_FAR_S) -> tuple:
+                       left: Optional[float], warm=None, dive_far: bool = True, far_s: float = DIVE_FAR_S,
+                       beat: Optional[float] = None) -> tuple:
         """One LP round under the memory rows: the LP relaxation (its optimum is a lower
         bound on every plan that fits), rounded (``_roundings``: each decision to its
         heaviest candidate, then more and more fractional ones to the candidate holding
@@ -717,7 +717,8 @@ class SearchStrategies:
         integral and its plan fits), "more" (no rounding fits, and a new row was added at
         a point where one peaks), "exact" (the exact rows must go on); seconds).
         ``dive_far=False``: no dive from a rounding that fits outside ``relaxed_gap`` (the
-        multipliers go first)."""
+        multipliers go first). ``beat``: another arrangement's plan; no dive once the LP's
+        bound reaches it (no plan here can beat it)."""
         try:
             lp = warm.solve(red.kept, rows, limit, None if left is None else max(left, 0.5)) if warm is not None \
                 else milp.solve(red, rows, limit, None if left is None else max(left, 0.5), relax=True)
@@ -766,9 +767,8 @@ class SearchStrategies:
         # 4 x 2 at 0.7 it dived on from a rounding 4.5% above the bound for 11 s and found
         # none cheaper; on 2 x 4 at 0.9, from one 1.3% above it, it found one 0.6% above in 1.1 s)
         enough = None if self.relaxed_gap is None else self._bound / (1 - self.relaxed_gap)
-        beat = getattr(self, "_beat", None)   # (no plan here can beat another arrangement's: no dive)
         if warm is not None and lp.rounded and (best is None or dive_far or (enough is not None and best[0] <= enough)) \
-                and (beat is None or self._bound < beat * (1 - 1e-9)):
+                and not _cannot_beat(self._bound, beat):
             t0 = time.perf_counter()
             deadline = self._deadline
             if best is not None and (enough is None or best[0] > enough):   # (a far dive: brief)
@@ -925,6 +925,12 @@ class SearchStrategies:
             f"{head}: the smallest modeled peak found is {peak:,.0f} bytes per device ({peak / 2**20:.2f} MiB); the "
             f"largest tensors alive there: {names}. Fix: {more}raise memory_limit, use more devices, or shrink the "
             f"batch or the model", float(peak))
+
+
+def _cannot_beat(bound: Optional[float], plan: Optional[float]) -> bool:
+    """Whether a lower bound proves that no plan under it beats ``plan`` (seconds; either
+    None: nothing is proven)."""
+    return bound is not None and plan is not None and bound >= plan * (1 - 1e-9)
 
 
 def _warm_model(problem: Problem, memory: "_Liveness", fams: list):
