@@ -20,6 +20,7 @@ and where the search's seconds went (``plan.cost.solver["phases"]``).
                                                           # check's compiles and searches again
     python bench/search_time.py --layers 2 --meshes 4x2 --limits 0.5 --repeat 1 --lp-log
                                                           # and each warm LP solve's seconds
+    python bench/search_time.py --layers 2 --limits 0.5 --budget 5   # under a shorter budget
     python bench/search_time.py --layers 2 --family-lps   # the hand families' LPs alone, in
                                                           # their own order and in the warm one
 
@@ -80,14 +81,17 @@ def bound_graph(pf, args):
     return run_pipeline(g, pf.options, passes=[BindUserStrategies()]).graph
 
 
-def search_once(pf, args, limit) -> dict:
-    """One cold search on the traced program (its own time budget)."""
+def search_once(pf, args, limit, budget=None) -> dict:
+    """One cold search on the traced program (its own time budget: ``budget`` seconds,
+    None for the search's default)."""
     graph = bound_graph(pf, args)
     cold()
     with gc_paused():
         t0, c0 = time.perf_counter(), time.process_time()
         try:
-            SearchStrategies(pf.options.cost, limit)(graph)
+            search = SearchStrategies(pf.options.cost, limit) if budget is None else \
+                SearchStrategies(pf.options.cost, limit, time_budget=budget)
+            search(graph)
         except sp.ShardingError as e:
             return dict(wall=time.perf_counter() - t0, cpu=time.process_time() - c0, error=str(e).splitlines()[0])
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -167,6 +171,8 @@ def main():
     ap.add_argument("--compiled", action="store_true", help="parallelize().plan(): with the memory check's rounds")
     ap.add_argument("--lp-log", action="store_true",
                     help="each warm LP solve of the last run: wall s, process s, simplex iterations, rows, status")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="the search's time budget in seconds (default: the search's own)")
     ap.add_argument("--family-lps", action="store_true",
                     help="only the hand families' LPs, in their own order and in the warm order")
     args = ap.parse_args()
@@ -193,7 +199,7 @@ def main():
                     limit = int(frac * free_peak)
                     pf = parallelized(case, name, args.cost_model, limit)
                     a = jax.tree_util.tree_map(np.array, host)
-                    runs[frac].append(plan_once(pf, a) if args.compiled else search_once(pf, a, limit))
+                    runs[frac].append(plan_once(pf, a) if args.compiled else search_once(pf, a, limit, args.budget))
             for frac in args.limits:
                 rs = runs[frac]
                 wall = statistics.median(r["wall"] for r in rs)
