@@ -50,7 +50,7 @@ from bench.compare import fresh  # noqa: E402
 import shardprop as sp  # noqa: E402
 from shardprop.compiler.pipeline import gc_paused, run_pipeline  # noqa: E402
 from shardprop.passes.auto import hand, memo  # noqa: E402
-from shardprop.passes.auto.search import SearchStrategies  # noqa: E402
+from shardprop.passes.auto.search import TIME_BUDGET, SearchStrategies  # noqa: E402
 from shardprop.passes.bind_strategies import BindUserStrategies  # noqa: E402
 from shardprop.passes.redistribute import clear_caches as clear_redistribution_caches  # noqa: E402
 
@@ -89,9 +89,7 @@ def search_once(pf, args, limit, budget=None) -> dict:
     with gc_paused():
         t0, c0 = time.perf_counter(), time.process_time()
         try:
-            search = SearchStrategies(pf.options.cost, limit) if budget is None else \
-                SearchStrategies(pf.options.cost, limit, time_budget=budget)
-            search(graph)
+            SearchStrategies(pf.options.cost, limit, time_budget=TIME_BUDGET if budget is None else budget)(graph)
         except sp.ShardingError as e:
             return dict(wall=time.perf_counter() - t0, cpu=time.process_time() - c0, error=str(e).splitlines()[0])
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0

@@ -16,6 +16,15 @@ from test_auto import row_lp  # noqa: E402
 LOOSE = 10**12   # bytes: a memory limit no plan comes near
 
 
+def mlp_on_8(args, sizes=(2, 4), count_mesh=True):
+    """tests/test_auto.py's SGD MLP step traced on a 2-D mesh of 8 devices; with
+    ``count_mesh`` the mesh stands for ``mesh=8``, whose arrangements the search tries."""
+    from test_auto import sgd_step, traced_graph
+    g = traced_graph(sgd_step, args, Mesh(("d0", "d1"), sizes), tied=(0,))
+    g.count_mesh = count_mesh
+    return g
+
+
 @pytest.mark.slow
 def test_dive_stops_at_an_incumbent_it_cannot_beat():
     """Given a plan that fits at the LP's own bound, the dive solves nothing more and
@@ -188,7 +197,7 @@ def test_an_arrangement_whose_bound_cannot_beat_the_plan_found_is_not_searched()
     is the cheaper here, and comes second in the arrangements' own order.)"""
     from shardprop.passes.auto import search as S
     from shardprop.passes.cost import CostModel
-    from test_auto import problem_data, sgd_step, traced_graph
+    from test_auto import problem_data
     cpu = CostModel.builtin("cpu")
     args = problem_data(64, 1024, 3)
     searched, bounds = [], {}
@@ -203,8 +212,7 @@ def test_an_arrangement_whose_bound_cannot_beat_the_plan_found_is_not_searched()
             bounds.update((m.axis_sizes, b) for m, _, b in out)
             return out
 
-    g = traced_graph(sgd_step, args, Mesh(("d0", "d1"), (2, 4)), tied=(0,))
-    g.count_mesh = True
+    g = mlp_on_8(args)
     # (exact_ops=0: no un-coarsened search, whose plans the bound does not bound; a limit that
     # does not bind: without one the arrangements get no bounds, each search being that LP)
     out = Recording(cpu, memory_limit=LOOSE, exact_ops=0)(g)
@@ -213,7 +221,7 @@ def test_an_arrangement_whose_bound_cannot_beat_the_plan_found_is_not_searched()
     assert "arrangements not searched, bound above the plan: d0=2 d1=4" in status, status
     alone = {}
     for sizes in ((2, 4), (4, 2)):
-        one = traced_graph(sgd_step, args, Mesh(("d0", "d1"), sizes), tied=(0,))
+        one = mlp_on_8(args, sizes, count_mesh=False)
         alone[sizes] = S.SearchStrategies(cpu, memory_limit=LOOSE, exact_ops=0)(one).auto
     assert alone[(4, 2)].step_time < alone[(2, 4)].step_time
     assert out.auto.step_time == pytest.approx(alone[(4, 2)].step_time, rel=1e-9)
@@ -221,8 +229,7 @@ def test_an_arrangement_whose_bound_cannot_beat_the_plan_found_is_not_searched()
     assert out.auto.solver["objective"] <= bounds[(2, 4)] <= alone[(2, 4)].solver["objective"] * (1 + 1e-9)
     # measure=True (compare_hands) times hand plans the model may misrank: every arrangement's
     searched.clear()
-    again = traced_graph(sgd_step, args, Mesh(("d0", "d1"), (2, 4)), tied=(0,))
-    again.count_mesh = True
+    again = mlp_on_8(args)
     Recording(cpu, memory_limit=LOOSE, exact_ops=0, compare_hands=True)(again)
     assert searched == [(4, 2), (2, 4)]
 
@@ -233,12 +240,11 @@ def test_the_searches_of_one_compile_solve_an_arrangements_bound_once(monkeypatc
     from shardprop.passes.auto import memo, milp
     from shardprop.passes.auto import search as S
     from shardprop.passes.cost import CostModel
-    from test_auto import problem_data, sgd_step, traced_graph
+    from test_auto import problem_data
     solves = []
     real = milp.solve
     monkeypatch.setattr(milp, "solve", lambda *a, **k: (solves.append(k.get("relax")), real(*a, **k))[1])
-    g = traced_graph(sgd_step, problem_data(64, 1024, 3), Mesh(("d0", "d1"), (2, 4)), tied=(0,))
-    g.count_mesh = True
+    g = mlp_on_8(problem_data(64, 1024, 3))
     with memo.one_compile():
         for _ in range(2):
             S.SearchStrategies(CostModel.builtin("cpu"), memory_limit=LOOSE, exact_ops=0)(g)
@@ -307,11 +313,10 @@ def test_without_a_limit_the_arrangements_get_no_bounds(monkeypatch):
     from shardprop.passes.auto import milp
     from shardprop.passes.auto import search as S
     from shardprop.passes.cost import CostModel
-    from test_auto import problem_data, sgd_step, traced_graph
+    from test_auto import problem_data
     relaxed = []
     real = milp.solve
     monkeypatch.setattr(milp, "solve", lambda *a, **k: (relaxed.append(k.get("relax")), real(*a, **k))[1])
-    g = traced_graph(sgd_step, problem_data(64, 1024, 3), Mesh(("d0", "d1"), (2, 4)), tied=(0,))
-    g.count_mesh = True
+    g = mlp_on_8(problem_data(64, 1024, 3))
     out = S.SearchStrategies(CostModel.builtin("cpu"), exact_ops=0)(g)
     assert True not in relaxed and "not searched" not in out.auto.solver["status"]
