@@ -39,11 +39,12 @@ def _graph(name: str, marked: bool):
     return BindUserStrategies()(graph)
 
 
-def _evaluated(graph, ops: dict, inputs: dict, shared_copies: bool) -> float:
+def _evaluated(graph, ops: dict, inputs: dict, shared_copies: bool = False, decisions=None) -> float:
     """The plan priced afresh: a new context, new prices, new compute times (rules built anew)."""
     ctx = PlanContext(graph, RuleBook())
     compute = ComputeTimes(DEFAULT_COST, graph.mesh, resident_values(graph))
-    e = evaluate_plan(ctx, ops, inputs, Prices(DEFAULT_COST, True), compute, shared_copies=shared_copies)
+    e = evaluate_plan(ctx, ops, inputs, Prices(DEFAULT_COST, True), compute, shared_copies=shared_copies,
+                      decisions=decisions)
     return e["compute"] + e["communication"]
 
 
@@ -66,16 +67,19 @@ def test_search_objective_refinement_and_plan_cost_are_the_evaluators(name):
     search = SearchStrategies()
     graph = _graph(name, marked=False)
     problem, sol, _ = search.search(graph)
-    # the solver's objective is the solved plan priced op by op (each reader's copy on its own)
+    # the solver's objective is the solved plan priced op by op (a copy once per layout per
+    # reading decision: the decisions are the problem's)
+    decisions = problem.decisions
     solved = problem.op_strategies(sol.choice)
-    assert _evaluated(graph, *solved, shared_copies=False) == pytest.approx(sol.objective, rel=1e-9, abs=1e-15)
+    assert _evaluated(graph, *solved, decisions=decisions) == pytest.approx(sol.objective, rel=1e-9, abs=1e-15)
     # refinement's own account of what its moves saved
-    assert _evaluated(graph, *sol.plan, shared_copies=False) == pytest.approx(sol.claimed, rel=1e-9, abs=1e-15)
+    assert _evaluated(graph, *sol.plan, decisions=decisions) == pytest.approx(sol.claimed, rel=1e-9, abs=1e-15)
     assert sol.claimed <= sol.objective * (1 + 1e-12)
-    # what plan.cost reports is the written plan, priced afresh
-    graph = search(_graph(name, marked=False))
-    assert graph.auto.step_time == pytest.approx(graph.auto.solver["claimed"], rel=1e-9, abs=1e-15)
-    assert _evaluated(graph, *_written(graph), shared_copies=False) == pytest.approx(graph.auto.step_time, rel=1e-9,
+    # what plan.cost reports is the written plan, priced afresh (the same trace, op for op)
+    again = search(_graph(name, marked=False))
+    decisions = {new: decisions[old] for old, new in zip(graph.ops, again.ops, strict=True)}
+    assert again.auto.step_time == pytest.approx(again.auto.solver["claimed"], rel=1e-9, abs=1e-15)
+    assert _evaluated(again, *_written(again), decisions=decisions) == pytest.approx(again.auto.step_time, rel=1e-9,
                                                                                      abs=1e-15)
 
 

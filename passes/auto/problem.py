@@ -36,6 +36,7 @@ from ...ir.layout import Layout
 from ...ir.repeats import find_repeats
 
 from ..cost import CostModel
+from ..insert_reshards import gathers
 from ..plan_core.context import PlanContext, RuleBook
 from ..plan_core.evaluate import evaluate_plan
 from ..plan_core.pricing import Prices
@@ -447,6 +448,14 @@ class Problem:
         self._terms: dict = {}   # real edge key -> [(tp, tc), matrix by class, count]
         cache: dict = {}
         compute_cache: dict = {}
+        # a value one decision reads more than once (two of its ops, or one op twice) is
+        # moved once per layout that decision's candidate needs it in: its reads are one term
+        reads: dict = {}
+        for op in g.ops:
+            ci, pc = self.node_of_op[op]
+            for m, v in enumerate(op.inputs):
+                if v.literal is None and v in self.owner:
+                    reads.setdefault((v, T[ci]), []).append((ci, pc, m))
         for op in g.ops:
             ci, pc = self.node_of_op[op]
             cnode = self.nodes[ci]
@@ -462,6 +471,11 @@ class Problem:
                     continue
                 pi, pp, out = self.owner[v]
                 tp = T[pi]
+                together = reads[(v, tc)]
+                if len(together) > 1:
+                    if together[0] == (ci, pc, m):
+                        self._add_reads(v, tc, together)
+                    continue
                 key = (tp, pp, out, tc, pc, m, pi == ci)
                 mat = cache.get(key)
                 if mat is None:
@@ -486,6 +500,42 @@ class Problem:
             self.unary[T[pi]] += vec
         self._memory_terms()
         self._edges()
+
+    def _add_reads(self, v: Value, tc: int, together: list) -> None:
+        """The reads of ``v`` by one decision (template ``tc``): per candidate of its maker and
+        of the decision, each layout the reads need moved once (as insert-reshards writes
+        it; a stored value gathered bigger once per read, as it writes that too)."""
+        pi, pp, out = self.owner[v]
+        tp = self.nodes[pi].template
+        made = self._classes_made(v, self.nodes[pi])
+        needed = [self._classes_needed(v, self.nodes[ci], pc, m) for ci, pc, m in together]
+        joint, idx = np.unique(np.stack([n.index for n in needed], axis=1), axis=0, return_inverse=True)
+        idx = idx.reshape(-1)
+        key = ("reads", v.type, v in self.step_end.terminal, v in self.ctx.stored, made.ident,
+               tuple(n.ident for n in needed), joint.tobytes())
+        small = self._matrix_cache.get(key)
+        if small is None:
+            small = self._matrix_cache[key] = self._reads_matrix(v, made, needed, joint)
+        term = ("reads", tp, pp, out, tc, tuple((pc, m) for _, pc, m in together))
+        if tp == tc:   # (the maker's own decision, or a repetition of it: one candidate for both)
+            self.unary[tc] += small[made.index, idx]
+        else:
+            self._add(term, tp, tc, (small, made.index, idx), False)
+
+    def _reads_matrix(self, v: Value, made: "_Classes", needed: list, joint: np.ndarray) -> np.ndarray:
+        """Seconds per (layout class made, joint class of the reads' needs)."""
+        stored = v in self.ctx.stored
+        out = np.zeros((len(made.layouts), len(joint)))
+        for s, have in enumerate(made.layouts):
+            for u, classes in enumerate(joint):
+                moved = set()
+                for n, c in zip(needed, classes):
+                    need = n.layouts[c]
+                    if need in moved and not (stored and gathers(v, have, need, self.mesh)):
+                        continue
+                    moved.add(need)
+                    out[s, u] += self.redistribution(v, have, need)
+        return out
 
     def _add(self, key, tp: int, tc: int, mat, same_node: bool) -> None:
         if same_node:
@@ -639,11 +689,18 @@ class Problem:
         total += sum(e.at(choice[e.a], choice[e.b]) for e in self.edges)
         return float(total)
 
+    @functools.cached_property
+    def decisions(self) -> dict:
+        """Op -> the decision (template node) it belongs to: the reads of a value by one
+        decision share a copy per layout in the objective (``_add_reads``)."""
+        return {op: self.nodes[ci].template for op, (ci, _) in self.node_of_op.items()}
+
     def evaluate(self, ops: dict, inputs: dict, breakdown: Optional[dict] = None) -> dict:
         """What a plan (op -> OpStrategy, input index -> Layout) costs, walked op by op
-        (no candidates, no sharing): ``plan_core.evaluate``, each reader's copy priced
-        as the objective prices it."""
-        return evaluate_plan(self.ctx, ops, inputs, self.prices, self.compute_times, breakdown=breakdown)
+        (no candidates): ``plan_core.evaluate``, each copy priced as the objective prices
+        it (once per layout per reading decision)."""
+        return evaluate_plan(self.ctx, ops, inputs, self.prices, self.compute_times, decisions=self.decisions,
+                             breakdown=breakdown)
 
     def written(self, ops: dict, inputs: dict) -> float:
         """Modeled seconds of a plan as ``insert-reshards`` writes it: a value needed in one

@@ -10,7 +10,7 @@ slices of its own (an unused mesh axis added to a factor; all of them at once wh
 operand arrives partial). An op moves together with the few ops whose layout follows
 from its own (what follows it, what is made for it, the followers that feed it alone;
 ``MOVE_SIZE``), priced as one group. A move is kept only when it lowers the plan's
-modeled time (the group's compute plus every redistribution into and out of it), so
+modeled time (the group's compute plus every move of the values it reads or makes), so
 the refined plan is never worse than the solver's; an argument's tie goes to the layout
 that holds fewer bytes. Typical wins: an activation that two consumers need whole is
 gathered once before its elementwise op, instead of after it for each consumer; a
@@ -26,6 +26,7 @@ from ...ir.layout import Layout
 
 from ..rules import FIXED
 from ..sharding import OpStrategy, project
+from ..insert_reshards import gathers
 from ..plan_core.improve import best_move
 from .memory import local_bytes
 from .problem import DECIDERS
@@ -70,10 +71,22 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
         return inputs.get(g.inputs.index(v)) if v in input_index else None
     input_index = {v: i for i, v in enumerate(g.inputs)}
 
+    decision, stored = problem.decisions, problem.ctx.stored
+
     def out_cost(v, have):
-        total = 0.0
+        """Every move of ``v`` from ``have`` to what its readers need and to its outputs'
+        layouts, as the objective prices them: a layout once per reading decision (a
+        stored value gathered bigger once per read, as insert-reshards writes it)."""
+        total, copies = 0.0, set()
         for u, m in users.get(v, ()):
-            total += problem.redistribution(v, have, ops[u].operand_layout(m, v.type.rank, mesh))
+            need = ops[u].operand_layout(m, v.type.rank, mesh)
+            if need == have:
+                continue
+            copy = (need, decision[u])
+            if copy in copies and not (v in stored and gathers(v, have, need, mesh)):
+                continue
+            copies.add(copy)
+            total += problem.redistribution(v, have, need)
         for i in out_target.get(v, ()):   # priced as the objective prices it
             total += problem.prices.output(g, i, have, inputs.__getitem__, mesh, problem.step_end)[1]
         return total
@@ -120,22 +133,18 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
         return group
 
     def group_cost(group, bound=float("inf")) -> float:
-        """Compute and every redistribution into and out of the ops of ``group`` under
-        ``ops``; a move between two of them counted once (as its producer's output).
-        Stops once past ``bound`` (a move that costs more is not taken anyway)."""
+        """Compute of the ops of ``group`` under ``ops``, and every move of the values they
+        read or make (``out_cost``: a move the group shares with other readers priced as the
+        objective prices it). Stops once past ``bound`` (a move that costs more is not taken
+        anyway)."""
         total = sum(problem.op_compute(op, ops[op]) for op in group)
-        for op in group:
+        touched = dict.fromkeys(v for op in group for v in (*op.inputs, *op.outputs) if v.literal is None)
+        for v in touched:
             if total >= bound:
                 return total
-            st = ops[op]
-            for m, v in enumerate(op.inputs):
-                if v.literal is not None or producer_of.get(v) in group:
-                    continue
-                have = layout_of(v)
-                if have is not None:
-                    total += problem.redistribution(v, have, st.operand_layout(m, v.type.rank, mesh))
-            for k, v in enumerate(op.outputs):
-                total += out_cost(v, st.result_layout(k, mesh))
+            have = layout_of(v)
+            if have is not None:
+                total += out_cost(v, have)
         return total
 
     def proposals(op):

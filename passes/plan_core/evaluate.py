@@ -10,8 +10,11 @@ every move priced by ``pricing.Prices`` (an output's by ``Prices.output``).
 ``shared_copies``: a value needed in one layout by several ops is moved once (as
 ``insert-reshards`` writes it, and as propagation plans), but a stored value (an
 argument, its cast or view) gathered bigger is gathered per use as insert-reshards
-writes it too (FSDP style: each gather freed after its use); without, every move once
-per reader (the search's linear model, which prices each edge on its own).
+writes it too (FSDP style: each gather freed after its use). ``decisions`` (op -> the
+search's decision it belongs to): the search's linear model instead, where the reads of
+a value by one decision share a move per layout (by the same rule), and reads by
+different decisions are each priced on their own (an edge term prices one pair of
+decisions). With neither, every move once per reader.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from .pricing import Prices
 
 
 def evaluate_plan(ctx: PlanContext, ops: dict, inputs: dict, prices: Prices, compute: ComputeTimes, *,
-                  shared_copies: bool = False, detail: bool = True, breakdown: Optional[dict] = None) -> dict:
+                  shared_copies: bool = False, decisions: Optional[dict] = None, detail: bool = True,
+                  breakdown: Optional[dict] = None) -> dict:
     """What a plan (op -> OpStrategy, input index -> Layout) costs: {"compute",
     "communication", "bytes", "flops"} per device (seconds, bytes moved, flops; the
     last two only with ``detail``); ``breakdown`` gets them per op kind ("(outputs)"
@@ -35,7 +39,7 @@ def evaluate_plan(ctx: PlanContext, ops: dict, inputs: dict, prices: Prices, com
     layout = {g.inputs[i]: l for i, l in inputs.items()}
     seconds = communication = nbytes = flops = 0.0
     moved: set = set()
-    stored = ctx.stored if shared_copies else frozenset()
+    stored = ctx.stored if shared_copies or decisions is not None else frozenset()
     # strategies are shared objects, and an op's signature names all its compute and its
     # layouts read of it (rule, types, what fusion keeps out of memory): per pair, once
     placed: dict = {}   # (id of a strategy, signature) -> (seconds, flops, operand needs, result layouts)
@@ -46,14 +50,21 @@ def evaluate_plan(ctx: PlanContext, ops: dict, inputs: dict, prices: Prices, com
         for what, y in x.items():
             b[what] += y
 
-    def move(kind, v, have, need) -> tuple:
-        """(seconds, bytes) of moving ``v`` from ``have`` to ``need``."""
+    def move(kind, v, have, need, reader=None) -> tuple:
+        """(seconds, bytes) of moving ``v`` from ``have`` to ``need`` for the op ``reader``
+        (None: an output's move)."""
         if have == need:
             return 0.0, 0.0
-        if shared_copies and not (v in stored and gathers(v, have, need, mesh)):
-            if (v, need) in moved:
+        if shared_copies:
+            copy = (v, need)
+        elif decisions is not None and reader is not None:
+            copy = (v, need, decisions[reader])
+        else:
+            copy = None
+        if copy is not None and not (v in stored and gathers(v, have, need, mesh)):
+            if copy in moved:
                 return 0.0, 0.0
-            moved.add((v, need))
+            moved.add(copy)
         t = prices.move(v, have, need, mesh, step_end)
         b = prices.wire_bytes(v, have, need, mesh, step_end) if detail else 0.0
         if breakdown is not None:
@@ -78,7 +89,7 @@ def evaluate_plan(ctx: PlanContext, ops: dict, inputs: dict, prices: Prices, com
             have = layout.get(v)
             if have is need or have is None or need is None:
                 continue
-            t, b = move(op.kind, v, have, need)
+            t, b = move(op.kind, v, have, need, op)
             communication += t
             nbytes += b
         for v, result in zip(op.outputs, p[3]):
