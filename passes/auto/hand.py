@@ -79,7 +79,7 @@ BATCH_NAMES = {"x", "xs", "inputs", "batch", "tokens", "targets", "y", "labels",
 class HandPlan:
     name: str                       # "FSDP"
     axes: str                       # "dp over a, mp over b"
-    time: Optional[float] = None    # modeled step (seconds), by the one evaluator, a copy once per reader
+    time: Optional[float] = None    # modeled step (seconds), by the one evaluator (the objective's)
     written: Optional[float] = None  # the same plan as insert-reshards writes it (a copy several ops read, once)
     peak: Optional[float] = None    # modeled peak bytes per device
     fits: bool = False
