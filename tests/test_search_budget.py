@@ -57,3 +57,17 @@ def test_out_of_time_before_any_plan_says_so_and_names_the_knob():
     assert "no plan fits" not in text   # (running out of time proves nothing)
     plain = str(search._overflow(Problem(g, DEFAULT_COST)))
     assert plain.startswith("no plan fits") and "search_seconds" not in plain
+
+
+@pytest.mark.parametrize("left, seconds", [(15.0, 15.0), (5.0, 10.0), (0.0, 10.0), (-3.0, 7.0), (-12.0, -2.0)])
+def test_the_multipliers_grace_past_the_budget_is_one_for_the_compile(monkeypatch, left, seconds):
+    """The last resort (multipliers, where the exact rows found no plan in time) runs at
+    least MULTIPLIERS_MIN_S, but no later than that past the budget's end, which the
+    compile's searches share: a search begun after the grace gets none."""
+    from shardprop.passes.auto import search as search_module
+    monkeypatch.setattr(search_module, "MULTIPLIERS_MIN_S", 10.0)
+    s = SearchStrategies(time_limit=None)
+    monkeypatch.setattr(s, "_left", lambda: left)
+    assert s._multipliers_seconds() == pytest.approx(seconds)
+    s._left = lambda: None
+    assert s._multipliers_seconds() is None   # (no budget: the solve's own time limit, here none)

@@ -58,7 +58,8 @@ TIME_BUDGET = 20.0
 # rounding was 0.3% above the MILP's optimum)
 RELAXED_GAP = 0.05
 # the Lagrange multipliers, where the exact rows ran out of time before any plan, stop when
-# the budget is spent and they have a plan that fits, but get at least this long to find one
+# the budget is spent and they have a plan that fits, but may run until this long past its
+# end to find one: a grace the searches of one compile share (``_multipliers_seconds``)
 MULTIPLIERS_MIN_S = 10.0
 # where a rounded LP plan fits but is not proven within RELAXED_GAP, the exact rows get
 # this long, over all their rounds (a row where a plan of theirs overflows, then again),
@@ -528,6 +529,17 @@ class SearchStrategies:
         left = self._deadline - time.perf_counter()
         return left if self.time_limit is None else min(self.time_limit, left)
 
+    def _multipliers_seconds(self) -> Optional[float]:
+        """Seconds the multipliers get where the exact rows found no plan in time: what is
+        left of the budget, but at least ``MULTIPLIERS_MIN_S``, ending no later than that
+        long past the budget's end (with the compile's shared deadline, the memory check's
+        searches again had each taken the 10 s whole: a 119-op program on a 2 x 2 x 2 mesh,
+        under a limit no plan met once compiled, took 64 s against its 20 s budget)."""
+        left = self._left()
+        if left is None:
+            return self.time_limit
+        return max(left, min(MULTIPLIERS_MIN_S, left + MULTIPLIERS_MIN_S))
+
     def _solve_under_limit(self, red, problem: Problem, memory: "_Liveness", limit: float, smallest: tuple,
                            start=None, seed=(), warm=None, brief: Optional[float] = EXACT_AFTER_ROUNDED_S,
                            beat: Optional[float] = None):
@@ -663,8 +675,7 @@ class SearchStrategies:
                     break
 
         if self.memory_method == "lagrange":
-            left = self._left()
-            multipliers(self.time_limit if left is None else max(left, MULTIPLIERS_MIN_S))
+            multipliers(self._multipliers_seconds())
             if best.choice is not None and best.gap(self._bound) <= self.memory_tolerance:
                 return best.solution(self._bound, notes, time.perf_counter() - t0), smallest
         if self.relaxed_gap is not None:
@@ -679,9 +690,9 @@ class SearchStrategies:
             if error is not None and best.choice is None:
                 if start is not None:
                     return None, smallest   # (the hand plan, with the bound so far)
-                left = self._left()
-                if lag is None:
-                    multipliers(self.time_limit if left is None else max(left, MULTIPLIERS_MIN_S))
+                seconds = self._multipliers_seconds()
+                if lag is None and (seconds is None or seconds > 0):
+                    multipliers(seconds)
                 if best.choice is None:   # (what was met, and the fixes: more time among them)
                     raise self._overflow(problem, smallest, out_of_time=str(error).splitlines()[0])
         elif best.gap(self._bound) > self.relaxed_gap and (left is None or left > 0.05) and not beaten():
