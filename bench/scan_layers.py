@@ -1,0 +1,135 @@
+"""Layers written as a ``jax.lax.scan`` against the same layers unrolled, under ``mode="auto"``.
+
+Researchers stack a model's layers and ``scan`` over them (flax's ``nn.scan``, MaxText)
+so that the program, and its compile, do not grow with depth. The search plans a loop
+as one decision with its summary rule and propagates its body with the boundary pinned
+(docs/design/search.md, "Not done yet"), where an unrolled program gives it every
+layer's ops. This bench measures what that costs: an MLP training step (``--layers``
+matmuls of ``--width``, batch ``--batch``, Adam) in both forms, each planned by
+``mode="auto"`` (and under each ``--limits`` share of the unrolled free plan's modeled
+peak) and by ``mode="data_parallel"`` with ZeRO-1 (a hand plan), and jitted on one
+device. It prints each plan's modeled step, bytes moved, modeled peak, whether its result
+equals one device's (the weights and Adam's state donated, as a training loop gives them) (outputs and gradients to float32 rounding; Adam's weights to
+one learning rate, as the project's tests hold them: its first step divides the
+gradient by its own size, so where a gradient is near Adam's epsilon a rounding
+difference moves the weight by a share of the learning rate; 0.17 of it was seen here), and the measured step (interleaved medians of ``--repeat`` runs, every program in
+one round).
+
+    python bench/scan_layers.py
+    python bench/scan_layers.py --layers 8 --width 1024 --batch 64 --mesh 2x4
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from bench.compare import median_interleaved_all  # noqa: E402
+import shardprop as sp  # noqa: E402
+
+LEARNING_RATE = 1e-3
+OPT = optax.adam(LEARNING_RATE)
+DONATED = (0, 1)   # the weights and Adam's state
+MESHES = {"4x2": ((4, 2), ("dp", "mp")), "2x4": ((2, 4), ("dp", "mp"))}
+
+
+def loss_scanned(ws, x, y):
+    h, _ = jax.lax.scan(lambda h, w: (jax.nn.relu(h @ w), None), x, ws)
+    return jnp.mean((h - y) ** 2)
+
+
+def loss_unrolled(ws, x, y):
+    h = x
+    for i in range(ws.shape[0]):
+        h = jax.nn.relu(h @ ws[i])
+    return jnp.mean((h - y) ** 2)
+
+
+def train_step(loss):
+    def step(ws, state, x, y):
+        value, grads = jax.value_and_grad(loss)(ws, x, y)
+        updates, state = OPT.update(grads, state, ws)
+        return optax.apply_updates(ws, updates), state, value   # (Adam's first moment holds the gradient)
+    return step
+
+
+def inputs(layers: int, width: int, batch: int) -> tuple:
+    rng = np.random.default_rng(0)
+    ws = (rng.standard_normal((layers, width, width)) * 0.05).astype(np.float32)
+    x, y = (rng.standard_normal((batch, width)).astype(np.float32) for _ in range(2))
+    return ws, jax.tree_util.tree_map(np.asarray, OPT.init(ws)), x, y
+
+
+def equal(got, want) -> bool:
+    """The step's results against one device's: the new weights to one learning rate,
+    the rest to float32 rounding (slack scaled by the largest magnitude)."""
+    leaves = list(zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+    for i, (g, w) in enumerate(leaves):
+        g, w = np.asarray(g), np.asarray(w)
+        slack = LEARNING_RATE if i == 0 else 1e-5 * max(1.0, float(np.abs(w).max(initial=0.0)))
+        if g.shape != w.shape or not np.allclose(g, w, rtol=1e-5, atol=slack):
+            return False
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--mesh", choices=sorted(MESHES), default="4x2")
+    ap.add_argument("--limits", type=float, nargs="*", default=[],
+                    help="memory limits, as shares of the unrolled step's free modeled peak (its free plan is "
+                         "at the least peak the model finds for these steps: Adam's update over the stacked "
+                         "weights, split over every device, holds a dozen of them)")
+    ap.add_argument("--repeat", type=int, default=15)
+    args = ap.parse_args()
+    mesh = MESHES[args.mesh]
+    data = inputs(args.layers, args.width, args.batch)
+    forms = {"scan": train_step(loss_scanned), "unrolled": train_step(loss_unrolled)}
+    want = jax.jit(forms["unrolled"])(*data)
+    free_peak = sp.parallelize(forms["unrolled"], mesh=mesh, mode="auto", progress=False, cost_model="cpu",
+                               donate_argnums=DONATED).plan(*data).cost.peak_memory
+    print(f"MLP training step: {args.layers} layers of {args.width} x {args.width}, batch {args.batch}, Adam, "
+          f"mesh {args.mesh}, cost model cpu; the unrolled step's free modeled peak "
+          f"{free_peak / 1e6:.2f} MB")
+    runs = []   # (label, callable)
+    head = f"{'form':<9} {'plan':<22} {'modeled ms':>10} {'MB moved':>9} {'peak MB':>8} {'equal':>6}"
+    print(head)
+    for form, step in forms.items():
+        plans = [("auto", dict(mode="auto")), ("data_parallel+ZeRO-1", dict(mode="data_parallel",
+                                                                            shard_optimizer_state=True))]
+        plans += [(f"auto at {share:g}", dict(mode="auto", memory_limit=int(share * free_peak)))
+                  for share in args.limits]
+        for label, kw in plans:
+            pf = sp.parallelize(step, mesh=mesh, progress=False, cost_model="cpu", donate_argnums=DONATED, **kw)
+            try:
+                cost = pf.plan(*data).cost
+                ok = equal(pf(*data), want)
+            except sp.ShardingError as e:
+                print(f"{form:<9} {label:<22} no plan: {str(e).splitlines()[0][:110]}")
+                continue
+            figures = "        (the search's figures only)" if cost is None else \
+                f"{cost.step_time * 1e3:>10.3f} {cost.bytes_moved / 1e6:>9.3f} {cost.peak_memory / 1e6:>8.2f}"
+            print(f"{form:<9} {label:<22} {figures} {str(ok):>6}", flush=True)
+            runs.append((f"{form} {label}", lambda pf=pf: pf(*data)))
+        runs.append((f"{form} one device (jit)", lambda f=jax.jit(step): f(*data)))
+    seconds = median_interleaved_all([f for _, f in runs], args.repeat)
+    print(f"\nmeasured step, median of {args.repeat} interleaved runs:")
+    for (label, _), s in zip(runs, seconds):
+        print(f"  {label:<32} {s * 1e3:8.2f} ms")
+    by = dict(zip((label for label, _ in runs), seconds))
+    if "scan auto" in by and "unrolled auto" in by:
+        print(f"scan auto / unrolled auto: {by['scan auto'] / by['unrolled auto']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
