@@ -114,6 +114,45 @@ def test_layers_stacked_with_scan():
     assert_close(pstep(ws, x, y), jax.jit(step)(ws, x, y))
 
 
+def _wire_bytes_per_step(graph, trips: int = 1) -> float:
+    """The lowered program's collectives' wire bytes, a scan's body once per trip."""
+    total = 0.0
+    for op in graph.ops:
+        if op.kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "collective_permute"):
+            total += trips * op.params.get("wire_bytes", 0)
+        for body in op.subgraphs:
+            total += _wire_bytes_per_step(body, trips * (op.params.get("length", 1) if op.kind == "scan" else 1))
+    return total
+
+
+def test_plan_cost_counts_a_scan_bodys_moves_on_every_trip():
+    """The objective prices a loop by its summary rule and its boundary; plan.cost adds
+    what its body moves on every trip, as the program is lowered (it had reported no
+    bytes for a scanned Adam step whose backward body gathers on each of its 8 trips)."""
+    import optax
+    opt = optax.adam(1e-3)
+
+    def loss(ws, x, y):
+        h, _ = jax.lax.scan(lambda h, w: (jax.nn.relu(h @ w), None), x, ws)
+        return jnp.mean((h - y) ** 2)
+
+    def step(ws, state, x, y):
+        value, grads = jax.value_and_grad(loss)(ws, x, y)
+        updates, state = opt.update(grads, state, ws)
+        return optax.apply_updates(ws, updates), state, value
+    rng = np.random.default_rng(0)
+    ws = (rng.standard_normal((8, 256, 256)) * 0.05).astype(np.float32)
+    x, y = (rng.standard_normal((64, 256)).astype(np.float32) for _ in range(2))
+    state = jax.tree_util.tree_map(np.asarray, opt.init(ws))
+    plan = sp.parallelize(step, mesh=((2, 4), ("dp", "mp")), mode="auto", cost_model="cpu").plan(ws, state, x, y)
+    cost = plan.cost
+    bodies = cost.breakdown["(loop bodies)"]
+    assert bodies["bytes"] > 0 and cost.solver["loop_bodies"] == bodies["communication"] > 0
+    assert cost.bytes_moved == pytest.approx(_wire_bytes_per_step(plan.graph), rel=1e-9)
+    assert cost.step_time == pytest.approx(cost.compute_time + cost.communication_time, rel=1e-12)
+    assert cost.step_time == pytest.approx(cost.solver["claimed"] + cost.solver["loop_bodies"], rel=1e-9)
+
+
 def test_auto_keeps_marks_as_constraints():
     def net(x, w1, w2):
         h = sp.shard(jnp.matmul, ((2, 4), (4, 1)))(x, w1)

@@ -78,6 +78,7 @@ def test_search_objective_refinement_and_plan_cost_are_the_evaluators(name):
     # what plan.cost reports is the written plan, priced afresh (the same trace, op for op)
     again = search(_graph(name, marked=False))
     decisions = {new: decisions[old] for old, new in zip(graph.ops, again.ops, strict=True)}
+    assert again.auto.solver["loop_bodies"] == 0.0   # (no loops in the zoo: the objective is the whole step)
     assert again.auto.step_time == pytest.approx(again.auto.solver["claimed"], rel=1e-9, abs=1e-15)
     assert _evaluated(again, *_written(again), decisions=decisions) == pytest.approx(again.auto.step_time, rel=1e-9,
                                                                                      abs=1e-15)

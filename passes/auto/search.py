@@ -34,6 +34,7 @@ from ...ir.mesh import Mesh
 
 from ..cost import DEFAULT_COST, CostModel
 from ..loop_boundaries import boundary_layouts
+from ..plan_core.evaluate import evaluate_plan
 from ..plan_core.pricing import Prices
 from ..plan_core.write import SEARCHED, USER, follows, follows_input, user_fixed, write_plan
 from ..propagate import PropagateSharding
@@ -150,7 +151,9 @@ class SearchResult:
     largest: list = field(default_factory=list)     # (name, shape, bytes) of the largest values at the modeled peak
     modeled_limit: Optional[int] = None             # what the modeled peak was held to (memory_check may lower it)
     hand_plans: list = field(default_factory=list)  # hand.HandPlan: the hand plans compared with (explain lists them)
-    written_time: Optional[float] = None   # step_time as insert-reshards writes the plan (a copy several ops read, once)
+    # step_time as insert-reshards writes the plan (a copy several ops read, once), the top
+    # level only, as the hand plans are priced (the loop bodies' moves are in step_time)
+    written_time: Optional[float] = None
     compiled_memory: Any = None     # what XLA allocates per device (compiler/memory_check.py), where checked
     memory_checks: tuple = ()       # each plan compiled against the limit: modeled limit, peak, compiled
     measured: tuple = ()            # measure=True: compiler.measure.Measured per candidate timed
@@ -271,8 +274,8 @@ class SearchStrategies:
                 raise ShardingError(f"no hand plan {self.pick!r} on {graph.mesh} among "
                                     f"{[h.label for h in self._hands]}: pick one of those")
             raise self._overflow(problem, peak)
-        self._write(graph, problem, solution)
-        graph.auto = self._result(problem, solution)
+        bodies = self._write(graph, problem, solution)
+        graph.auto = self._result(problem, solution, _loop_bodies(graph, bodies))
         graph.auto.hand_plans = list(self._hands)
         graph.auto.solver["phases"] = dict(self._phases)
         if self._skipped:
@@ -862,7 +865,9 @@ class SearchStrategies:
         return [Mesh(tuple(f"d{i}" for i in range(len(s))), s) for s in shapes]
 
     # -- the plan into the graph ------------------------------------------------------
-    def _write(self, graph: Graph, problem: Problem, sol) -> None:
+    def _write(self, graph: Graph, problem: Problem, sol) -> PropagateSharding:
+        """The plan into the graph, and its loop and branch bodies planned by propagation
+        with their boundary pinned to it (the propagation that planned them, returned)."""
         ops, inputs = sol.plan
         write_plan(graph, inputs, ((op, ops[op], *_origin(graph, op, n.root), None)
                                    for n in problem.nodes for op in n.members))
@@ -872,19 +877,27 @@ class SearchStrategies:
                 body.pinned_inputs.update(pins_in)
                 body.pinned_outputs.update(pins_out)
                 bodies(body)
+        return bodies
 
     # -- what the plan costs, and the decisions that matter ----------------------------
-    def _result(self, problem: Problem, sol) -> SearchResult:
+    def _result(self, problem: Problem, sol, loops: Optional[dict] = None) -> SearchResult:
+        """What ``plan.cost`` shows: the plan priced by the one evaluator, and the moves its
+        loop bodies make (``loops``, ``_loop_bodies``), which the objective does not see."""
         ops, inputs = sol.plan
         breakdown: dict = {}
         e = problem.evaluate(ops, inputs, breakdown)
         compute, comm, moved, flops = e["compute"], e["communication"], e["bytes"], e["flops"]
+        loops = loops or dict(communication=0.0, bytes=0.0)
+        if loops["communication"] or loops["bytes"]:
+            breakdown["(loop bodies)"] = dict(compute=0.0, **loops)
+            comm, moved = comm + loops["communication"], moved + loops["bytes"]
         mesh = problem.mesh
         # claimed: the objective less what refinement says its moves saved (the evaluator must agree)
         solver = dict(status=sol.status, seconds=sol.seconds, objective=sol.objective, claimed=sol.claimed,
                       bound=sol.bound, gap=sol.gap,
                       variables=sol.variables, binaries=sol.binaries, nodes=len(problem.nodes),
-                      decisions=len(problem.unary), memory_rounds=getattr(sol, "rounds", 1))
+                      decisions=len(problem.unary), memory_rounds=getattr(sol, "rounds", 1),
+                      loop_bodies=loops["communication"])
         return SearchResult(compute + comm, compute, comm, moved, getattr(sol, "peak", 0.0), flops,
                             self.memory_limit, str(mesh), solver, breakdown, self._decisions(problem, sol),
                             largest_at_peak(problem.graph, ops, inputs), self.memory_limit,
@@ -950,6 +963,30 @@ class SearchStrategies:
             f"{head}: the smallest modeled peak found is {peak:,.0f} bytes per device ({peak / 2**20:.2f} MiB); the "
             f"largest tensors alive there: {names}. Fix: {more}raise memory_limit, use more devices, or shrink the "
             f"batch or the model", float(peak))
+
+
+def _loop_bodies(graph: Graph, bodies: PropagateSharding) -> dict:
+    """The moves the loop and branch bodies of ``graph`` make as planned (``bodies``: the
+    propagation that planned them): {"communication": seconds, "bytes": sent} per device
+    per step, a scan's body once per trip (a while's trip count is unknown: once; each
+    branch of a cond), as ``cost.modeled_step_time`` counts a lowered program's
+    collectives. The objective prices a loop by its summary rule and its boundary only:
+    on a scanned MLP step, plan.cost had reported no bytes moved for a plan whose
+    backward body gathers on every trip (bench/scan_layers.py)."""
+    out = dict(communication=0.0, bytes=0.0)
+
+    def walk(g: Graph, times: int) -> None:
+        for op in g.ops:
+            trips = times * (op.params.get("length", 1) if op.kind == "scan" else 1)
+            for body in op.subgraphs:
+                e = evaluate_plan(bodies.context(body), {o: o.strategy for o in body.ops},
+                                  {i: v.layout for i, v in enumerate(body.inputs)}, bodies.prices,
+                                  bodies.compute_times_of(body), shared_copies=True)
+                out["communication"] += trips * e["communication"]
+                out["bytes"] += trips * e["bytes"]
+                walk(body, trips)
+    walk(graph, 1)
+    return out
 
 
 def _cannot_beat(bound: Optional[float], plan: Optional[float]) -> bool:
