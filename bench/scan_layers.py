@@ -5,7 +5,8 @@ so that the program, and its compile, do not grow with depth. The search plans a
 as one decision with its summary rule and propagates its body with the boundary pinned
 (docs/design/search.md, "Not done yet"), where an unrolled program gives it every
 layer's ops. This bench measures what that costs: an MLP training step (``--layers``
-matmuls of ``--width``, batch ``--batch``, Adam) in both forms, each planned by
+matmuls of ``--width``, batch ``--batch``, Adam), or the GPT of examples/gpt_megatron.py
+unmarked (``--model gpt``: its blocks scanned over stacked parameters), in both forms, each planned by
 ``mode="auto"`` (and under each ``--limits`` share of the unrolled free plan's modeled
 peak) and by ``mode="data_parallel"`` with ZeRO-1 (a hand plan), and jitted on one
 device. It prints each plan's modeled step, bytes moved, modeled peak, whether its result
@@ -17,6 +18,7 @@ one round).
 
     python bench/scan_layers.py
     python bench/scan_layers.py --layers 8 --width 1024 --batch 64 --mesh 2x4
+    python bench/scan_layers.py --model gpt --layers 4
 """
 import argparse
 import os
@@ -46,10 +48,10 @@ def loss_scanned(ws, x, y):
     return jnp.mean((h - y) ** 2)
 
 
-def loss_unrolled(ws, x, y):
+def loss_unrolled(ws, x, y):   # (ws: one matrix per layer)
     h = x
-    for i in range(ws.shape[0]):
-        h = jax.nn.relu(h @ ws[i])
+    for w in ws:
+        h = jax.nn.relu(h @ w)
     return jnp.mean((h - y) ** 2)
 
 
@@ -61,50 +63,97 @@ def train_step(loss):
     return step
 
 
-def inputs(layers: int, width: int, batch: int) -> tuple:
+def with_state(params, *batch) -> tuple:
+    return (params, jax.tree_util.tree_map(np.asarray, OPT.init(params)), *batch)
+
+
+def mlp_forms(args) -> dict:
+    """form -> (its step, its inputs); and "title": what the title says. The same weights:
+    stacked for the scan, one array per layer unrolled."""
     rng = np.random.default_rng(0)
-    ws = (rng.standard_normal((layers, width, width)) * 0.05).astype(np.float32)
-    x, y = (rng.standard_normal((batch, width)).astype(np.float32) for _ in range(2))
-    return ws, jax.tree_util.tree_map(np.asarray, OPT.init(ws)), x, y
+    ws = (rng.standard_normal((args.layers, args.width, args.width)) * 0.05).astype(np.float32)
+    x, y = (rng.standard_normal((args.batch, args.width)).astype(np.float32) for _ in range(2))
+    return {"scan": (train_step(loss_scanned), with_state(ws, x, y)),
+            "unrolled": (train_step(loss_unrolled), with_state(list(ws), x, y)),
+            "title": f"MLP training step: {args.layers} layers of {args.width} x {args.width}, batch {args.batch}"}
+
+
+def gpt_forms(args) -> dict:
+    """The GPT of examples/gpt_megatron.py (the zoo's size: heads 8 x 16, seq 32, batch 8,
+    vocab 256), unmarked: its blocks as a scan over the layers' parameters stacked, or one
+    block per layer as the example writes it (the same parameters)."""
+    from bench import zoo
+    import gpt_megatron as G
+    zoo.annotate.mode = "plain"   # (no marks: the program mode="auto" plans)
+    cfg = G.Config(layers=args.layers, batch=8, seq=32, heads=8, head_dim=16, vocab=256)
+    par = G.Parallelism.data_and_tensor()
+
+    def loss(scanned: bool):
+        def block(x, p):
+            return G.mlp(G.attention(x, p, par, cfg), p, par)
+
+        def fn(params, tokens, targets):
+            with zoo.marks_through_annotate(G):
+                x = jax.nn.one_hot(tokens, cfg.vocab, dtype=jnp.float32) @ params["wte"] + params["wpe"]
+                if scanned:
+                    x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["layers"])
+                else:
+                    for p in params["layers"]:
+                        x = block(x, p)
+                x = G.layer_norm(x, params["lnf_g"], params["lnf_b"])
+                logp = jax.nn.log_softmax(x @ params["wte"].T, axis=-1)
+                return -jnp.mean(jnp.sum(jax.nn.one_hot(targets, cfg.vocab) * logp, axis=-1))
+        return fn
+    params = G.init_params(cfg)
+    stacked = dict(params, layers=jax.tree_util.tree_map(lambda *a: np.stack(a), *params["layers"]))
+    tokens, targets = G.make_batch(cfg)
+    return {"scan": (train_step(loss(True)), with_state(stacked, tokens, targets)),
+            "unrolled": (train_step(loss(False)), with_state(params, tokens, targets)),
+            "title": f"GPT training step (examples/gpt_megatron.py, unmarked): {args.layers} layers, heads 8 x 16, "
+                     f"seq 32, batch 8, vocab 256"}
+
+
+MODELS = {"mlp": mlp_forms, "gpt": gpt_forms}
 
 
 def equal(got, want) -> bool:
-    """The step's results against one device's: the new weights to one learning rate,
-    the rest to float32 rounding (slack scaled by the largest magnitude)."""
-    leaves = list(zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
-    for i, (g, w) in enumerate(leaves):
-        g, w = np.asarray(g), np.asarray(w)
-        slack = LEARNING_RATE if i == 0 else 1e-5 * max(1.0, float(np.abs(w).max(initial=0.0)))
-        if g.shape != w.shape or not np.allclose(g, w, rtol=1e-5, atol=slack):
-            return False
+    """The step's results against one device's: the new weights (the first output) to one
+    learning rate, the rest to float32 rounding (slack scaled by the largest magnitude)."""
+    for k, (got_part, want_part) in enumerate(zip(got, want)):
+        for g, w in zip(jax.tree_util.tree_leaves(got_part), jax.tree_util.tree_leaves(want_part)):
+            g, w = np.asarray(g), np.asarray(w)
+            slack = LEARNING_RATE if k == 0 else 1e-5 * max(1.0, float(np.abs(w).max(initial=0.0)))
+            if g.shape != w.shape or not np.allclose(g, w, rtol=1e-5, atol=slack):
+                return False
     return True
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="mlp")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--width", type=int, default=512, help="(mlp)")
+    ap.add_argument("--batch", type=int, default=256, help="(mlp)")
     ap.add_argument("--mesh", choices=sorted(MESHES), default="4x2")
     ap.add_argument("--limits", type=float, nargs="*", default=[],
                     help="memory limits, as shares of the unrolled step's free modeled peak (its free plan is "
-                         "at the least peak the model finds for these steps: Adam's update over the stacked "
+                         "at the least peak the model finds for these steps: Adam's update over the "
                          "weights, split over every device, holds a dozen of them)")
     ap.add_argument("--repeat", type=int, default=15)
     args = ap.parse_args()
     mesh = MESHES[args.mesh]
-    data = inputs(args.layers, args.width, args.batch)
-    forms = {"scan": train_step(loss_scanned), "unrolled": train_step(loss_unrolled)}
-    want = jax.jit(forms["unrolled"])(*data)
-    free_peak = sp.parallelize(forms["unrolled"], mesh=mesh, mode="auto", progress=False, cost_model="cpu",
+    forms = MODELS[args.model](args)
+    title = forms.pop("title")
+    step, data = forms["unrolled"]
+    free_peak = sp.parallelize(step, mesh=mesh, mode="auto", progress=False, cost_model="cpu",
                                donate_argnums=DONATED).plan(*data).cost.peak_memory
-    print(f"MLP training step: {args.layers} layers of {args.width} x {args.width}, batch {args.batch}, Adam, "
-          f"mesh {args.mesh}, cost model cpu; the unrolled step's free modeled peak "
+    print(f"{title}, Adam, mesh {args.mesh}, cost model cpu; the unrolled step's free modeled peak "
           f"{free_peak / 1e6:.2f} MB")
     runs = []   # (label, callable)
     head = f"{'form':<9} {'plan':<22} {'modeled ms':>10} {'MB moved':>9} {'peak MB':>8} {'equal':>6}"
     print(head)
-    for form, step in forms.items():
+    for form, (step, data) in forms.items():
+        want = jax.jit(step)(*data)
         plans = [("auto", dict(mode="auto")), ("data_parallel+ZeRO-1", dict(mode="data_parallel",
                                                                             shard_optimizer_state=True))]
         plans += [(f"auto at {share:g}", dict(mode="auto", memory_limit=int(share * free_peak)))
@@ -120,8 +169,8 @@ def main():
             figures = "        (the search's figures only)" if cost is None else \
                 f"{cost.step_time * 1e3:>10.3f} {cost.bytes_moved / 1e6:>9.3f} {cost.peak_memory / 1e6:>8.2f}"
             print(f"{form:<9} {label:<22} {figures} {str(ok):>6}", flush=True)
-            runs.append((f"{form} {label}", lambda pf=pf: pf(*data)))
-        runs.append((f"{form} one device (jit)", lambda f=jax.jit(step): f(*data)))
+            runs.append((f"{form} {label}", lambda pf=pf, data=data: pf(*data)))
+        runs.append((f"{form} one device (jit)", lambda f=jax.jit(step), data=data: f(*data)))
     seconds = median_interleaved_all([f for _, f in runs], args.repeat)
     print(f"\nmeasured step, median of {args.repeat} interleaved runs:")
     for (label, _), s in zip(runs, seconds):
