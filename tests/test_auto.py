@@ -129,17 +129,13 @@ def test_plan_cost_counts_a_scan_bodys_moves_on_every_trip():
     """The objective prices a loop by its summary rule and its boundary; plan.cost adds
     what its body moves on every trip, as the program is lowered (it had reported no
     bytes for a scanned Adam step whose backward body gathers on each of its 8 trips)."""
-    import optax
-    opt = optax.adam(1e-3)
+    from bench import zoo  # noqa: F401  (puts examples/ on the path)
+    import gpt_megatron
 
     def loss(ws, x, y):
         h, _ = jax.lax.scan(lambda h, w: (jax.nn.relu(h @ w), None), x, ws)
         return jnp.mean((h - y) ** 2)
-
-    def step(ws, state, x, y):
-        value, grads = jax.value_and_grad(loss)(ws, x, y)
-        updates, state = opt.update(grads, state, ws)
-        return optax.apply_updates(ws, updates), state, value
+    step, opt = gpt_megatron.adam_train_step(loss)
     rng = np.random.default_rng(0)
     ws = (rng.standard_normal((8, 256, 256)) * 0.05).astype(np.float32)
     x, y = (rng.standard_normal((64, 256)).astype(np.float32) for _ in range(2))
