@@ -704,6 +704,12 @@ def collective_models(graph, cost: CostModel) -> tuple[dict, frozenset]:
     return models, riders
 
 
+def trips(op) -> int:
+    """How many times the model counts a loop or branch op's body per run of the op: a
+    scan's length; a while's count is unknown, so once; each branch of a cond once."""
+    return op.params.get("length", 1) if op.kind == "scan" else 1
+
+
 def _add_step_time(graph, cost: CostModel, mesh, times: int, compute: bool, out: dict) -> None:
     from ..ir.graph import is_collective
     from .fusion import resident_values
@@ -729,5 +735,4 @@ def _add_step_time(graph, cost: CostModel, mesh, times: int, compute: bool, out:
                                                         contraction=is_contraction(st.rule),
                                                         unit=compute_unit(op) if cost.prices_units else None)
         for sub in op.subgraphs:
-            n = op.params.get("length", 1) if op.kind == "scan" else 1
-            _add_step_time(sub, cost, mesh, times * n, False, out)
+            _add_step_time(sub, cost, mesh, times * trips(op), False, out)

@@ -71,6 +71,12 @@ def gathers(v: Value, have: Layout, need: Layout, mesh) -> bool:
         math.prod(have.local_shape(v.type.shape, mesh))
 
 
+def gathered_per_use(v: Value, have: Layout, need: Layout, stored, mesh) -> bool:
+    """Is this move made at each use rather than once for every reader: a stored value
+    (``stored_values``) gathered bigger, FSDP style, each gather freed after its use."""
+    return v in stored and gathers(v, have, need, mesh)
+
+
 def tie(v: Value, source) -> Op:
     """A tie of stored ``v``: its own copy, in ``v``'s layout, for one use's gather."""
     tied = Value(v.type, layout=v.layout, name_hint=v.name_hint)
@@ -97,7 +103,7 @@ class InsertReshards:
         def reshard(v: Value, target: Layout, op, note: Optional[str] = None) -> Value:
             if v.layout is target or v.layout == target:
                 return v
-            per_use = op is not None and v in stored and gathers(v, v.layout, target, mesh)
+            per_use = op is not None and gathered_per_use(v, v.layout, target, stored, mesh)
             key = (v.id, target)
             if per_use or key not in made:
                 if note is None:   # written only for the reshards made (it reads the source line)
@@ -123,7 +129,7 @@ class InsertReshards:
             op.inputs = [alias.get(v, v) for v in op.inputs]
             if op.kind == CONSTRAINT:
                 v, target = at_use.get(op.inputs[0], (op.inputs[0],))[0], op.outputs[0].layout
-                if v in stored and gathers(v, v.layout, target, mesh):
+                if gathered_per_use(v, v.layout, target, stored, mesh):
                     at_use[op.outputs[0]] = (v, target)
                 else:
                     alias[op.outputs[0]] = reshard(v, target, op)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..ir.graph import Op
 from ..ir.layout import Layout
 
-from .plan_core.evaluate import evaluate_plan
+from .plan_core.evaluate import evaluate_written
 from .plan_core.write import DEFAULT, propagated, write_plan
 
 
@@ -61,9 +61,7 @@ class PlanMixin:
     def plan_cost(self) -> float:
         """Modeled time of the plan just written (``plan_core.evaluate``; a copy that
         several ops need is made once, as insert-reshards makes it)."""
-        g = self.g
-        e = evaluate_plan(self.ctx, {op: op.strategy for op in g.ops}, {i: v.layout for i, v in enumerate(g.inputs)},
-                          self.cfg.prices, self.cfg.compute_times_of(g), shared_copies=True, detail=False)
+        e = evaluate_written(self.ctx, self.cfg.prices, self.cfg.compute_times_of(self.g), detail=False)
         return e["compute"] + e["communication"]
 
     def _placement(self, op: Op, factors: tuple, passthrough) -> tuple:

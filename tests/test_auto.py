@@ -114,14 +114,16 @@ def test_layers_stacked_with_scan():
     assert_close(pstep(ws, x, y), jax.jit(step)(ws, x, y))
 
 
-def _wire_bytes_per_step(graph, trips: int = 1) -> float:
+def _wire_bytes_per_step(graph, times: int = 1) -> float:
     """The lowered program's collectives' wire bytes, a scan's body once per trip."""
+    from shardprop.ir.graph import is_collective
+    from shardprop.passes.cost import trips
     total = 0.0
     for op in graph.ops:
-        if op.kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "collective_permute"):
-            total += trips * op.params.get("wire_bytes", 0)
+        if is_collective(op) and op.kind != "slice":
+            total += times * op.params.get("wire_bytes", 0)
         for body in op.subgraphs:
-            total += _wire_bytes_per_step(body, trips * (op.params.get("length", 1) if op.kind == "scan" else 1))
+            total += _wire_bytes_per_step(body, times * trips(op))
     return total
 
 

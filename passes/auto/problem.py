@@ -36,7 +36,7 @@ from ...ir.layout import Layout
 from ...ir.repeats import find_repeats
 
 from ..cost import CostModel
-from ..insert_reshards import gathers
+from ..insert_reshards import gathered_per_use
 from ..plan_core.context import PlanContext, RuleBook
 from ..plan_core.evaluate import evaluate_plan
 from ..plan_core.pricing import Prices
@@ -524,14 +524,13 @@ class Problem:
 
     def _reads_matrix(self, v: Value, made: "_Classes", needed: list, joint: np.ndarray) -> np.ndarray:
         """Seconds per (layout class made, joint class of the reads' needs)."""
-        stored = v in self.ctx.stored
         out = np.zeros((len(made.layouts), len(joint)))
         for s, have in enumerate(made.layouts):
             for u, classes in enumerate(joint):
                 moved = set()
                 for n, c in zip(needed, classes):
                     need = n.layouts[c]
-                    if need in moved and not (stored and gathers(v, have, need, self.mesh)):
+                    if need in moved and not gathered_per_use(v, have, need, self.ctx.stored, self.mesh):
                         continue
                     moved.add(need)
                     out[s, u] += self.redistribution(v, have, need)

@@ -26,7 +26,7 @@ from ...ir.layout import Layout
 
 from ..rules import FIXED
 from ..sharding import OpStrategy, project
-from ..insert_reshards import gathers
+from ..insert_reshards import gathered_per_use
 from ..plan_core.improve import best_move
 from .memory import local_bytes
 from .problem import DECIDERS
@@ -83,7 +83,7 @@ def refine(problem, ops: dict, inputs: dict, sweeps: int = 3) -> tuple[dict, dic
             if need == have:
                 continue
             copy = (need, decision[u])
-            if copy in copies and not (v in stored and gathers(v, have, need, mesh)):
+            if copy in copies and not gathered_per_use(v, have, need, stored, mesh):
                 continue
             copies.add(copy)
             total += problem.redistribution(v, have, need)

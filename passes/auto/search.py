@@ -32,9 +32,9 @@ from ...ir.errors import ShardingError
 from ...ir.graph import CONSTRAINT, Graph
 from ...ir.mesh import Mesh
 
-from ..cost import DEFAULT_COST, CostModel
+from ..cost import DEFAULT_COST, CostModel, trips
 from ..loop_boundaries import boundary_layouts
-from ..plan_core.evaluate import evaluate_plan
+from ..plan_core.evaluate import evaluate_written
 from ..plan_core.pricing import Prices
 from ..plan_core.write import SEARCHED, USER, follows, follows_input, user_fixed, write_plan
 from ..propagate import PropagateSharding
@@ -880,14 +880,13 @@ class SearchStrategies:
         return bodies
 
     # -- what the plan costs, and the decisions that matter ----------------------------
-    def _result(self, problem: Problem, sol, loops: Optional[dict] = None) -> SearchResult:
+    def _result(self, problem: Problem, sol, loops: dict) -> SearchResult:
         """What ``plan.cost`` shows: the plan priced by the one evaluator, and the moves its
         loop bodies make (``loops``, ``_loop_bodies``), which the objective does not see."""
         ops, inputs = sol.plan
         breakdown: dict = {}
         e = problem.evaluate(ops, inputs, breakdown)
         compute, comm, moved, flops = e["compute"], e["communication"], e["bytes"], e["flops"]
-        loops = loops or dict(communication=0.0, bytes=0.0)
         if loops["communication"] or loops["bytes"]:
             breakdown["(loop bodies)"] = dict(compute=0.0, **loops)
             comm, moved = comm + loops["communication"], moved + loops["bytes"]
@@ -977,14 +976,12 @@ def _loop_bodies(graph: Graph, bodies: PropagateSharding) -> dict:
 
     def walk(g: Graph, times: int) -> None:
         for op in g.ops:
-            trips = times * (op.params.get("length", 1) if op.kind == "scan" else 1)
+            n = times * trips(op)
             for body in op.subgraphs:
-                e = evaluate_plan(bodies.context(body), {o: o.strategy for o in body.ops},
-                                  {i: v.layout for i, v in enumerate(body.inputs)}, bodies.prices,
-                                  bodies.compute_times_of(body), shared_copies=True)
-                out["communication"] += trips * e["communication"]
-                out["bytes"] += trips * e["bytes"]
-                walk(body, trips)
+                e = evaluate_written(bodies.context(body), bodies.prices, bodies.compute_times_of(body))
+                out["communication"] += n * e["communication"]
+                out["bytes"] += n * e["bytes"]
+                walk(body, n)
     walk(graph, 1)
     return out
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..cost import ComputeTimes
-from ..insert_reshards import gathers
+from ..insert_reshards import gathered_per_use
 from .context import PlanContext
 from .pricing import Prices
 
@@ -61,7 +61,7 @@ def evaluate_plan(ctx: PlanContext, ops: dict, inputs: dict, prices: Prices, com
             copy = (v, need, decisions[reader])
         else:
             copy = None
-        if copy is not None and not (v in stored and gathers(v, have, need, mesh)):
+        if copy is not None and not gathered_per_use(v, have, need, stored, mesh):
             if copy in moved:
                 return 0.0, 0.0
             moved.add(copy)
@@ -102,3 +102,11 @@ def evaluate_plan(ctx: PlanContext, ops: dict, inputs: dict, prices: Prices, com
         communication += t
         nbytes += b
     return dict(compute=seconds, communication=communication, bytes=nbytes, flops=flops)
+
+
+def evaluate_written(ctx: PlanContext, prices: Prices, compute: ComputeTimes, detail: bool = True) -> dict:
+    """``evaluate_plan`` of the plan written into ``ctx.graph`` (each op's strategy, each
+    input's layout), a copy several ops need made once, as insert-reshards writes it."""
+    g = ctx.graph
+    return evaluate_plan(ctx, {op: op.strategy for op in g.ops}, {i: v.layout for i, v in enumerate(g.inputs)},
+                         prices, compute, shared_copies=True, detail=detail)
