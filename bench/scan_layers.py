@@ -4,17 +4,23 @@ Researchers stack a model's layers and ``scan`` over them (flax's ``nn.scan``, M
 so that the program, and its compile, do not grow with depth. The search plans a loop
 as one decision with its summary rule and propagates its body with the boundary pinned
 (docs/design/search.md, "Not done yet"), where an unrolled program gives it every
-layer's ops. This bench measures what that costs: an MLP training step (``--layers``
-matmuls of ``--width``, batch ``--batch``, Adam), or the GPT of examples/gpt_megatron.py
-unmarked (``--model gpt``: its blocks scanned over stacked parameters), in both forms, each planned by
+layer's ops. This bench measures what that costs.
+
+The step: an MLP (``--layers`` matmuls of ``--width``, batch ``--batch``) or the GPT of
+examples/gpt_megatron.py unmarked (``--model gpt``), trained by the example's Adam step.
+Each is written twice with the same weights: scanned over stacked parameters, and
+unrolled with one array per layer, as users write it. Each form is planned by
 ``mode="auto"`` (and under each ``--limits`` share of the unrolled free plan's modeled
-peak) and by ``mode="data_parallel"`` with ZeRO-1 (a hand plan), and jitted on one
-device. It prints each plan's modeled step, bytes moved, modeled peak, whether its result
-equals one device's (the weights and Adam's state donated, as a training loop gives them) (outputs and gradients to float32 rounding; Adam's weights to
-one learning rate, as the project's tests hold them: its first step divides the
-gradient by its own size, so where a gradient is near Adam's epsilon a rounding
-difference moves the weight by a share of the learning rate; 0.17 of it was seen here), and the measured step (interleaved medians of ``--repeat`` runs, every program in
-one round).
+peak) and by ``mode="data_parallel"`` with ZeRO-1 (a hand plan), the weights and Adam's
+state donated, and jitted on one device.
+
+Printed per plan: the modeled step, bytes moved, modeled peak, and whether its result
+equals its form's one-device run: the new weights to one learning rate, as the project's
+tests hold them (Adam's first step divides the gradient by its own size, so where a
+gradient is near Adam's epsilon a rounding difference moves the weight by a share of
+the learning rate; 0.17 of it was seen here), the rest to float32 rounding. Then the
+measured step: interleaved medians of ``--repeat`` runs, every program in one round,
+every call taking its inputs from host memory alike.
 
     python bench/scan_layers.py
     python bench/scan_layers.py --layers 8 --width 1024 --batch 64 --mesh 2x4
@@ -32,13 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
+from bench import zoo  # noqa: E402  (puts examples/ on the path)
 from bench.compare import median_interleaved_all  # noqa: E402
+import gpt_megatron as G  # noqa: E402
 import shardprop as sp  # noqa: E402
 
-LEARNING_RATE = 1e-3
-OPT = optax.adam(LEARNING_RATE)
+LEARNING_RATE = 1e-3   # (adam_train_step's)
 DONATED = (0, 1)   # the weights and Adam's state
 MESHES = {"4x2": ((4, 2), ("dp", "mp")), "2x4": ((2, 4), ("dp", "mp"))}
 
@@ -55,16 +61,12 @@ def loss_unrolled(ws, x, y):   # (ws: one matrix per layer)
     return jnp.mean((h - y) ** 2)
 
 
-def train_step(loss):
-    def step(ws, state, x, y):
-        value, grads = jax.value_and_grad(loss)(ws, x, y)
-        updates, state = OPT.update(grads, state, ws)
-        return optax.apply_updates(ws, updates), state, value   # (Adam's first moment holds the gradient)
-    return step
-
-
-def with_state(params, *batch) -> tuple:
-    return (params, jax.tree_util.tree_map(np.asarray, OPT.init(params)), *batch)
+def adam(loss, params, *batch) -> tuple:
+    """(the example's Adam training step of ``loss``, its inputs: the parameters, Adam's
+    state, the batch). It returns the new parameters, the state (whose first moment holds
+    the gradient) and the loss."""
+    step, opt = G.adam_train_step(loss, LEARNING_RATE)
+    return step, (params, jax.tree_util.tree_map(np.asarray, opt.init(params)), *batch)
 
 
 def mlp_forms(args) -> dict:
@@ -73,8 +75,7 @@ def mlp_forms(args) -> dict:
     rng = np.random.default_rng(0)
     ws = (rng.standard_normal((args.layers, args.width, args.width)) * 0.05).astype(np.float32)
     x, y = (rng.standard_normal((args.batch, args.width)).astype(np.float32) for _ in range(2))
-    return {"scan": (train_step(loss_scanned), with_state(ws, x, y)),
-            "unrolled": (train_step(loss_unrolled), with_state(list(ws), x, y)),
+    return {"scan": adam(loss_scanned, ws, x, y), "unrolled": adam(loss_unrolled, list(ws), x, y),
             "title": f"MLP training step: {args.layers} layers of {args.width} x {args.width}, batch {args.batch}"}
 
 
@@ -82,8 +83,6 @@ def gpt_forms(args) -> dict:
     """The GPT of examples/gpt_megatron.py (the zoo's size: heads 8 x 16, seq 32, batch 8,
     vocab 256), unmarked: its blocks as a scan over the layers' parameters stacked, or one
     block per layer as the example writes it (the same parameters)."""
-    from bench import zoo
-    import gpt_megatron as G
     zoo.annotate.mode = "plain"   # (no marks: the program mode="auto" plans)
     cfg = G.Config(layers=args.layers, batch=8, seq=32, heads=8, head_dim=16, vocab=256)
     par = G.Parallelism.data_and_tensor()
@@ -107,8 +106,7 @@ def gpt_forms(args) -> dict:
     params = G.init_params(cfg)
     stacked = dict(params, layers=jax.tree_util.tree_map(lambda *a: np.stack(a), *params["layers"]))
     tokens, targets = G.make_batch(cfg)
-    return {"scan": (train_step(loss(True)), with_state(stacked, tokens, targets)),
-            "unrolled": (train_step(loss(False)), with_state(params, tokens, targets)),
+    return {"scan": adam(loss(True), stacked, tokens, targets), "unrolled": adam(loss(False), params, tokens, targets),
             "title": f"GPT training step (examples/gpt_megatron.py, unmarked): {args.layers} layers, heads 8 x 16, "
                      f"seq 32, batch 8, vocab 256"}
 
